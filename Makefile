@@ -1,0 +1,48 @@
+# Two commands on a fresh machine:
+#   make demo   set up .venv and run the retrain loop on the embedded tiny model
+#   make test   set up .venv and run the tests
+# On a GPU host the same pin gets PyPI's CUDA build of torch; to pick another
+# CUDA build, set TORCH_INDEX (e.g. TORCH_INDEX="--index-url <pytorch wheel index for cu12x>").
+# EXTRAS=dev,gpu adds deepspeed and bitsandbytes.
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+TORCH_INDEX ?=
+EXTRAS ?= dev
+BIN    := $(VENV)/bin
+
+# Offline-friendly defaults: nothing phones home; Hugging Face caches stay in the project.
+export MLFLOW_DISABLE_TELEMETRY ?= true
+export DVC_NO_ANALYTICS ?= 1
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export HF_HUB_DISABLE_TELEMETRY ?= 1
+export HF_HOME ?= $(CURDIR)/.hf
+
+.PHONY: setup demo test lint typecheck clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found; run 'make PYTHON=python3 ...' with a Python 3.11 or 3.12"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, on its own, so no other requirement can pull a different build.
+	$(BIN)/pip install --quiet $(TORCH) $(TORCH_INDEX)
+	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]" -c constraints.txt
+	touch $@
+
+demo: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/tuneloop demo
+
+test: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .hf

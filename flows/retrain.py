@@ -1,0 +1,136 @@
+"""The retrain flow: every DVC stage in order, each one logged to MLflow with its lineage.
+
+Flows orchestrate, stages compute: a task runs ``dvc repro --single-item
+<stage>`` in a subprocess with the repo as its working directory (DVC's cache
+and lock stay the truth, and the DVC Python API breaks when the working
+directory differs and is not thread-safe), then records what DVC did on the
+stage's MLflow child run. A stage DVC finds up to date is not rerun; its
+metrics are logged from its metrics file and its run is tagged ``dvc.cached``.
+
+Runs without a Prefect server (a temporary local one starts) and against one
+when ``PREFECT_API_URL`` is set.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.tracking import MlflowClient
+from prefect import flow, get_run_logger, task
+from prefect.runtime import flow_run
+
+from tuneloop import lineage, tracking
+from tuneloop.io import read_json
+from tuneloop.params import load_params
+
+STAGES = ("base", "ingest", "clean", "pack", "preflight", "train", "merge", "export", "evaluate")
+# Safe to run again after a failure: outputs are replaced atomically, ingest deduplicates.
+# Training is not retried: a second attempt costs as much as the first, and its
+# failures (a preflight miss, a stop-loss) need a person, not a rerun.
+RETRIES = {stage: (0 if stage == "train" else 1) for stage in STAGES}
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+@task(task_run_name="{stage}", retries=0)
+def run_stage(stage: str, repo: Path, parent_run_id: str, experiment_id: str) -> dict[str, Any]:
+    """Run one DVC stage (or find it up to date) inside its own MLflow child run."""
+    logger = get_run_logger()
+    client = MlflowClient()
+    run = client.create_run(
+        experiment_id,
+        run_name=stage,
+        tags={tracking.TAG_PARENT: parent_run_id, tracking.TAG_STAGE: stage},
+    )
+    env = os.environ | {
+        "MLFLOW_RUN_ID": run.info.run_id,
+        "MLFLOW_TRACKING_URI": tracking.tracking_uri(),
+        "TUNELOOP_FLOW_RUN_ID": str(flow_run.id or ""),
+    }
+    logger.info("dvc repro --single-item %s", stage)
+    # Output goes straight to this terminal, so training progress shows as it happens.
+    result = subprocess.run(["dvc", "repro", "--single-item", stage], cwd=repo, env=env)
+    with mlflow.start_run(run_id=run.info.run_id):
+        params = load_params(repo / "params.yaml")
+        cached = not client.get_run(run.info.run_id).data.metrics
+        mlflow.set_tags(tracking.lineage_tags(stage, params) | tracking.dvc_tags(stage))
+        mlflow.set_tag(tracking.TAG_CACHED, str(cached and result.returncode == 0).lower())
+        metrics_file = repo / params.paths.metrics / f"{stage}.json"
+        metrics = read_json(metrics_file) if metrics_file.exists() else {}
+        if cached and metrics:
+            tracking.log_metrics(metrics)
+        if result.returncode != 0:
+            mlflow.end_run(status="FAILED")
+            raise StageFailed(f"stage {stage!r} failed (dvc repro exit {result.returncode})")
+    logger.info("%s: %s", stage, "up to date" if cached else "ran")
+    return metrics
+
+
+def summary(metrics: dict[str, dict[str, Any]], decision: dict[str, Any]) -> dict[str, Any]:
+    ingest, clean, train = metrics["ingest"], metrics["clean"], metrics["train"]
+    evaluation = metrics["evaluate"]
+    return {
+        "data": {
+            "lines": ingest["lines"],
+            "accepted": ingest["accepted"],
+            "quarantined": ingest["quarantined"],
+            "duplicates": ingest["duplicates"],
+            "pool": ingest["pool_records"],
+            "train": clean["train"],
+            "val": clean["val"],
+            "dpo_pairs": clean["dpo_pairs"],
+        },
+        "train": {
+            "loss_first": train["first_logged_loss"],
+            "loss_last": train["last_logged_loss"],
+            "eval_loss": train["eval_loss"],
+            "steps": train["global_steps"],
+            "tokens_per_second": train["tokens_per_second"],
+        },
+        "eval": evaluation,
+        "decision": decision,
+    }
+
+
+@flow(name="retrain", log_prints=True)
+def retrain(repo: Path = Path()) -> dict[str, Any]:
+    """Run the whole pipeline, ingest to evaluate, and return data counts, losses and scores."""
+    repo = repo.resolve()
+    params = load_params(repo / "params.yaml")
+    previous = Path.cwd()
+    os.chdir(repo)  # MLflow's default store and lineage reads are relative to the project
+    try:
+        experiment_id = tracking.setup(params.tracking.experiment)
+        git = lineage.git_state(repo)
+        with mlflow.start_run(
+            run_name=f"retrain-{flow_run.name or 'local'}",
+            experiment_id=experiment_id,
+            tags={
+                tracking.TAG_COMMIT: git.commit,
+                tracking.TAG_DIRTY: str(git.dirty).lower(),
+                tracking.TAG_FLOW_RUN: str(flow_run.id or ""),
+                "tuneloop.pipeline": "retrain",
+            },
+        ) as parent:
+            metrics: dict[str, dict[str, Any]] = {}
+            for stage in STAGES:
+                metrics[stage] = run_stage.with_options(retries=RETRIES[stage])(
+                    stage, repo, parent.info.run_id, experiment_id
+                )
+            decision = read_json(params.paths.metrics / "decision.json")
+            result = summary(metrics, decision)
+            for stage in STAGES:
+                mlflow.set_tags(tracking.dvc_tags(stage))
+            tracking.log_metrics({"data": result["data"], "train": result["train"]})
+            tracking.log_metrics(result["eval"], prefix="eval")
+            mlflow.set_tag("gate.passed", str(decision["passed"]).lower())
+            result["mlflow_run_id"] = parent.info.run_id
+            return result
+    finally:
+        os.chdir(previous)

@@ -1,0 +1,43 @@
+"""Stage ``base``: make the base model available at a fixed place.
+
+Reads:  params ``model``, ``demo.seed`` (the tokenizer's corpus), ``paths``.
+Writes: ``paths.base_model`` — for ``builtin:tiny`` the model itself, built
+        and seeded locally (no model hub is needed); for a hub id or a local
+        folder, a manifest naming it (the weights stay where they are and are
+        loaded from there by every later stage).
+        ``metrics/base.json``.
+"""
+
+from __future__ import annotations
+
+from tuneloop import demo, lineage, tiny
+from tuneloop.io import atomic_dir, write_json
+from tuneloop.params import Params, load_params
+from tuneloop.stage import setup_logging, write_metrics
+from tuneloop.tracking import stage_run
+
+STAGE = "base"
+
+
+def build(params: Params) -> dict[str, object]:
+    with atomic_dir(params.paths.base_model) as folder:
+        metrics: dict[str, object] = {"base": params.model.base}
+        if params.model.is_builtin:
+            model = tiny.save_tiny(
+                folder, params.model.tiny, demo.tokenizer_corpus(params.demo.seed), params.model.seed
+            )
+            metrics["parameters"] = sum(p.numel() for p in model.parameters())
+            metrics["vocab_size"] = model.config.vocab_size
+        write_json(folder / "manifest.json", lineage.manifest(STAGE, params, inputs={}, **metrics))
+    return metrics
+
+
+def main() -> None:
+    setup_logging()
+    params = load_params()
+    with stage_run(STAGE, params):
+        write_metrics(params, STAGE, build(params))
+
+
+if __name__ == "__main__":
+    main()

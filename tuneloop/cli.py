@@ -1,0 +1,102 @@
+"""The ``tuneloop`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _seed_demo(args: argparse.Namespace) -> int:
+    from tuneloop import demo
+    from tuneloop.params import load_params
+
+    params = load_params()
+    written = demo.seed_incoming(
+        params.paths.incoming, params.demo.seed, params.demo.n_support, params.demo.n_badcases
+    )
+    for path in written:
+        print(f"wrote {path}")
+    if not written:
+        print(f"{params.paths.incoming} already holds the demo files; nothing written")
+    return 0
+
+
+def _print_summary(result: dict[str, Any]) -> None:
+    data, train, decision = result["data"], result["train"], result["decision"]
+    print("\n=== tuneloop retrain: summary ===")
+    print(
+        f"data   {data['lines']} lines in -> {data['accepted']} accepted, "
+        f"{data['quarantined']} quarantined, {data['duplicates']} duplicates; "
+        f"pool {data['pool']} records -> {data['train']} train / {data['val']} val, "
+        f"{data['dpo_pairs']} DPO pairs"
+    )
+    print(
+        f"train  loss {train['loss_first']:.3f} -> {train['loss_last']:.3f} "
+        f"(val {train['eval_loss']:.3f}) in {train['steps']} steps, "
+        f"{train['tokens_per_second']:.0f} tokens/s"
+    )
+    for model, suites in result["eval"].items():
+        for suite, metrics in suites.items():
+            shown = ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items()))
+            print(f"eval   {model:<14} {suite}: {shown}")
+    print(f"gate   {'PASS' if decision['passed'] else 'FAIL'}")
+    for reason in decision["reasons"]:
+        print(f"       {reason}")
+    print(
+        "\nSee it:\n"
+        "  MLflow  .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000"
+        "   -> http://127.0.0.1:5000 (experiment 'tuneloop': one parent run, a child per stage)\n"
+        "  Prefect .venv/bin/prefect server start"
+        "   -> http://127.0.0.1:4200 (run with PREFECT_API_URL=http://127.0.0.1:4200/api"
+        " to keep flow runs there)\n"
+        "  DVC     .venv/bin/dvc dag; .venv/bin/dvc metrics show; .venv/bin/dvc repro"
+    )
+
+
+def _retrain(args: argparse.Namespace) -> int:
+    from flows.retrain import retrain
+
+    result = retrain(repo=Path(args.repo))
+    _print_summary(result)
+    if args.json:
+        print(json.dumps(result, indent=2, ensure_ascii=False))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    _seed_demo(args)
+    return _retrain(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tuneloop", description="Continuous fine-tuning: badcases in, a judged model out."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    seed = commands.add_parser(
+        "seed-demo", help="write the demo month of support chats and badcases into incoming/"
+    )
+    seed.set_defaults(run=_seed_demo)
+
+    for name, run, text in (
+        ("retrain", _retrain, "run the retrain flow (ingest -> evaluate) once, now"),
+        ("demo", _demo, "seed the demo data, then run the retrain flow"),
+    ):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("--repo", default=".", help="the tuneloop project folder")
+        command.add_argument("--json", action="store_true", help="also print the full result")
+        command.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

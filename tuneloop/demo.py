@@ -1,0 +1,302 @@
+"""The embedded demo domain: an e-commerce support desk, in English and Chinese.
+
+No dataset hub is reachable from where tuneloop is built and tested, so the
+default domain is generated here, deterministically from a seed. Every answer
+follows one fixed format, ``[intent] sentence``, and its facts come from a small
+catalogue, so a model that learned the domain is measurably better than one
+that did not:
+
+- answerable questions (return window, warranty, shipping time of a catalogue
+  product) have exactly one right answer;
+- questions about products outside the catalogue must be refused
+  (``[unknown] ...``); anything else is a hallucination.
+
+The eval suite uses customer names, order numbers and unknown products that the
+training generator never produces, so the two are disjoint by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Lang = Literal["en", "zh"]
+Intent = Literal["return", "warranty", "shipping"]
+INTENTS: tuple[Intent, ...] = ("return", "warranty", "shipping")
+
+# The answer format every suite item must follow (also the suite's format check).
+ANSWER_FORMAT = r"^\[(return|warranty|shipping|unknown|greeting)\] \S.*$"
+
+
+@dataclass(frozen=True)
+class Product:
+    en: str
+    zh: str
+    return_days: int
+    warranty_months: int
+    ship_days: int
+
+
+CATALOGUE: tuple[Product, ...] = (
+    Product("Aurora kettle", "极光水壶", 30, 12, 2),
+    Product("Nimbus vacuum", "云朵吸尘器", 15, 24, 3),
+    Product("Zephyr fan", "微风电扇", 7, 12, 1),
+    Product("Comet blender", "彗星搅拌机", 30, 18, 5),
+    Product("Lumen desk lamp", "流明台灯", 14, 6, 2),
+    Product("Harbor backpack", "港湾背包", 60, 3, 4),
+    Product("Summit tent", "峰顶帐篷", 30, 36, 7),
+    Product("Echo speaker", "回声音箱", 15, 12, 3),
+    Product("Pixel camera", "像素相机", 7, 24, 2),
+    Product("Orbit watch", "轨道手表", 14, 24, 1),
+    Product("Cedar chair", "雪松椅子", 30, 60, 10),
+    Product("Breeze purifier", "清风净化器", 15, 36, 3),
+)
+
+# Products the shop does not sell: the model must refuse rather than invent.
+UNKNOWN_TRAIN = ("Quasar drone", "Velvet sofa", "Tundra boots", "Falcon bike", "Meadow rug")
+UNKNOWN_TRAIN_ZH = ("类星无人机", "丝绒沙发", "冻原靴子", "猎鹰单车", "草地地毯")
+UNKNOWN_EVAL = ("Glacier fridge", "Ember grill", "Prism monitor")
+UNKNOWN_EVAL_ZH = ("冰川冰箱", "余烬烤架", "棱镜显示器")
+
+NAMES_TRAIN = ("Alice", "Bob", "Chen", "Dana", "Eve", "Farid", "Grace", "Hiro", "李雷", "王芳", "张伟")
+NAMES_EVAL = ("Iris", "Jonas", "Kemal", "刘洋", "赵敏")
+ORDERS_TRAIN = (10000, 79999)
+ORDERS_EVAL = (80000, 99999)
+
+QUESTIONS: dict[Lang, dict[Intent, tuple[str, ...]]] = {
+    "en": {
+        "return": (
+            "Can I return the {p}?",
+            "What is the return window for the {p}?",
+            "How many days do I have to send back the {p}?",
+            "I want to return my {p}, is that still possible?",
+            "Is the {p} returnable?",
+        ),
+        "warranty": (
+            "How long is the warranty on the {p}?",
+            "Does the {p} have a warranty?",
+            "My {p} broke, is it still under warranty?",
+            "What warranty comes with the {p}?",
+        ),
+        "shipping": (
+            "When will the {p} ship?",
+            "How long does shipping take for the {p}?",
+            "I just ordered the {p}, when does it leave the warehouse?",
+            "How soon is the {p} dispatched?",
+        ),
+    },
+    "zh": {
+        "return": ("{p}可以退货吗？", "{p}的退货期限是多久？", "我想退掉{p}，还来得及吗？"),
+        "warranty": ("{p}保修多久？", "{p}有保修吗？", "我的{p}坏了，还在保修期内吗？"),
+        "shipping": ("{p}什么时候发货？", "{p}下单后多久发出？", "我刚买了{p}，几天能发货？"),
+    },
+}
+PREFIXES: dict[Lang, tuple[str, ...]] = {
+    "en": ("", "Hi, ", "Hello, ", "Hi, this is {name}. ", "Order #{order}: ", "Hey, order {order} here. "),
+    "zh": ("", "你好，", "您好，", "我是{name}，", "订单{order}：", "你好，我的订单号是{order}，"),
+}
+GREETINGS: dict[Lang, tuple[str, ...]] = {
+    "en": ("Hi", "Hello there", "Good morning", "Hi, I need some help"),
+    "zh": ("你好", "您好", "在吗", "你好，我需要帮助"),
+}
+GREETING_REPLY: dict[Lang, str] = {
+    "en": "[greeting] Hello! How can I help you today?",
+    "zh": "[greeting] 您好！请问有什么可以帮您？",
+}
+REFUSAL: dict[Lang, str] = {
+    "en": "[unknown] Sorry, I have no information about that product.",
+    "zh": "[unknown] 抱歉，我没有该商品的信息。",
+}
+
+
+def answer(product: Product, intent: Intent, lang: Lang) -> str:
+    """The one correct reply for a catalogue product and an intent."""
+    if lang == "en":
+        return {
+            "return": f"[return] The {product.en} can be returned within {product.return_days} days.",
+            "warranty": f"[warranty] The {product.en} has a {product.warranty_months}-month warranty.",
+            "shipping": f"[shipping] The {product.en} ships within {product.ship_days} days.",
+        }[intent]
+    return {
+        "return": f"[return] {product.zh}支持{product.return_days}天内退货。",
+        "warranty": f"[warranty] {product.zh}保修{product.warranty_months}个月。",
+        "shipping": f"[shipping] {product.zh}将在{product.ship_days}天内发货。",
+    }[intent]
+
+
+@dataclass(frozen=True)
+class Item:
+    question: str
+    answer: str
+    answerable: bool
+    lang: Lang
+    intent: str
+
+
+class _Generator:
+    def __init__(self, seed: int, split: Literal["train", "eval"]) -> None:
+        self.rng = random.Random(f"{seed}/{split}")
+        self.names = NAMES_TRAIN if split == "train" else NAMES_EVAL
+        self.orders = ORDERS_TRAIN if split == "train" else ORDERS_EVAL
+        self.unknown = {
+            "en": UNKNOWN_TRAIN if split == "train" else UNKNOWN_EVAL,
+            "zh": UNKNOWN_TRAIN_ZH if split == "train" else UNKNOWN_EVAL_ZH,
+        }
+
+    def item(self, unknown_rate: float = 0.12) -> Item:
+        rng = self.rng
+        lang: Lang = "en" if rng.random() < 0.6 else "zh"
+        intent: Intent = rng.choice(INTENTS)
+        prefix = rng.choice(PREFIXES[lang]).format(
+            name=rng.choice(self.names), order=rng.randint(*self.orders)
+        )
+        template = rng.choice(QUESTIONS[lang][intent])
+        if prefix.endswith(", ") and not template.startswith("I "):
+            template = template[0].lower() + template[1:]
+        if rng.random() < unknown_rate:
+            name = rng.choice(self.unknown[lang])
+            return Item(prefix + template.format(p=name), REFUSAL[lang], False, lang, "unknown")
+        product = rng.choice(CATALOGUE)
+        shown = product.en if lang == "en" else product.zh
+        question = prefix + template.format(p=shown)
+        return Item(question, answer(product, intent, lang), True, lang, intent)
+
+
+def support_records(seed: int, n: int) -> Iterator[dict[str, object]]:
+    """Chats as a support tool exports them: prompt/response pairs and multi-turn chats."""
+    gen = _Generator(seed, "train")
+    for _ in range(n):
+        item = gen.item()
+        if gen.rng.random() < 0.25:
+            greeting = gen.rng.choice(GREETINGS[item.lang])
+            yield {
+                "messages": [
+                    {"role": "user", "content": greeting},
+                    {"role": "assistant", "content": GREETING_REPLY[item.lang]},
+                    {"role": "user", "content": item.question},
+                    {"role": "assistant", "content": item.answer},
+                ],
+                "source": "support-export",
+            }
+        else:
+            yield {"prompt": item.question, "response": item.answer, "source": "support-export"}
+
+
+def _wrong_answer(item: Item, rng: random.Random) -> str:
+    """What a production model got wrong: a wrong fact, the wrong format, or an invented answer."""
+    if not item.answerable:
+        return answer(rng.choice(CATALOGUE), rng.choice(INTENTS), item.lang)
+    kind = rng.choice(("fact", "format"))
+    if kind == "format":
+        return item.answer.split("] ", 1)[1]
+    other = item.answer
+    while other == item.answer:
+        other = answer(rng.choice(CATALOGUE), item.intent, item.lang)  # type: ignore[arg-type]
+    return other
+
+
+def badcase_records(seed: int, n: int) -> Iterator[dict[str, object]]:
+    """Router feedback: the conversation, the bad response, the correction."""
+    gen = _Generator(seed + 1, "train")
+    for index in range(n):
+        item = gen.item(unknown_rate=0.3)
+        yield {
+            "messages": [{"role": "user", "content": item.question}],
+            "bad_response": _wrong_answer(item, gen.rng),
+            "corrected_response": item.answer,
+            "source": "router-feedback",
+            "model_version": "1",
+            "arm": "champion",
+            "created_at": f"2026-10-{1 + index % 28:02d}T12:00:00Z",
+            "tags": ["demo"],
+        }
+
+
+# Lines a real export contains now and then; ingest must quarantine each with a reason.
+MALFORMED_LINES = (
+    '{"prompt": "Can I return the Aurora kettle?", "response": ',
+    '{"prompt": "", "response": "[return] The Aurora kettle can be returned within 30 days."}',
+    '{"messages": [{"role": "robot", "content": "beep"}]}',
+    '{"text": "a record with none of the accepted fields"}',
+)
+
+
+def eval_items(seed: int, n: int) -> list[Item]:
+    gen = _Generator(seed, "eval")
+    items: list[Item] = []
+    seen: set[str] = set()
+    while len(items) < n:
+        item = gen.item(unknown_rate=0.2)
+        if item.question not in seen:
+            seen.add(item.question)
+            items.append(item)
+    return items
+
+
+def tokenizer_corpus(seed: int) -> Iterator[str]:
+    """Text to train the tiny model's tokenizer on: the whole vocabulary of the domain."""
+    for record in support_records(seed + 7, 3000):
+        if "messages" in record:
+            for message in record["messages"]:  # type: ignore[attr-defined]
+                yield message["content"]
+        else:
+            yield str(record["prompt"])
+            yield str(record["response"])
+    for lang in ("en", "zh"):
+        for name in (*UNKNOWN_EVAL, *UNKNOWN_EVAL_ZH, *NAMES_EVAL):
+            yield f"{name} {REFUSAL[lang]}"
+        for product in CATALOGUE:
+            for intent in INTENTS:
+                yield answer(product, intent, lang)  # type: ignore[arg-type]
+
+
+def _write_jsonl(path: Path, records: Iterator[dict[str, object]], extra: tuple[str, ...] = ()) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    count = 0
+    with tmp.open("w", encoding="utf-8") as out:
+        for record in records:
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            count += 1
+        for line in extra:
+            out.write(line + "\n")
+            count += 1
+    tmp.replace(path)
+    return count
+
+
+def seed_incoming(incoming: Path, seed: int, n_support: int, n_badcases: int) -> list[Path]:
+    """Write the demo's month of incoming data, unless it is already there.
+
+    Existing files are never overwritten: incoming/ is where real exports and
+    the router's feedback land, and ingest deduplicates what it has seen.
+    """
+    files = {
+        incoming / "support-export-2026-10.jsonl": lambda: support_records(seed, n_support),
+        incoming / "router-feedback-2026-10.jsonl": lambda: badcase_records(seed, n_badcases),
+    }
+    written = []
+    for path, make in files.items():
+        if not path.exists():
+            extra = MALFORMED_LINES if "support" in path.name else ()
+            _write_jsonl(path, make(), extra)
+            written.append(path)
+    return written
+
+
+def write_eval_suite(path: Path, seed: int, n: int) -> int:
+    records = (
+        {
+            "question": item.question,
+            "answer": item.answer,
+            "answerable": item.answerable,
+            "lang": item.lang,
+            "intent": item.intent,
+        }
+        for item in eval_items(seed, n)
+    )
+    return _write_jsonl(path, iter(records))

@@ -1,0 +1,175 @@
+"""The record shapes ingest accepts, and the pool record it stores.
+
+Accepted input shapes (one JSON object a line):
+
+- ``{"prompt": str, "response": str}`` — a single exchange;
+- ``{"messages": [{"role", "content"}, ...]}`` — a chat ending in an assistant turn;
+- a badcase: ``{"messages": [... ending in a user turn], "bad_response": str,
+  "corrected_response"?: str}`` — what the model said and, optionally, what it
+  should have said.
+
+Each may carry ``source``, ``model_version``, ``arm``, ``created_at`` and ``tags``.
+Anything else is rejected with a reason a person can act on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+Role = Literal["system", "user", "assistant"]
+Content = Annotated[str, StringConstraints(strip_whitespace=False, min_length=1)]
+
+
+class InvalidRecord(ValueError):
+    """A record that cannot enter the pool; the message is the quarantine reason.
+
+    ``kind`` is a short code for counting (``bad_json``, ``unknown_role``, ...).
+    """
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    role: Role
+    content: Content
+
+
+class _Meta(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    source: str | None = None
+    model_version: str | None = None
+    arm: str | None = None
+    created_at: str | None = None
+    tags: list[str] = Field(default_factory=list)
+
+
+class PromptResponse(_Meta):
+    prompt: Content
+    response: Content
+
+
+class Chat(_Meta):
+    messages: list[Message] = Field(min_length=2)
+
+
+class Badcase(_Meta):
+    messages: list[Message] = Field(min_length=1)
+    bad_response: Content
+    corrected_response: Content | None = None
+
+
+class PoolRecord(BaseModel):
+    """One record in ``data/pool``: the conversation, what to learn from it, and where it came from."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    id: str
+    kind: Literal["chat", "badcase"]
+    messages: list[Message]
+    bad_response: str | None = None
+    corrected_response: str | None = None
+    meta: dict[str, Any]
+    provenance: dict[str, Any]
+
+
+def _check_turns(messages: list[Message], last: Role) -> None:
+    for index, message in enumerate(messages):
+        if not message.content.strip():
+            raise InvalidRecord("empty_content", f"messages[{index}] ({message.role}) has empty content")
+        if message.role == "system" and index != 0:
+            raise InvalidRecord(
+                "system_not_first", f"messages[{index}] is a system turn; only the first turn may be"
+            )
+    turns = messages[1:] if messages[0].role == "system" else messages
+    for index, message in enumerate(turns):
+        expected = "user" if index % 2 == 0 else "assistant"
+        if message.role != expected:
+            raise InvalidRecord(
+                "wrong_turn_order",
+                f"wrong turn order: turn {index} is {message.role!r}, expected {expected!r} "
+                "(turns alternate user/assistant after an optional system turn)"
+            )
+    if not turns or turns[-1].role != last:
+        raise InvalidRecord(
+            "wrong_turn_order", f"the conversation must end with a {last} turn"
+        )
+
+
+def _explain(error: ValidationError) -> InvalidRecord:
+    parts, kinds = [], []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "record"
+        if item["type"] == "missing":
+            kinds.append("missing_field")
+            parts.append(f"missing field {where!r}")
+        elif item["type"] == "extra_forbidden":
+            kinds.append("unknown_field")
+            parts.append(f"unknown field {where!r}")
+        elif item["type"] == "literal_error" and where.endswith("role"):
+            kinds.append("unknown_role")
+            parts.append(f"unknown role {item.get('input')!r} at {where} (use system/user/assistant)")
+        elif item["type"] == "string_too_short":
+            kinds.append("empty_content")
+            parts.append(f"empty content at {where}")
+        else:
+            kinds.append("invalid_value")
+            parts.append(f"{where}: {item['msg']}")
+    return InvalidRecord(kinds[0] if kinds else "invalid_value", "; ".join(parts))
+
+
+def parse_record(data: Any) -> Chat | Badcase:
+    """Validate one decoded JSON value into a chat or a badcase, or raise InvalidRecord."""
+    if not isinstance(data, dict):
+        raise InvalidRecord(
+            "not_an_object", f"a line must hold a JSON object, got {type(data).__name__}"
+        )
+    shape: type[PromptResponse | Chat | Badcase]
+    if "bad_response" in data:
+        shape = Badcase
+    elif "messages" in data:
+        shape = Chat
+    elif "prompt" in data or "response" in data:
+        shape = PromptResponse
+    else:
+        raise InvalidRecord(
+            "unknown_shape",
+            "none of the accepted shapes: needs 'prompt'+'response', 'messages', "
+            f"or 'messages'+'bad_response' (found fields {sorted(data)})"
+        )
+    try:
+        record = shape.model_validate(data)
+    except ValidationError as error:
+        raise _explain(error) from None
+    if isinstance(record, PromptResponse):
+        meta = record.model_dump(exclude={"prompt", "response"})
+        record = Chat(
+            messages=[
+                Message(role="user", content=record.prompt),
+                Message(role="assistant", content=record.response),
+            ],
+            **meta,
+        )
+        for message in record.messages:
+            if not message.content.strip():
+                raise InvalidRecord("empty_content", f"empty {message.role} text")
+    if isinstance(record, Chat):
+        _check_turns(record.messages, last="assistant")
+    else:
+        _check_turns(record.messages, last="user")
+    return record
+
+
+def content_hash(record: Chat | Badcase) -> str:
+    """Identity of a record's content (not its metadata): equal conversations are duplicates."""
+    body: dict[str, Any] = {"messages": [[m.role, m.content.strip()] for m in record.messages]}
+    if isinstance(record, Badcase):
+        body["bad"] = record.bad_response.strip()
+        body["corrected"] = (record.corrected_response or "").strip()
+    canonical = json.dumps(body, ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
