@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -49,25 +50,33 @@ def run_stage(stage: str, repo: Path, parent_run_id: str, experiment_id: str) ->
         tags={tracking.TAG_PARENT: parent_run_id, tracking.TAG_STAGE: stage},
     )
     env = os.environ | {
+        # dvc.yaml's `python -m stages.x` must find this environment's python.
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "MLFLOW_RUN_ID": run.info.run_id,
         "MLFLOW_TRACKING_URI": tracking.tracking_uri(),
         "TUNELOOP_FLOW_RUN_ID": str(flow_run.id or ""),
     }
     logger.info("dvc repro --single-item %s", stage)
     # Output goes straight to this terminal, so training progress shows as it happens.
-    result = subprocess.run(["dvc", "repro", "--single-item", stage], cwd=repo, env=env)
-    with mlflow.start_run(run_id=run.info.run_id):
-        params = load_params(repo / "params.yaml")
-        cached = not client.get_run(run.info.run_id).data.metrics
-        mlflow.set_tags(tracking.lineage_tags(stage, params) | tracking.dvc_tags(stage))
-        mlflow.set_tag(tracking.TAG_CACHED, str(cached and result.returncode == 0).lower())
-        metrics_file = repo / params.paths.metrics / f"{stage}.json"
-        metrics = read_json(metrics_file) if metrics_file.exists() else {}
-        if cached and metrics:
-            tracking.log_metrics(metrics)
-        if result.returncode != 0:
-            mlflow.end_run(status="FAILED")
-            raise StageFailed(f"stage {stage!r} failed (dvc repro exit {result.returncode})")
+    result = subprocess.run(
+        [sys.executable, "-m", "dvc", "repro", "--single-item", stage], cwd=repo, env=env
+    )
+    run_id = run.info.run_id
+    params = load_params(repo / "params.yaml")
+    cached = result.returncode == 0 and not client.get_run(run_id).data.metrics
+    tags = tracking.lineage_tags(stage, params) | tracking.dvc_tags(stage)
+    tags |= {tracking.TAG_CACHED: str(cached).lower(), tracking.TAG_FLOW_RUN: str(flow_run.id)}
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+    metrics_file = repo / params.paths.metrics / f"{stage}.json"
+    metrics = read_json(metrics_file) if metrics_file.exists() else {}
+    if cached and metrics:
+        tracking.log_metrics(metrics, run_id=run_id)
+    if result.returncode != 0:
+        client.set_terminated(run_id, status="FAILED")
+        raise StageFailed(f"stage {stage!r} failed (dvc repro exit {result.returncode})")
+    if cached:
+        client.set_terminated(run_id, status="FINISHED")
     logger.info("%s: %s", stage, "up to date" if cached else "ran")
     return metrics
 

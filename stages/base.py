@@ -24,7 +24,10 @@ def build(params: Params) -> dict[str, object]:
         metrics: dict[str, object] = {"base": params.model.base}
         if params.model.is_builtin:
             model = tiny.save_tiny(
-                folder, params.model.tiny, demo.tokenizer_corpus(params.demo.seed), params.model.seed
+                folder,
+                params.model.tiny,
+                demo.tokenizer_corpus(params.demo.seed),
+                params.model.seed,
             )
             metrics["parameters"] = sum(p.numel() for p in model.parameters())
             metrics["vocab_size"] = model.config.vocab_size

@@ -21,11 +21,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.ingest import pool_records
 from tuneloop import lineage, suites
 from tuneloop.io import atomic_dir, write_json, write_jsonl
-from tuneloop.params import CleanParams, Params, load_params
-from tuneloop.records import PoolRecord
+from tuneloop.params import CleanParams, load_params
+from tuneloop.records import PoolRecord, pool_records
 from tuneloop.stage import setup_logging, write_metrics
 from tuneloop.tracking import stage_run
 

@@ -46,9 +46,11 @@ def export(params: Params, out: Path) -> dict[str, Any]:
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
     reloaded = load_causal_lm(out)
-    probe = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hello"}], add_generation_prompt=True,
-        return_tensors="pt", return_dict=True,
+    probe: Any = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     with torch.no_grad():
         logits = reloaded(**probe).logits

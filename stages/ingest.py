@@ -25,8 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from tuneloop.io import read_jsonl, write_jsonl
-from tuneloop.params import Params, load_params
-from tuneloop.records import Badcase, InvalidRecord, PoolRecord, content_hash, parse_record
+from tuneloop.params import load_params
+from tuneloop.records import (
+    Badcase,
+    InvalidRecord,
+    PoolRecord,
+    content_hash,
+    parse_record,
+    pool_records,
+)
 from tuneloop.stage import setup_logging, write_metrics
 from tuneloop.tracking import stage_run
 
@@ -55,7 +62,7 @@ class IngestResult:
 
 
 def read_lines(incoming: Path) -> Iterator[Line]:
-    """Raw lines of every incoming file, in a stable order; bytes, so bad UTF-8 is seen, not lost."""
+    """Raw lines of every incoming file in a stable order; bytes, so bad UTF-8 is seen, not lost."""
     for path in sorted(incoming.rglob("*.jsonl")):
         with path.open("rb") as lines:
             for number, raw in enumerate(lines, start=1):
@@ -68,7 +75,7 @@ def decode(line: Line, max_line_bytes: int) -> Any:
     if len(raw) > max_line_bytes:
         raise InvalidRecord(
             "line_too_long",
-            f"line over the size limit: {len(raw)} bytes > ingest.max_line_bytes={max_line_bytes}"
+            f"line over the size limit: {len(raw)} bytes > ingest.max_line_bytes={max_line_bytes}",
         )
     if line.number == 1 and raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]  # a UTF-8 byte-order mark that some exporters write
@@ -125,9 +132,7 @@ def ingest(lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str
             result.duplicates += 1
             continue
         seen.add(digest)
-        meta = record.model_dump(
-            include={"source", "model_version", "arm", "created_at", "tags"}
-        )
+        meta = record.model_dump(include={"source", "model_version", "arm", "created_at", "tags"})
         result.accepted.append(
             PoolRecord(
                 id=digest,
@@ -157,12 +162,6 @@ def known_hashes(pool: Path) -> set[str]:
     return known
 
 
-def pool_records(pool: Path) -> Iterator[PoolRecord]:
-    for path in sorted((pool / "records").glob("*.jsonl")):
-        for data in read_jsonl(path):
-            yield PoolRecord.model_validate(data)
-
-
 def main() -> None:
     setup_logging()
     params = load_params()
@@ -172,7 +171,9 @@ def main() -> None:
         pooled = sum(1 for key in known if not key.startswith("raw:"))
         now = dt.datetime.now(dt.UTC)
         result = ingest(
-            read_lines(params.paths.incoming), known, params.ingest.max_line_bytes,
+            read_lines(params.paths.incoming),
+            known,
+            params.ingest.max_line_bytes,
             now.isoformat(timespec="seconds"),
         )
         reject_rate = len(result.quarantined) / max(result.lines, 1)
@@ -188,7 +189,10 @@ def main() -> None:
         }
         log.info(
             "ingest: %d lines -> %d accepted, %d quarantined, %d duplicates",
-            result.lines, len(result.accepted), len(result.quarantined), result.duplicates,
+            result.lines,
+            len(result.accepted),
+            len(result.quarantined),
+            result.duplicates,
         )
         if reject_rate > params.ingest.max_reject_rate:
             # Nothing enters the pool from a batch this bad: fix the export, then ingest again.
@@ -210,6 +214,7 @@ def main() -> None:
                 (r.model_dump(mode="json") for r in result.accepted),
             )
         write_metrics(params, STAGE, metrics)
+
 
 if __name__ == "__main__":
     main()

@@ -35,12 +35,15 @@ def probe_batch(tokenizer: Any, questions: list[str]) -> dict[str, torch.Tensor]
     tokenizer.padding_side = "left"
     return tokenizer.apply_chat_template(
         [[{"role": "user", "content": q}] for q in questions],
-        add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True,
+        add_generation_prompt=True,
+        padding=True,
+        return_tensors="pt",
+        return_dict=True,
     )
 
 
 @torch.no_grad()
-def outputs(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def outputs(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits on the probes (where attended) and greedy continuations."""
     logits = model(**batch).logits.float()
     logits = logits[batch["attention_mask"].bool()]
@@ -48,7 +51,9 @@ def outputs(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> tuple[tor
     return logits, generated[:, batch["input_ids"].shape[1] :]
 
 
-def compare(adapter_out: tuple[torch.Tensor, torch.Tensor], merged_out: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+def compare(
+    adapter_out: tuple[torch.Tensor, torch.Tensor], merged_out: tuple[torch.Tensor, torch.Tensor]
+) -> dict[str, float]:
     diff = (adapter_out[0] - merged_out[0]).abs()
     same = (adapter_out[1] == merged_out[1]).all(dim=1)
     return {
@@ -85,7 +90,9 @@ def check(metrics: dict[str, Any], tolerance: float) -> None:
             f"only {metrics['identical_generations']:.0%} of greedy generations are identical"
         )
     if problems:
-        raise SystemExit("merge: the merged model is not equivalent to the adapter: " + "; ".join(problems))
+        raise SystemExit(
+            "merge: the merged model is not equivalent to the adapter: " + "; ".join(problems)
+        )
 
 
 def main() -> None:
@@ -100,7 +107,9 @@ def main() -> None:
             tokenizer.save_pretrained(out)
             write_json(
                 out / "manifest.json",
-                lineage.manifest(STAGE, params, inputs={"adapter": params.paths.adapter}, **metrics),
+                lineage.manifest(
+                    STAGE, params, inputs={"adapter": params.paths.adapter}, **metrics
+                ),
             )
         log.info("merge: %s", metrics)
 

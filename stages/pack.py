@@ -27,15 +27,12 @@ from tuneloop.io import atomic_dir, read_jsonl, write_json
 from tuneloop.models import base_model_ref, load_tokenizer
 from tuneloop.packing import Bin, PackResult, balance_ranks, pack_samples
 from tuneloop.params import Params, load_params
+from tuneloop.shards import VAL_SHARD, shard_name
 from tuneloop.stage import setup_logging, write_metrics
 from tuneloop.tracking import stage_run
 
 STAGE = "pack"
 log = logging.getLogger(__name__)
-
-
-def shard_name(rank: int) -> str:
-    return f"rank-{rank:05d}.parquet"
 
 
 def bins_table(bins: list[Bin]) -> pa.Table:
@@ -76,9 +73,7 @@ def main() -> None:
         plan = balance_ranks(
             train.bins, batch.world_size, batch.micro_batch_size, batch.gradient_accumulation_steps
         )
-        label_tokens = sum(
-            sum(1 for t in b.labels if t != IGNORE) for b in train.bins
-        )
+        label_tokens = sum(sum(1 for t in b.labels if t != IGNORE) for b in train.bins)
         summary = {
             "samples": train.n_samples_in,
             "bins": len(train.bins),
@@ -103,18 +98,19 @@ def main() -> None:
         with atomic_dir(params.paths.packed) as out:
             for rank, indices in enumerate(plan.shards):
                 pq.write_table(bins_table([train.bins[i] for i in indices]), out / shard_name(rank))
-            pq.write_table(bins_table(val.bins), out / "val.parquet")
+            pq.write_table(bins_table(val.bins), out / VAL_SHARD)
             write_json(
                 out / "manifest.json",
-                lineage.manifest(
-                    STAGE, params, inputs={"clean": params.paths.clean}, **summary
-                ),
+                lineage.manifest(STAGE, params, inputs={"clean": params.paths.clean}, **summary),
             )
         write_metrics(params, STAGE, summary)
         log.info(
             "pack: %d samples -> %d bins (efficiency %.1f%%), %d micro-batches on each of %d ranks",
-            train.n_samples_in, len(train.bins), 100 * train.efficiency,
-            plan.micro_batches_per_rank, batch.world_size,
+            train.n_samples_in,
+            len(train.bins),
+            100 * train.efficiency,
+            plan.micro_batches_per_rank,
+            batch.world_size,
         )
 
 

@@ -22,11 +22,11 @@ from typing import Literal
 import mlflow
 import pyarrow.parquet as pq
 
-from stages.pack import shard_name
 from tuneloop.chat import IGNORE
 from tuneloop.io import write_json, write_text
 from tuneloop.models import base_model_ref, model_limits
 from tuneloop.params import Params, load_params
+from tuneloop.shards import shard_name
 from tuneloop.stage import setup_logging, write_metrics
 from tuneloop.tracking import stage_run
 
@@ -53,7 +53,9 @@ class Shards:
 
     @classmethod
     def read(cls, folder: Path, world_size: int) -> Shards:
-        lengths, labels, max_id = [], [], -1
+        lengths: list[list[list[int]]] = []
+        labels: list[list[list[int]]] = []
+        max_id = -1
         for rank in range(world_size):
             path = folder / shard_name(rank)
             if not path.exists():
@@ -77,7 +79,8 @@ def check_ranks_balanced(shards: Shards, params: Params) -> CheckResult:
     if len(set(counts)) > 1 or partial:
         listing = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
         return CheckResult(
-            "ranks_balanced", "fail",
+            "ranks_balanced",
+            "fail",
             f"micro-batches per rank differ ({listing}); ranks with fewer batches leave the "
             "others waiting in a collective at the epoch end (a silent hang). Re-run `pack` "
             "with the same batch.world_size as training.",
@@ -85,12 +88,14 @@ def check_ranks_balanced(shards: Shards, params: Params) -> CheckResult:
     accumulation = params.batch.gradient_accumulation_steps
     if counts[0] % accumulation:
         return CheckResult(
-            "ranks_balanced", "fail",
+            "ranks_balanced",
+            "fail",
             f"{counts[0]} micro-batches per rank is not a multiple of gradient accumulation "
             f"({accumulation}); re-run `pack`.",
         )
     return CheckResult(
-        "ranks_balanced", "pass",
+        "ranks_balanced",
+        "pass",
         f"{counts[0]} micro-batches on each of {len(counts)} rank(s) = "
         f"{counts[0] // accumulation} optimizer steps per epoch",
     )
@@ -100,7 +105,8 @@ def check_not_empty(shards: Shards, params: Params) -> CheckResult:
     bins = sum(len(rank) for rank in shards.seq_lengths)
     if bins < params.preflight.min_train_bins:
         return CheckResult(
-            "data_not_empty", "fail",
+            "data_not_empty",
+            "fail",
             f"{bins} packed bins < preflight.min_train_bins={params.preflight.min_train_bins}",
         )
     return CheckResult("data_not_empty", "pass", f"{bins} packed bins")
@@ -118,7 +124,8 @@ def check_labels(shards: Shards, params: Params) -> CheckResult:
                 start += length
     if empty:
         return CheckResult(
-            "labels_present", "fail",
+            "labels_present",
+            "fail",
             f"{empty} sample(s) have no label tokens (no assistant reply survived "
             "tokenization/truncation); check the chat template or pack.overlong",
         )
@@ -126,19 +133,19 @@ def check_labels(shards: Shards, params: Params) -> CheckResult:
 
 
 def check_lengths(shards: Shards, params: Params, context: int) -> CheckResult:
-    longest = max(
-        (sum(lengths) for rank in shards.seq_lengths for lengths in rank), default=0
-    )
+    longest = max((sum(lengths) for rank in shards.seq_lengths for lengths in rank), default=0)
     limit = min(params.pack.seq_len, context) if context else params.pack.seq_len
     if longest > limit:
         return CheckResult(
-            "lengths_fit", "fail",
+            "lengths_fit",
+            "fail",
             f"a bin holds {longest} tokens > {limit} (pack.seq_len={params.pack.seq_len}, "
             f"model context={context})",
         )
     if context and params.pack.seq_len > context:
         return CheckResult(
-            "lengths_fit", "warn",
+            "lengths_fit",
+            "warn",
             f"pack.seq_len={params.pack.seq_len} exceeds the model context {context}",
         )
     return CheckResult("lengths_fit", "pass", f"longest bin {longest} <= {limit} tokens")
@@ -147,7 +154,8 @@ def check_lengths(shards: Shards, params: Params, context: int) -> CheckResult:
 def check_vocab(shards: Shards, params: Params, vocab: int) -> CheckResult:
     if shards.max_token_id >= vocab:
         return CheckResult(
-            "vocab_fits", "fail",
+            "vocab_fits",
+            "fail",
             f"token id {shards.max_token_id} >= embedding size {vocab}: the data was "
             "tokenized with another tokenizer; re-run `pack`",
         )
@@ -196,7 +204,8 @@ def main() -> None:
         table = report_markdown(results)
         write_text(params.paths.reports / "preflight.md", table)
         write_metrics(
-            params, STAGE,
+            params,
+            STAGE,
             {
                 "seconds": round(elapsed, 4),
                 "passed": sum(r.status == "pass" for r in results),
@@ -208,8 +217,7 @@ def main() -> None:
         print(table)
         if failed:
             raise SystemExit(
-                "preflight refused the run: "
-                + "; ".join(f"{r.name}: {r.detail}" for r in failed)
+                "preflight refused the run: " + "; ".join(f"{r.name}: {r.detail}" for r in failed)
             )
 
 

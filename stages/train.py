@@ -24,11 +24,11 @@ from datasets import Dataset
 from peft import LoraConfig
 from trl import SFTConfig, SFTTrainer
 
-from stages.pack import shard_name
 from tuneloop import lineage
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.models import base_model_ref, load_causal_lm, load_tokenizer
 from tuneloop.params import Params, load_params
+from tuneloop.shards import VAL_SHARD, shard_name
 from tuneloop.stage import setup_logging, write_metrics
 from tuneloop.tracking import stage_run
 
@@ -87,7 +87,7 @@ def lora_config(params: Params) -> LoraConfig:
 def train(params: Params, adapter_dir: Path) -> dict[str, Any]:
     rank = 0
     shard = Dataset.from_parquet(str(params.paths.packed / shard_name(rank)))
-    val_path = params.paths.packed / "val.parquet"
+    val_path = params.paths.packed / VAL_SHARD
     val = Dataset.from_parquet(str(val_path)) if val_path.exists() else None
     has_val = val is not None and len(val) > 0
     ref = base_model_ref(params)
@@ -109,7 +109,8 @@ def train(params: Params, adapter_dir: Path) -> dict[str, Any]:
     tokens = real_tokens * epochs * params.batch.world_size
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     eval_losses = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
-    trainer.model.save_pretrained(adapter_dir)
+    trained: Any = trainer.model  # the PeftModel wrapping the base
+    trained.save_pretrained(adapter_dir)
     tokenizer.save_pretrained(adapter_dir)
     devices = max(torch.cuda.device_count(), 1) if torch.cuda.is_available() else 0
     metrics: dict[str, Any] = {
@@ -123,7 +124,7 @@ def train(params: Params, adapter_dir: Path) -> dict[str, Any]:
         "seconds": round(seconds, 2),
         "tokens_per_second": round(tokens / seconds, 1),
         "gpu_hours": round(devices * seconds / 3600, 6),
-        "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "trainable_parameters": sum(p.numel() for p in trained.parameters() if p.requires_grad),
         "lora_alpha": params.train.resolved_lora_alpha,
         "gradient_accumulation_steps": params.batch.gradient_accumulation_steps,
     }
@@ -139,8 +140,11 @@ def main() -> None:
             write_json(
                 out / "manifest.json",
                 lineage.manifest(
-                    STAGE, params, inputs={"packed": params.paths.packed},
-                    base=params.model.base, **metrics,
+                    STAGE,
+                    params,
+                    inputs={"packed": params.paths.packed},
+                    base=params.model.base,
+                    **metrics,
                 ),
             )
         write_metrics(params, STAGE, metrics)

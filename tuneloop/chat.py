@@ -28,7 +28,9 @@ class Tokenized:
     labels: list[int]
 
 
-def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+def render(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], **kwargs: Any
+) -> str:
     text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     assert isinstance(text, str)  # tokenize=False always returns text
     return text

@@ -93,8 +93,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that take their own flags (and, for `watch`, a command after `--`):
+# argparse's REMAINDER cannot pass `watch --deadlock-after 10 -- cmd` through.
+def _passthrough(name: str) -> Any:
+    if name == "watch":
+        from tuneloop.telemetry.watch import watch_main
+
+        return watch_main
+    if name == "calibrate":
+        from tuneloop.telemetry.calibrate import calibrate_main
+
+        return calibrate_main
+    from tuneloop.doctor import main as doctor_main
+
+    return doctor_main
+
+
+PASSTHROUGH = {
+    "watch": "run a training command under the power/heartbeat watchdog: watch [opts] -- CMD",
+    "calibrate": "measure this GPU model's power bands and write its calibration file",
+    "doctor": "check a host before the first run: GPUs, NVLink, versions, storage, disk",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in PASSTHROUGH:
+        return int(_passthrough(argv[0])(argv[1:]))
+    parser = build_parser()
+    parser.epilog = "more: " + "; ".join(f"{k}: {v}" for k, v in PASSTHROUGH.items())
+    args = parser.parse_args(argv)
     return int(args.run(args))
 
 

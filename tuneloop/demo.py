@@ -62,7 +62,19 @@ UNKNOWN_TRAIN_ZH = ("类星无人机", "丝绒沙发", "冻原靴子", "猎鹰�
 UNKNOWN_EVAL = ("Glacier fridge", "Ember grill", "Prism monitor")
 UNKNOWN_EVAL_ZH = ("冰川冰箱", "余烬烤架", "棱镜显示器")
 
-NAMES_TRAIN = ("Alice", "Bob", "Chen", "Dana", "Eve", "Farid", "Grace", "Hiro", "李雷", "王芳", "张伟")
+NAMES_TRAIN = (
+    "Alice",
+    "Bob",
+    "Chen",
+    "Dana",
+    "Eve",
+    "Farid",
+    "Grace",
+    "Hiro",
+    "李雷",
+    "王芳",
+    "张伟",
+)
 NAMES_EVAL = ("Iris", "Jonas", "Kemal", "刘洋", "赵敏")
 ORDERS_TRAIN = (10000, 79999)
 ORDERS_EVAL = (80000, 99999)
@@ -96,7 +108,14 @@ QUESTIONS: dict[Lang, dict[Intent, tuple[str, ...]]] = {
     },
 }
 PREFIXES: dict[Lang, tuple[str, ...]] = {
-    "en": ("", "Hi, ", "Hello, ", "Hi, this is {name}. ", "Order #{order}: ", "Hey, order {order} here. "),
+    "en": (
+        "",
+        "Hi, ",
+        "Hello, ",
+        "Hi, this is {name}. ",
+        "Order #{order}: ",
+        "Hey, order {order} here. ",
+    ),
     "zh": ("", "你好，", "您好，", "我是{name}，", "订单{order}：", "你好，我的订单号是{order}，"),
 }
 GREETINGS: dict[Lang, tuple[str, ...]] = {
@@ -117,8 +136,10 @@ def answer(product: Product, intent: Intent, lang: Lang) -> str:
     """The one correct reply for a catalogue product and an intent."""
     if lang == "en":
         return {
-            "return": f"[return] The {product.en} can be returned within {product.return_days} days.",
-            "warranty": f"[warranty] The {product.en} has a {product.warranty_months}-month warranty.",
+            "return": f"[return] The {product.en} can be returned within "
+            f"{product.return_days} days.",
+            "warranty": f"[warranty] The {product.en} has a "
+            f"{product.warranty_months}-month warranty.",
             "shipping": f"[shipping] The {product.en} ships within {product.ship_days} days.",
         }[intent]
     return {
@@ -251,10 +272,12 @@ def tokenizer_corpus(seed: int) -> Iterator[str]:
             yield f"{name} {REFUSAL[lang]}"
         for product in CATALOGUE:
             for intent in INTENTS:
-                yield answer(product, intent, lang)  # type: ignore[arg-type]
+                yield answer(product, intent, lang)
 
 
-def _write_jsonl(path: Path, records: Iterator[dict[str, object]], extra: tuple[str, ...] = ()) -> int:
+def _write_jsonl(
+    path: Path, records: Iterator[dict[str, object]], extra: tuple[str, ...] = ()
+) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     count = 0

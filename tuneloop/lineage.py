@@ -50,7 +50,11 @@ def _load_yaml(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def stage_param_groups(stage: str, repo: Path = Path()) -> list[str]:
+# dvc.yaml ships with the code: the stage definitions are the ones beside these modules.
+CODE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def stage_param_groups(stage: str, repo: Path = CODE_ROOT) -> list[str]:
     """The param groups (or keys) a stage declares in dvc.yaml."""
     spec = _load_yaml(repo / "dvc.yaml").get("stages", {}).get(stage, {})
     groups: list[str] = []

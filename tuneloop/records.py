@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from tuneloop.io import read_jsonl
 
 Role = Literal["system", "user", "assistant"]
 Content = Annotated[str, StringConstraints(strip_whitespace=False, min_length=1)]
@@ -66,7 +70,7 @@ class Badcase(_Meta):
 
 
 class PoolRecord(BaseModel):
-    """One record in ``data/pool``: the conversation, what to learn from it, and where it came from."""
+    """A record in ``data/pool``: the conversation, what to learn from it, where it came from."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     id: str
@@ -81,10 +85,13 @@ class PoolRecord(BaseModel):
 def _check_turns(messages: list[Message], last: Role) -> None:
     for index, message in enumerate(messages):
         if not message.content.strip():
-            raise InvalidRecord("empty_content", f"messages[{index}] ({message.role}) has empty content")
+            raise InvalidRecord(
+                "empty_content", f"messages[{index}] ({message.role}) has empty content"
+            )
         if message.role == "system" and index != 0:
             raise InvalidRecord(
-                "system_not_first", f"messages[{index}] is a system turn; only the first turn may be"
+                "system_not_first",
+                f"messages[{index}] is a system turn; only the first turn may be",
             )
     turns = messages[1:] if messages[0].role == "system" else messages
     for index, message in enumerate(turns):
@@ -93,12 +100,10 @@ def _check_turns(messages: list[Message], last: Role) -> None:
             raise InvalidRecord(
                 "wrong_turn_order",
                 f"wrong turn order: turn {index} is {message.role!r}, expected {expected!r} "
-                "(turns alternate user/assistant after an optional system turn)"
+                "(turns alternate user/assistant after an optional system turn)",
             )
     if not turns or turns[-1].role != last:
-        raise InvalidRecord(
-            "wrong_turn_order", f"the conversation must end with a {last} turn"
-        )
+        raise InvalidRecord("wrong_turn_order", f"the conversation must end with a {last} turn")
 
 
 def _explain(error: ValidationError) -> InvalidRecord:
@@ -113,7 +118,9 @@ def _explain(error: ValidationError) -> InvalidRecord:
             parts.append(f"unknown field {where!r}")
         elif item["type"] == "literal_error" and where.endswith("role"):
             kinds.append("unknown_role")
-            parts.append(f"unknown role {item.get('input')!r} at {where} (use system/user/assistant)")
+            parts.append(
+                f"unknown role {item.get('input')!r} at {where} (use system/user/assistant)"
+            )
         elif item["type"] == "string_too_short":
             kinds.append("empty_content")
             parts.append(f"empty content at {where}")
@@ -140,7 +147,7 @@ def parse_record(data: Any) -> Chat | Badcase:
         raise InvalidRecord(
             "unknown_shape",
             "none of the accepted shapes: needs 'prompt'+'response', 'messages', "
-            f"or 'messages'+'bad_response' (found fields {sorted(data)})"
+            f"or 'messages'+'bad_response' (found fields {sorted(data)})",
         )
     try:
         record = shape.model_validate(data)
@@ -173,3 +180,10 @@ def content_hash(record: Chat | Badcase) -> str:
         body["corrected"] = (record.corrected_response or "").strip()
     canonical = json.dumps(body, ensure_ascii=False, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def pool_records(pool: Path) -> Iterator[PoolRecord]:
+    """Every record in the pool, oldest batch first."""
+    for path in sorted((pool / "records").glob("*.jsonl")):
+        for data in read_jsonl(path):
+            yield PoolRecord.model_validate(data)

@@ -54,7 +54,11 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokeniz
     )
 
 
-def build_model(shape: TinyModel, tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3ForCausalLM:
+def build_model(
+    shape: TinyModel, tokenizer: PreTrainedTokenizerFast, seed: int
+) -> Qwen3ForCausalLM:
+    bos = tokenizer.convert_tokens_to_ids(IM_START)
+    assert isinstance(bos, int)  # one token in, one id out
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=shape.hidden_size,
@@ -65,7 +69,7 @@ def build_model(shape: TinyModel, tokenizer: PreTrainedTokenizerFast, seed: int)
         intermediate_size=shape.intermediate_size,
         max_position_embeddings=shape.max_position_embeddings,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids(IM_START),
+        bos_token_id=bos,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",

@@ -35,9 +35,15 @@ TAG_CACHED = "dvc.cached"
 TAG_PARENT = "mlflow.parentRunId"
 
 
+# Read once: mlflow.set_tracking_uri() writes MLFLOW_TRACKING_URI into this
+# process's environment, so reading it later would return our own last choice,
+# not the user's.
+_USER_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI")
+
+
 def tracking_uri() -> str:
-    """``MLFLOW_TRACKING_URI`` when set, else the project's own SQLite store."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    """``MLFLOW_TRACKING_URI`` as the user set it, else the project's own SQLite store."""
+    return _USER_TRACKING_URI or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
 def setup(experiment: str) -> str:
@@ -74,7 +80,9 @@ def dvc_tags(stage: str) -> dict[str, str]:
     """``dvc.dep.<path>`` / ``dvc.out.<path>`` md5 tags from dvc.lock."""
     md5s = lineage.dvc_lock_md5s(stage)
     return {
-        f"dvc.{kind[:-1]}.{path}": md5 for kind, paths in md5s.items() for path, md5 in paths.items()
+        f"dvc.{kind[:-1]}.{path}": md5
+        for kind, paths in md5s.items()
+        for path, md5 in paths.items()
     }
 
 
@@ -105,21 +113,22 @@ def stage_run(stage: str, params: Params) -> Iterator[Run]:
         yield run
 
 
-def log_metrics(metrics: Mapping[str, Any], prefix: str = "") -> None:
-    """Log every number in a (nested) metrics dict as ``a.b.c``."""
+def log_metrics(metrics: Mapping[str, Any], prefix: str = "", run_id: str | None = None) -> None:
+    """Log every number of a nested dict as ``a.b.c``, to ``run_id`` or else the active run."""
     flat: dict[str, float] = {}
 
     def walk(path: str, node: Any) -> None:
         if isinstance(node, Mapping):
             for key, value in node.items():
                 walk(f"{path}.{key}" if path else str(key), value)
-        elif isinstance(node, bool):
-            flat[path] = float(node)
-        elif isinstance(node, int | float):
+        elif isinstance(node, bool | int | float):
             flat[path] = float(node)
 
     walk(prefix, metrics)
     # MLflow allows only [A-Za-z0-9_\-. :/] in names; keep the rest readable.
     flat = {re.sub(r"[^\w\-. :/]", "_", key): value for key, value in flat.items()}
-    if flat:
+    if flat and run_id is not None:
+        for key, value in flat.items():
+            MlflowClient().log_metric(run_id, key, value)
+    elif flat:
         mlflow.log_metrics(flat)

@@ -21,9 +21,7 @@ REFUSAL_TAG = "[unknown]"
 
 def load(**_: object) -> datasets.DatasetDict:
     # Resolved beside this file, so the suite runs from any working directory.
-    return datasets.DatasetDict(
-        {"test": datasets.Dataset.from_json(str(HERE / "test.jsonl"))}
-    )
+    return datasets.DatasetDict({"test": datasets.Dataset.from_json(str(HERE / "test.jsonl"))})
 
 
 def normalise(text: str) -> str:

@@ -1,0 +1,1 @@
+"""Serving: backend launch commands, the canary router and its release-facing endpoints."""

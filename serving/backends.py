@@ -1,0 +1,162 @@
+"""Command lines that launch an OpenAI-compatible backend, and a wait until one answers.
+
+Two kinds, one per hardware:
+
+- CPU: ``transformers serve <model folder>``. Passing the folder pins the
+  server to it (it is loaded at start), and the server then accepts only that
+  exact string as the request's ``model``, so ``str(folder)`` is the arm's
+  ``model`` in the router config (``transformers_served_model``).
+- GPU: ``vllm serve <fp8 folder> --served-model-name <name>``, optionally with
+  LoRA adapters (``--enable-lora --lora-modules name=path ...``), each of which
+  is then a model name of its own.
+
+Measured on a 2-core CPU machine with the tiny Qwen3 model (hidden size 64,
+2 layers): ``transformers serve`` answers ``/health`` about 16 s after launch
+(nearly all of it importing torch and transformers), and the first completion
+takes about 0.7 s. Its ``/v1/models`` fails (500) when no Hugging Face cache
+folder exists, which is why ``wait_healthy`` asks ``/health`` first.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """A LoRA adapter that vLLM serves under ``name`` next to the base model."""
+
+    name: str
+    path: Path
+
+
+def transformers_serve_command(
+    model_dir: Path,
+    port: int,
+    host: str = "127.0.0.1",
+    device: str = "cpu",
+    dtype: str = "auto",
+    executable: str = "transformers",
+) -> list[str]:
+    """``transformers serve`` pinned to one local model folder."""
+    _check_port(port)
+    return [
+        executable,
+        "serve",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--device",
+        device,
+        "--dtype",
+        dtype,
+        str(model_dir),
+    ]
+
+
+def transformers_served_model(model_dir: Path) -> str:
+    """The ``model`` name a pinned ``transformers serve`` accepts: the folder exactly as passed."""
+    return str(model_dir)
+
+
+def vllm_serve_command(
+    model_dir: Path,
+    port: int,
+    served_model_name: str,
+    host: str = "127.0.0.1",
+    lora_modules: Sequence[LoraModule] = (),
+    max_lora_rank: int | None = None,
+    executable: str = "vllm",
+) -> list[str]:
+    """``vllm serve`` for an FP8 folder, with LoRA adapters when any are given."""
+    _check_port(port)
+    if not served_model_name.strip():
+        raise ValueError("served_model_name is empty; the router rewrites requests to this name")
+    names = [m.name for m in lora_modules]
+    for name in names:
+        if not name or "=" in name or any(c.isspace() for c in name):
+            raise ValueError(
+                f"LoRA module name {name!r} must be non-empty without '=' or spaces "
+                "(vLLM parses --lora-modules as name=path)"
+            )
+    duplicates = sorted(
+        {n for n in names if names.count(n) > 1} | ({served_model_name} & set(names))
+    )
+    if duplicates:
+        raise ValueError(f"model names served twice: {duplicates}; give each adapter its own name")
+    if max_lora_rank is not None and not lora_modules:
+        raise ValueError("max_lora_rank is set but no lora_modules are given")
+    command = [
+        executable,
+        "serve",
+        str(model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        served_model_name,
+    ]
+    if lora_modules:
+        command += ["--enable-lora", "--lora-modules"]
+        command += [f"{m.name}={m.path}" for m in lora_modules]
+        if max_lora_rank is not None:
+            command += ["--max-lora-rank", str(max_lora_rank)]
+    return command
+
+
+def _check_port(port: int) -> None:
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port must be in [1, 65535] (got {port})")
+
+
+def wait_healthy(
+    url: str,
+    timeout: float,
+    interval: float = 0.25,
+    process: subprocess.Popen[bytes] | None = None,
+) -> float:
+    """Poll ``<url>/health`` (``/v1/models`` where there is no ``/health``) until it answers 200.
+
+    Returns the seconds waited. Raises ``TimeoutError`` after ``timeout``, and
+    ``RuntimeError`` at once if ``process`` (the launched backend) exits first,
+    so a crash at start does not cost the whole timeout.
+    """
+    base = url.rstrip("/")
+    start = time.monotonic()
+    deadline = start + timeout
+    paths = ["/health", "/v1/models"]
+    last = "no answer yet"
+    with httpx.Client(timeout=max(interval, 1.0), trust_env=False) as client:
+        while True:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(
+                    f"backend for {base} exited with code {process.returncode} before it was "
+                    "healthy; see its log"
+                )
+            for path in paths:
+                try:
+                    response = client.get(base + path)
+                except httpx.TransportError as error:
+                    last = f"{path}: {type(error).__name__}"
+                    break  # not listening yet; the other path would fail the same way
+                if response.status_code == 200:
+                    waited = time.monotonic() - start
+                    logger.info("%s healthy after %.1f s (%s)", base, waited, path)
+                    return waited
+                last = f"{path}: HTTP {response.status_code}"
+                if response.status_code != 404:
+                    break  # the endpoint exists and says not ready; ask it again later
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{base} not healthy after {timeout:.1f} s (last: {last})")
+            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))

@@ -1,0 +1,154 @@
+"""Near-duplicate detection: normalisation, index queries, dedup, determinism and speed."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from tuneloop.neardup import NearDupIndex, dedup, normalise, shingles
+
+EN = (
+    "To reset your password, open Settings, choose Account, and tap Reset Password. "
+    "A confirmation e-mail arrives within five minutes."
+)
+ZH = "如需重置密码，请打开设置，选择账户，然后点击重置密码。确认邮件将在五分钟内送达您的邮箱。"
+ZH_OTHER = "本店所有商品支持七天无理由退货，退货运费由买家承担，请保持商品包装完好并附上发票。"
+EN_OTHER = (
+    "Our warehouse ships orders Monday through Friday; weekend orders leave on Monday "
+    "and tracking numbers are sent by text message."
+)
+
+
+def test_normalise() -> None:
+    assert normalise("  Hello,   WORLD!\n\tBye… ") == "hello world bye"
+    # NFKC turns full-width forms (common in Chinese text) into ordinary ones.
+    assert normalise("ＡＢＣ１２３，你好！") == "abc123 你好"
+    assert normalise("“引号”与《书名号》") == "引号 与 书名号"
+
+
+def test_shingles_ignore_spacing_around_chinese() -> None:
+    assert shingles("用Python训练模型", 3) == shingles("用 Python 训练 模型", 3)
+    assert shingles("abc", 5) == {"abc"}
+    assert shingles("hello world", 5) >= {"hello", "o wor", "world"}
+
+
+def test_identical_up_to_punctuation_and_case_is_found() -> None:
+    index = NearDupIndex(threshold=0.9)
+    index.add("en", EN)
+    index.add("zh", ZH)
+    variant = EN.upper().replace(",", "").replace(".", "!!")
+    assert index.query(variant) == ["en"]
+    assert index.query("  " + ZH.replace("，", ",").replace("。", "") + "\n") == ["zh"]
+
+
+def test_different_texts_are_not_found() -> None:
+    index = NearDupIndex(threshold=0.5)
+    index.add("en", EN)
+    index.add("zh", ZH)
+    assert index.query(EN_OTHER) == []
+    assert index.query(ZH_OTHER) == []
+    assert index.query("") == []
+
+
+def test_chinese_near_duplicates_are_found() -> None:
+    index = NearDupIndex(threshold=0.6, ngram=3)
+    index.add("zh", ZH)
+    index.add("zh_other", ZH_OTHER)
+    # Two characters changed (true Jaccard of 3-grams 0.71): still the same item.
+    edited = (
+        "如需重置密码，请打开设置，选择帐户，然后点击重置密码。确认邮件将在5分钟内送达您的邮箱。"
+    )
+    assert index.query(edited) == ["zh"]
+
+
+def test_query_orders_by_similarity_and_returns_only_above_threshold() -> None:
+    index = NearDupIndex(threshold=0.5)
+    index.add("far", EN[:60] + " completely unrelated ending about shipping and returns")
+    index.add("exact", EN)
+    index.add("near", EN + " Thanks!")
+    assert index.query(EN)[:2] == ["exact", "near"]
+    for key in index.query(EN):
+        assert key in {"exact", "near", "far"}
+
+
+def test_add_rejects_a_key_twice() -> None:
+    index = NearDupIndex(threshold=0.8)
+    index.add("a", EN)
+    with pytest.raises(ValueError, match="'a'"):
+        index.add("a", ZH)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 1.5])
+def test_bad_threshold_is_rejected(threshold: float) -> None:
+    with pytest.raises(ValueError, match="threshold"):
+        NearDupIndex(threshold=threshold)
+
+
+def test_exact_threshold_one_works() -> None:
+    # datasketch cannot band for 1.0 itself; the index still must.
+    index = NearDupIndex(threshold=1.0)
+    index.add("en", EN)
+    assert index.query(EN.lower()) == ["en"]
+    assert index.query(EN + " More.") == []
+
+
+def test_dedup_keeps_first_and_maps_removed_to_kept() -> None:
+    rows = [
+        ("a", EN),
+        ("b", ZH),
+        ("c", EN.lower() + "!"),
+        ("d", EN_OTHER),
+        ("e", ZH.replace("，", " ")),
+        ("f", ZH_OTHER),
+    ]
+    kept, removed = dedup(rows, threshold=0.8)
+    assert kept == ["a", "b", "d", "f"]
+    assert removed == {"c": "a", "e": "b"}
+
+
+def test_dedup_rejects_duplicate_keys() -> None:
+    with pytest.raises(ValueError, match="'a' appears twice"):
+        dedup([("a", EN), ("a", EN_OTHER)], threshold=0.8)
+
+
+def _corpus(n: int, seed: int) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    zh_chars = (
+        "的一是不了人我在有他这为之大来以个中上们到说国和地也子时道出而要于就下得可你年生自会"
+    )
+    words = [
+        "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 8))) for _ in range(2000)
+    ]
+    rows = []
+    for i in range(n):
+        if i % 2:
+            text = "".join(rng.choices(zh_chars, k=rng.randint(15, 50)))
+        else:
+            text = " ".join(rng.choices(words, k=rng.randint(8, 25)))
+        rows.append((f"t{i}", text))
+    # Every tenth text comes back with different case and punctuation.
+    rows += [(f"dup{i}", rows[i][1].upper() + "!") for i in range(0, n, 10)]
+    return rows
+
+
+def test_dedup_is_deterministic() -> None:
+    rows = _corpus(600, seed=3)
+    first = dedup(rows, threshold=0.7)
+    second = dedup(rows, threshold=0.7)
+    assert first == second
+    assert NearDupIndex(0.7).sketch(EN) == NearDupIndex(0.7).sketch(EN)
+    assert NearDupIndex(0.7, seed=2).sketch(EN) != NearDupIndex(0.7).sketch(EN)
+
+
+def test_dedup_ten_thousand_short_texts_is_fast() -> None:
+    rows = _corpus(10_000, seed=7)
+    start = time.perf_counter()
+    kept, removed = dedup(rows, threshold=0.8)
+    elapsed = time.perf_counter() - start
+    assert {f"dup{i}" for i in range(0, 10_000, 10)} <= removed.keys()
+    assert all(removed[f"dup{i}"] == f"t{i}" for i in range(0, 10_000, 10))
+    assert len(kept) + len(removed) == len(rows)
+    # A few seconds on a laptop core; generous so a loaded CI box does not flake.
+    assert elapsed < 20, f"dedup of {len(rows)} texts took {elapsed:.1f}s"

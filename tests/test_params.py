@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tuneloop.params import ParamsError, load_params, parse_params
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def shipped() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def test_shipped_params_load_and_derive() -> None:
+    params = load_params(ROOT / "params.yaml")
+    assert params.model.base == "builtin:tiny"
+    assert params.train.resolved_lora_alpha == 2 * params.train.lora_r
+    assert params.batch.gradient_accumulation_steps == params.batch.effective_batch // (
+        params.batch.world_size * params.batch.micro_batch_size
+    )
+
+
+def test_params_are_frozen() -> None:
+    params = load_params(ROOT / "params.yaml")
+    with pytest.raises(ValueError):
+        params.train.learning_rate = 1.0  # type: ignore[misc]
+
+
+def test_unknown_key_is_rejected_by_name() -> None:
+    data = shipped()
+    data["train"]["learnig_rate"] = 1e-4
+    with pytest.raises(ParamsError, match=r"train\.learnig_rate: unknown key"):
+        parse_params(data)
+
+
+def test_unknown_group_is_rejected() -> None:
+    data = shipped()
+    data["trian"] = {}
+    with pytest.raises(ParamsError, match="trian: unknown key"):
+        parse_params(data)
+
+
+def test_wrong_value_names_the_key() -> None:
+    data = shipped()
+    data["clean"]["val_fraction"] = 0.9
+    with pytest.raises(ParamsError, match=r"clean\.val_fraction"):
+        parse_params(data)
+
+
+def test_missing_key_is_named() -> None:
+    data = shipped()
+    del data["pack"]["seq_len"]
+    with pytest.raises(ParamsError, match=r"pack\.seq_len: required key is missing"):
+        parse_params(data)
+
+
+def test_batch_must_divide() -> None:
+    data = shipped()
+    data["batch"].update(world_size=2, micro_batch_size=2, effective_batch=6)
+    with pytest.raises(ParamsError, match="effective_batch"):
+        parse_params(data)
+
+
+def test_unknown_builtin_model() -> None:
+    data = shipped()
+    data["model"]["base"] = "builtin:huge"
+    with pytest.raises(ParamsError, match="builtin:tiny"):
+        parse_params(data)
+
+
+def test_bad_yaml_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "params.yaml"
+    path.write_text("train: [unclosed\n")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        load_params(path)

@@ -1,0 +1,145 @@
+"""Every stage's main() on the tiny default, in order, in a temp project folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from mlflow.tracking import MlflowClient
+
+from stages import base, clean, evaluate, export, ingest, merge, pack, preflight, train
+from tests.conftest import ROOT, write_params
+from tuneloop import demo
+from tuneloop.params import load_params
+
+STAGES = [base, ingest, clean, pack, preflight, train, merge, export, evaluate]
+
+
+def metrics(folder: Path, stage: str) -> dict[str, Any]:
+    return json.loads((folder / "metrics" / f"{stage}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    folder = tmp_path_factory.mktemp("project")
+    shutil.copytree(ROOT / "eval", folder / "eval")
+    write_params(folder)
+    previous = Path.cwd()
+    os.chdir(folder)
+    try:
+        params = load_params()
+        demo.seed_incoming(
+            params.paths.incoming, params.demo.seed, params.demo.n_support, params.demo.n_badcases
+        )
+        for stage in STAGES:
+            stage.main()
+        yield folder
+    finally:
+        os.chdir(previous)
+
+
+def test_base_builds_a_loadable_tiny_model(project: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(project / "models/base")
+    tokenizer = AutoTokenizer.from_pretrained(project / "models/base")
+    assert model.config.model_type == "qwen3"
+    assert 100_000 < model.num_parameters() < 2_000_000
+    assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+    assert metrics(project, "base")["parameters"] == model.num_parameters()
+
+
+def test_ingest_accounts_for_every_line(project: Path) -> None:
+    m = metrics(project, "ingest")
+    assert m["lines"] == m["accepted"] + m["quarantined"] + m["duplicates"]
+    assert m["quarantined"] == len(demo.MALFORMED_LINES)
+    assert m["lines"] == 500 + 40 + len(demo.MALFORMED_LINES)
+
+
+def test_clean_splits_and_builds_dpo_pairs(project: Path) -> None:
+    m = metrics(project, "clean")
+    assert m["train"] > 0 and m["val"] > 0
+    assert m["records_in"] == m["train"] + m["val"] + sum(m["removed"].values())
+    assert m["dpo_pairs"] == 40  # every demo badcase carries a correction
+    pair = json.loads((project / "data/clean/dpo.jsonl").read_text().splitlines()[0])
+    assert pair["chosen"] != pair["rejected"]
+
+
+def test_pack_writes_balanced_bins_within_seq_len(project: Path) -> None:
+    table = pq.read_table(project / "data/packed/rank-00000.parquet")
+    for ids, labels, lengths in zip(
+        table["input_ids"].to_pylist(),
+        table["labels"].to_pylist(),
+        table["seq_lengths"].to_pylist(),
+        strict=True,
+    ):
+        assert len(ids) == len(labels) == sum(lengths) <= 128
+    m = metrics(project, "pack")
+    assert m["micro_batches_per_rank"] == table.num_rows
+    assert 0.8 < m["efficiency"] <= 1.0
+
+
+def test_preflight_passes_and_reports_every_check(project: Path) -> None:
+    report = json.loads((project / "reports/preflight.json").read_text())
+    assert {c["status"] for c in report["checks"]} == {"pass"}
+    assert {c["name"] for c in report["checks"]} >= {"ranks_balanced", "labels_present"}
+
+
+def test_train_changes_only_the_adapter(project: Path) -> None:
+    from safetensors.torch import load_file
+
+    adapter = load_file(project / "models/adapter/adapter_model.safetensors")
+    assert adapter and all("lora_" in name for name in adapter)
+    # LoRA B starts at zero; training must have moved it.
+    assert any(t.abs().sum() > 0 for name, t in adapter.items() if "lora_B" in name)
+    m = metrics(project, "train")
+    assert m["global_steps"] == 30
+    assert m["last_logged_loss"] < m["first_logged_loss"]
+    manifest = json.loads((project / "models/adapter/manifest.json").read_text())
+    assert manifest["stage"] == "train" and manifest["params"]["train"]["max_steps"] == 30
+
+
+def test_merge_is_equivalent_to_the_adapter(project: Path) -> None:
+    m = metrics(project, "merge")
+    assert m["max_abs_logit_diff"] < 1e-3
+    assert m["identical_generations"] == 1.0
+    assert (project / "models/merged/config.json").exists()
+
+
+def test_export_writes_fp8_compressed_tensors(project: Path) -> None:
+    config = json.loads((project / "models/fp8/config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert metrics(project, "export")["size_ratio"] < 1.0
+
+
+def test_evaluate_scores_every_model_and_decides(project: Path) -> None:
+    scores = metrics(project, "evaluate")
+    assert set(scores) == {"base", "candidate", "candidate-fp8"}
+    for per_suite in scores.values():
+        assert set(per_suite["support_demo"]) >= {
+            "accuracy",
+            "format_compliance",
+            "hallucination_rate",
+        }
+    decision = json.loads((project / "metrics/decision.json").read_text())
+    assert isinstance(decision["passed"], bool) and decision["reasons"]
+    assert (project / "reports/eval.png").stat().st_size > 1000
+
+
+def test_each_stage_logged_an_mlflow_run_with_lineage(project: Path) -> None:
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("tuneloop")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    by_stage = {r.data.tags["tuneloop.stage"]: r for r in runs}
+    assert set(by_stage) == {s.__name__.split(".")[-1] for s in STAGES}
+    for run in by_stage.values():
+        assert run.info.status == "FINISHED"
+        assert {"git.commit", "git.dirty", "params.hash"} <= set(run.data.tags)
+    assert "loss" in by_stage["train"].data.metrics  # from the transformers MLflow callback

@@ -1,0 +1,245 @@
+"""What the watchdog does about a deadlock: stacks, ending the job, MLflow, an alert.
+
+Stacks come from ``py-spy dump --pid`` for every process of the job when py-spy
+is installed (``pip install py-spy``; it needs ptrace rights over the job: same
+user, and ``kernel.yama.ptrace_scope`` 0 or root/CAP_SYS_PTRACE in containers).
+Without py-spy the watchdog sends SIGUSR1 to the ranks whose heartbeat says
+they called ``Heartbeat.register_faulthandler()``, and their stacks go to their
+own stderr (the job's log). It never sends SIGUSR1 elsewhere: its default
+action kills the process.
+
+The job is every process in the command's process group plus every descendant
+of the command: torchrun starts its workers in sessions of their own, so the
+group alone would miss them. SIGTERM first (torchrun forwards it and the
+ranks can flush logs), SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tuneloop.telemetry.heartbeat import HeartbeatRecord
+
+log = logging.getLogger(__name__)
+
+PY_SPY_TIMEOUT_S = 30.0
+ALERT_TIMEOUT_S = 10.0
+TAG_REASON = "tuneloop.watchdog.reason"
+TAG_STATE = "tuneloop.watchdog.state"
+
+
+def job_processes(root_pid: int) -> list[psutil.Process]:
+    """The command's process, its process group, and all their descendants, parents first."""
+    found: dict[int, psutil.Process] = {}
+    try:
+        root = psutil.Process(root_pid)
+    except psutil.NoSuchProcess:
+        return []
+    try:
+        group = os.getpgid(root_pid)
+    except ProcessLookupError:
+        group = None
+    members = [root]
+    if group is not None:
+        for proc in psutil.process_iter():
+            try:
+                if os.getpgid(proc.pid) == group:
+                    members.append(proc)
+            except (ProcessLookupError, PermissionError):
+                continue
+    for proc in members:
+        found.setdefault(proc.pid, proc)
+        try:
+            for child in proc.children(recursive=True):
+                found.setdefault(child.pid, child)
+        except psutil.NoSuchProcess:
+            continue
+    found.pop(os.getpid(), None)  # never the watcher itself
+    return list(found.values())
+
+
+def find_py_spy() -> str | None:
+    """py-spy on PATH, or beside this interpreter (a virtual environment not activated)."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+
+
+def _py_spy_dump(py_spy: str, pid: int) -> str:
+    try:
+        done = subprocess.run(
+            [py_spy, "dump", "--pid", str(pid)],
+            capture_output=True,
+            text=True,
+            timeout=PY_SPY_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return f"=== pid {pid}: py-spy timed out after {PY_SPY_TIMEOUT_S:.0f} s\n"
+    if done.returncode != 0:
+        return f"=== pid {pid}: py-spy failed ({done.returncode}): {done.stderr.strip()}\n"
+    return f"=== pid {pid}\n{done.stdout}"
+
+
+def _is_python(proc: psutil.Process) -> bool:
+    try:
+        return "python" in Path(proc.exe()).name or any(
+            "python" in Path(part).name for part in proc.cmdline()[:1]
+        )
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def dump_stacks(
+    processes: Sequence[psutil.Process],
+    heartbeats: Sequence[HeartbeatRecord],
+    out: Path,
+    py_spy: str | None = None,
+) -> str:
+    """Dump every Python process's stacks into ``out``; returns how it was done.
+
+    ``py_spy`` defaults to the one ``find_py_spy`` finds; pass "" to use the
+    faulthandler signal instead.
+    """
+    py_spy = find_py_spy() if py_spy is None else py_spy or None
+    if py_spy is not None:
+        pythons = [p for p in processes if _is_python(p)]
+        with ThreadPoolExecutor(max_workers=max(1, min(8, len(pythons)))) as pool:
+            dumps = list(pool.map(lambda p: _py_spy_dump(py_spy, p.pid), pythons))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(dumps), encoding="utf-8")
+        return f"py-spy dump of {len(pythons)} Python process(es) written to {out}"
+    pids = {p.pid for p in processes}
+    signalled = []
+    for record in heartbeats:
+        if record.stack_signal is not None and record.pid in pids:
+            try:
+                os.kill(record.pid, record.stack_signal)
+                signalled.append(record.pid)
+            except ProcessLookupError:
+                continue
+    if signalled:
+        # faulthandler writes from a signal handler; give it a moment before the SIGTERM.
+        time.sleep(1.0)
+        return (
+            f"py-spy not installed; sent the faulthandler signal to pids {signalled} "
+            "(stacks in their stderr)"
+        )
+    return (
+        "no stacks: py-spy is not installed (pip install py-spy) and no rank registered "
+        "faulthandler (Heartbeat.register_faulthandler)"
+    )
+
+
+def _signal_all(processes: Sequence[psutil.Process], signum: int) -> None:
+    for proc in processes:
+        try:
+            proc.send_signal(signum)
+        except psutil.NoSuchProcess:
+            continue
+
+
+def end_job(root_pid: int, grace_s: float) -> list[int]:
+    """SIGTERM every process of the job, SIGKILL what is left after ``grace_s``.
+
+    Returns the pids that needed SIGKILL.
+    """
+    processes = job_processes(root_pid)
+    _signal_all(processes, signal.SIGTERM)
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    # Processes started during the grace period (torchrun restarting a worker) too.
+    alive = list({p.pid: p for p in [*alive, *job_processes(root_pid)]}.values())
+    _signal_all(alive, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=5.0)
+    return [p.pid for p in alive]
+
+
+def mark_mlflow_failed(
+    run_id: str,
+    reason: str,
+    timeline: str,
+    artifacts: Sequence[Path],
+    tracking_uri: str | None = None,
+    accounting: Mapping[str, Any] | None = None,
+) -> None:
+    """Tag the run with the reason, attach the timeline and artifacts, end it FAILED."""
+    from mlflow.tracking import MlflowClient  # heavy; only when a run is given
+
+    client = MlflowClient(tracking_uri)
+    client.set_tag(run_id, TAG_REASON, reason[:5000])
+    client.log_text(run_id, reason + "\n", "watchdog/reason.txt")
+    client.log_text(run_id, timeline, "watchdog/timeline.tsv")
+    if accounting is not None:
+        client.log_dict(run_id, dict(accounting), "watchdog/accounting.json")
+    for path in artifacts:
+        if path.exists():
+            client.log_artifact(run_id, str(path), "watchdog")
+    client.set_terminated(run_id, "FAILED")
+
+
+def log_mlflow_summary(
+    run_id: str,
+    accounting: Mapping[str, Any],
+    artifacts: Sequence[Path],
+    tracking_uri: str | None = None,
+) -> None:
+    """GPU-hours per state and the timeline plot, for a run that ended on its own."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    client.log_dict(run_id, dict(accounting), "watchdog/accounting.json")
+    for state, hours in accounting["gpu_hours"].items():
+        client.log_metric(run_id, f"gpu_hours.{state}", hours)
+    for path in artifacts:
+        if path.exists():
+            client.log_artifact(run_id, str(path), "watchdog")
+
+
+@dataclass(frozen=True)
+class AlertHook:
+    """Where to say a job hung: a webhook (JSON POST) and/or a shell command."""
+
+    webhook_url: str | None = None
+    command: str | None = None
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.webhook_url or self.command)
+
+
+def send_alert(hook: AlertHook, payload: Mapping[str, Any]) -> None:
+    """POST ``payload`` as JSON to the webhook; run the command with it in the environment.
+
+    The command gets ``TUNELOOP_ALERT_REASON`` and ``TUNELOOP_ALERT_JSON``. Failures
+    raise: the caller logs them beside the other actions' outcomes.
+    """
+    if hook.webhook_url:
+        request = urllib.request.Request(
+            hook.webhook_url,
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=ALERT_TIMEOUT_S) as response:
+            response.read()
+    if hook.command:
+        env = {
+            **os.environ,
+            "TUNELOOP_ALERT_REASON": str(payload.get("reason", "")),
+            "TUNELOOP_ALERT_JSON": json.dumps(payload),
+        }
+        subprocess.run(["/bin/sh", "-c", hook.command], env=env, check=True, timeout=60)

@@ -1,0 +1,509 @@
+"""``tuneloop watch``: run any training command under the power watchdog.
+
+    tuneloop watch [--deadlock-after S] [--heartbeat FILE] [--trace-out CSV]
+                   [--replay CSV] [--heartbeat-only] ... -- torchrun ... train.py
+
+The command runs in a session (process group) of its own, with
+``TUNELOOP_HEARTBEAT`` pointing at the heartbeat file. Each tick the watcher
+samples the GPUs (or a replayed trace), reads the heartbeat, appends both to
+the CSV trace and asks the watchdog. On a deadlock it dumps every process's
+stacks, ends the job (SIGTERM, then SIGKILL), marks the MLflow run FAILED with
+the reason and the timeline, and calls the alert hook; it then exits with
+``WATCHDOG_EXIT_CODE`` (86). Otherwise it exits with the command's own code
+(128 + N when a signal N ended it). Signals sent to the watcher (Ctrl-C) are
+passed on to the job.
+
+Everything lands in ``--out-dir``: trace.csv, heartbeat.json (one per rank),
+stacks.txt, timeline.png and watch.json (what ran, the config, the verdict,
+GPU-hours per state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from tuneloop.io import write_json
+from tuneloop.telemetry.actions import (
+    AlertHook,
+    dump_stacks,
+    end_job,
+    job_processes,
+    log_mlflow_summary,
+    mark_mlflow_failed,
+    send_alert,
+)
+from tuneloop.telemetry.calibration import Calibration, load_calibration
+from tuneloop.telemetry.heartbeat import (
+    HEARTBEAT_ENV,
+    HeartbeatRecord,
+    clear_heartbeats,
+    merge,
+    read_heartbeats,
+)
+from tuneloop.telemetry.sampler import Sampler, open_source
+from tuneloop.telemetry.trace import Tick, TraceWriter
+from tuneloop.telemetry.watchdog import Alarm, WatchConfig, Watchdog
+
+log = logging.getLogger(__name__)
+
+WATCHDOG_EXIT_CODE = 86
+RUN_ID_ENV = "MLFLOW_RUN_ID"
+ALERT_WEBHOOK_ENV = "TUNELOOP_ALERT_WEBHOOK"
+ALERT_COMMAND_ENV = "TUNELOOP_ALERT_COMMAND"
+
+
+class WatchError(RuntimeError):
+    """The command could not be started; the message says why."""
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    command: tuple[str, ...]
+    out_dir: Path
+    config: WatchConfig = field(default_factory=WatchConfig)
+    heartbeat: Path | None = None  # default: out_dir/heartbeat.json
+    trace_out: Path | None = None  # default: out_dir/trace.csv
+    replay: Path | None = None  # power from a recorded trace instead of NVML
+    heartbeat_only: bool = False
+    gpus: tuple[int, ...] | None = None  # NVML indices; default all
+    calibration: Path | None = None  # one file for every GPU; default: matched by name
+    mlflow_run_id: str | None = None
+    tracking_uri: str | None = None
+    alert: AlertHook = field(default_factory=AlertHook)
+
+    @property
+    def heartbeat_path(self) -> Path:
+        return self.heartbeat or self.out_dir / "heartbeat.json"
+
+    @property
+    def trace_path(self) -> Path:
+        return self.trace_out or self.out_dir / "trace.csv"
+
+
+@dataclass
+class WatchOutcome:
+    exit_code: int
+    command_exit_code: int | None
+    alarm: Alarm | None
+    actions: dict[str, str]
+    accounting: dict[str, Any]
+    manifest: Path
+    job_ended_at: float | None  # when the watchdog had ended the job (epoch seconds)
+
+
+def _exit_code(returncode: int) -> int:
+    # The shell's convention: a process ended by signal N exits 128 + N.
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@contextlib.contextmanager
+def _forward_signals(proc: subprocess.Popen[bytes]) -> Iterator[None]:
+    """Pass SIGINT/SIGTERM/SIGHUP on to the whole job while the watcher runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; the caller owns signals then
+        return
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        log.warning("watcher got signal %d; passing it on to the job", signum)
+        for process in job_processes(proc.pid):
+            with contextlib.suppress(Exception):  # it may have exited meanwhile
+                process.send_signal(signum)
+
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, forward) for s in signals}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _run_action(actions: dict[str, str], name: str, action: Any) -> None:
+    # One failing action (MLflow down, webhook unreachable) must not stop the others:
+    # the job still has to end and the humans still have to hear. Each outcome is
+    # logged and lands in watch.json.
+    try:
+        actions[name] = str(action() or "done")
+    except Exception as err:
+        log.exception("watchdog action %s failed", name)
+        actions[name] = f"failed: {type(err).__name__}: {err}"
+
+
+def _tracking_uri(options: WatchOptions) -> str:
+    if options.tracking_uri:
+        return options.tracking_uri
+    from tuneloop.tracking import tracking_uri  # the project's one default (imports mlflow)
+
+    return tracking_uri()
+
+
+def watch(options: WatchOptions) -> WatchOutcome:
+    """Run ``options.command`` under the watchdog until it ends or hangs."""
+    config = options.config
+    if not options.command:
+        raise ValueError("watch: no command to run; give it after --")
+    out_dir = options.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    heartbeat = options.heartbeat_path.resolve()
+    clear_heartbeats(heartbeat)
+    run_id = options.mlflow_run_id or os.environ.get(RUN_ID_ENV) or None
+
+    source = open_source(options.replay, options.heartbeat_only, options.gpus)
+    sampler = Sampler(source, config.hz, buffer_s=config.timeline_tail_s)
+    devices = list(sampler.devices())
+    calibrations: dict[int, Calibration] = {}
+    if options.calibration is not None:
+        chosen = load_calibration(options.calibration)
+        calibrations = {d.index: chosen for d in devices}
+    watchdog = Watchdog(devices, config, calibrations)
+    mode = "heartbeat only" if not sampler.available else f"{len(devices)} GPU(s) + heartbeat"
+    log.info("watching %s (%s); heartbeat %s", " ".join(options.command), mode, heartbeat)
+
+    # Wall-clock stamps that never jump: start from time.time(), advance by monotonic.
+    wall0, mono0 = time.time(), time.monotonic()
+
+    def now() -> float:
+        return wall0 + (time.monotonic() - mono0)
+
+    started = now()
+    writer = TraceWriter(options.trace_path, devices)
+    env = {**os.environ, HEARTBEAT_ENV: str(heartbeat)}
+    try:
+        proc = subprocess.Popen(list(options.command), env=env, start_new_session=True)
+    except OSError as err:
+        writer.close()
+        sampler.close()
+        raise WatchError(f"cannot start {options.command[0]!r}: {err}") from err
+    alarm: Alarm | None = None
+    actions: dict[str, str] = {}
+    job_ended_at: float | None = None
+    period = 1.0 / config.hz
+    try:
+        with _forward_signals(proc):
+            next_tick = time.monotonic()
+            while proc.poll() is None:
+                t = now()
+                samples = sampler.poll(t)
+                records = read_heartbeats(heartbeat)
+                view = merge(records)
+                writer.write(Tick(t, tuple(samples), view))
+                alarm = watchdog.observe(t, samples, view)
+                if alarm is not None:
+                    job_ended_at = _respond(
+                        alarm, proc, records, watchdog, options, run_id, actions, sampler
+                    )
+                    break
+                next_tick += period
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(0.0, next_tick - time.monotonic()))
+    finally:
+        writer.close()
+        sampler.close()
+        if proc.poll() is None:
+            # An exception in the watcher itself: do not leave an unwatched job behind.
+            log.error("watcher failed; ending the job it was watching")
+            end_job(proc.pid, config.kill_grace_s)
+        proc.wait()
+
+    ended = now()
+    watchdog.finish(ended)
+    command_code = _exit_code(proc.returncode)
+    exit_code = WATCHDOG_EXIT_CODE if alarm is not None else command_code
+    accounting = watchdog.accounting.to_dict()
+    log.info("GPU time by state:\n%s", watchdog.accounting.table())
+    plot = out_dir / "timeline.png"
+    if watchdog.windows and "plot" not in actions:
+        _run_action(actions, "plot", lambda: _plot(options, watchdog, plot))
+    if run_id and alarm is None:
+        _run_action(
+            actions,
+            "mlflow_summary",
+            lambda: log_mlflow_summary(run_id, accounting, [plot], _tracking_uri(options)),
+        )
+    manifest = out_dir / "watch.json"
+    write_json(
+        manifest,
+        {
+            "command": list(options.command),
+            "config": asdict(config),
+            "started": dt.datetime.fromtimestamp(started, dt.UTC).isoformat(),
+            "ended": dt.datetime.fromtimestamp(ended, dt.UTC).isoformat(),
+            "mode": mode,
+            "devices": [asdict(d) for d in devices],
+            "calibrations": {
+                str(i): {"gpu_model": c.gpu_model, "estimated": c.estimated}
+                for i, c in watchdog.calibrations.items()
+            },
+            "heartbeat": str(heartbeat),
+            "trace": str(options.trace_path),
+            "mlflow_run_id": run_id,
+            "alarm": asdict(alarm) if alarm else None,
+            "actions": actions,
+            "events": [{"t": t, "message": m} for t, m in watchdog.events],
+            "accounting": accounting,
+            "command_exit_code": command_code,
+            "exit_code": exit_code,
+            "job_ended_at": job_ended_at,
+        },
+    )
+    return WatchOutcome(exit_code, command_code, alarm, actions, accounting, manifest, job_ended_at)
+
+
+def _plot(options: WatchOptions, watchdog: Watchdog, out: Path) -> str:
+    from tuneloop.telemetry.plot import plot_timeline
+
+    title = f"tuneloop watch: {' '.join(options.command)[:80]}"
+    plot_timeline([], list(watchdog.windows), out, title, watchdog.alarms)
+    return str(out)
+
+
+def _respond(
+    alarm: Alarm,
+    proc: subprocess.Popen[bytes],
+    records: Sequence[HeartbeatRecord],
+    watchdog: Watchdog,
+    options: WatchOptions,
+    run_id: str | None,
+    actions: dict[str, str],
+    sampler: Sampler,
+) -> float | None:
+    """Stacks, end the job, timeline, MLflow, alert; returns when the job was ended."""
+    out_dir = options.out_dir
+    ended: list[float] = []
+    stacks = out_dir / "stacks.txt"
+    plot = out_dir / "timeline.png"
+    _run_action(actions, "stacks", lambda: dump_stacks(job_processes(proc.pid), records, stacks))
+
+    def end() -> str:
+        killed = end_job(proc.pid, options.config.kill_grace_s)
+        proc.wait()
+        ended.append(time.time())
+        return f"ended (SIGTERM; SIGKILL for {killed})" if killed else "ended (SIGTERM)"
+
+    _run_action(actions, "end_job", end)
+    timeline = watchdog.timeline_text(options.config.timeline_tail_s)
+    (out_dir / "timeline.tsv").write_text(timeline, encoding="utf-8")
+    if watchdog.windows:
+        tail_start = alarm.t - options.config.timeline_tail_s
+        windows = [w for w in watchdog.windows if w.t1 >= tail_start]
+
+        def draw() -> str:
+            from tuneloop.telemetry.plot import plot_timeline
+
+            title = f"watchdog: {alarm.kind} at step {alarm.last_step}"
+            return str(plot_timeline(sampler.recent(tail_start), windows, plot, title, [alarm]))
+
+        _run_action(actions, "plot", draw)
+    if run_id:
+        _run_action(
+            actions,
+            "mlflow",
+            lambda: mark_mlflow_failed(
+                run_id,
+                alarm.reason,
+                timeline,
+                [stacks, plot],
+                _tracking_uri(options),
+                watchdog.accounting.to_dict(),
+            ),
+        )
+    if options.alert.configured:
+        payload = {
+            "event": "tuneloop.watchdog." + alarm.kind,
+            "reason": alarm.reason,
+            "command": list(options.command),
+            "last_step": alarm.last_step,
+            "mlflow_run_id": run_id,
+            "host": os.uname().nodename,
+            "out_dir": str(out_dir),
+        }
+        _run_action(actions, "alert", lambda: send_alert(options.alert, payload))
+    return ended[0] if ended else None
+
+
+def build_watch_parser() -> argparse.ArgumentParser:
+    defaults = WatchConfig()
+    parser = argparse.ArgumentParser(
+        prog="tuneloop watch",
+        usage="tuneloop watch [options] -- COMMAND [ARG ...]",
+        description=(
+            "Run a training command under the power watchdog: on a deadlock (no step, low "
+            "GPU power, outside a checkpoint/eval section) dump stacks, end the job, mark "
+            "the MLflow run failed and alert. Exits with the command's code, or "
+            f"{WATCHDOG_EXIT_CODE} when the watchdog ended it."
+        ),
+    )
+    parser.add_argument(
+        "--deadlock-after",
+        type=float,
+        default=defaults.deadlock_after_s,
+        metavar="S",
+        help="seconds without a step at low power (outside sections) that make a deadlock "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--window",
+        type=float,
+        default=defaults.window_s,
+        metavar="S",
+        help="classification window, >= 5 s (default %(default)s)",
+    )
+    parser.add_argument(
+        "--hz",
+        type=float,
+        default=defaults.hz,
+        help="samples per second, 1..10 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--kill-grace",
+        type=float,
+        default=defaults.kill_grace_s,
+        metavar="S",
+        help="seconds between SIGTERM and SIGKILL (default %(default)s)",
+    )
+    parser.add_argument(
+        "--section-max-factor",
+        type=float,
+        default=defaults.section_max_factor,
+        metavar="N",
+        help="a checkpoint/eval section longer than N x "
+        "--deadlock-after is a hang too (default %(default)s)",
+    )
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="where trace, stacks, plot and watch.json go (default watch/<UTC time>)",
+    )
+    parser.add_argument(
+        "--heartbeat",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="heartbeat file, passed to the job as $TUNELOOP_HEARTBEAT "
+        "(default OUT_DIR/heartbeat.json)",
+    )
+    parser.add_argument(
+        "--trace-out",
+        type=Path,
+        default=None,
+        metavar="CSV",
+        help="telemetry trace (default OUT_DIR/trace.csv)",
+    )
+    parser.add_argument(
+        "--replay",
+        type=Path,
+        default=None,
+        metavar="CSV",
+        help="take GPU readings from a recorded trace, paced in real time",
+    )
+    parser.add_argument(
+        "--heartbeat-only", action="store_true", help="ignore GPU telemetry even where NVML works"
+    )
+    parser.add_argument(
+        "--gpus", default=None, metavar="I,J", help="NVML indices of the job's GPUs (default all)"
+    )
+    parser.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="calibration file for these GPUs (default: matched by GPU name)",
+    )
+    parser.add_argument(
+        "--mlflow-run-id",
+        default=None,
+        help=f"run to mark FAILED on a deadlock (default ${RUN_ID_ENV})",
+    )
+    parser.add_argument(
+        "--mlflow-tracking-uri",
+        default=None,
+        help="MLflow store (default $MLFLOW_TRACKING_URI, else ./mlflow.db)",
+    )
+    parser.add_argument(
+        "--alert-webhook",
+        default=os.environ.get(ALERT_WEBHOOK_ENV),
+        metavar="URL",
+        help=f"POST a JSON alert here (default ${ALERT_WEBHOOK_ENV})",
+    )
+    parser.add_argument(
+        "--alert-command",
+        default=os.environ.get(ALERT_COMMAND_ENV),
+        metavar="CMD",
+        help="run this shell command on an alert, with "
+        f"$TUNELOOP_ALERT_REASON set (default ${ALERT_COMMAND_ENV})",
+    )
+    return parser
+
+
+def watch_main(argv: Sequence[str] | None = None) -> int:
+    """``tuneloop watch``; returns the exit code."""
+    argv = list(argv or [])
+    parser = build_watch_parser()
+    if "--" in argv:
+        split = argv.index("--")
+        own, command = argv[:split], argv[split + 1 :]
+    else:
+        own, command = argv, []
+    args = parser.parse_args(own)
+    if not command:
+        parser.error("give the training command after --, e.g. tuneloop watch -- torchrun train.py")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = WatchConfig(
+            deadlock_after_s=args.deadlock_after,
+            window_s=args.window,
+            hz=args.hz,
+            kill_grace_s=args.kill_grace,
+            section_max_factor=args.section_max_factor,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    gpus = None
+    if args.gpus:
+        try:
+            gpus = tuple(int(i) for i in args.gpus.split(","))
+        except ValueError:
+            parser.error(f"--gpus {args.gpus!r}: give NVML indices like 0,1,2")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+    options = WatchOptions(
+        command=tuple(command),
+        out_dir=args.out_dir or Path("watch") / stamp,
+        config=config,
+        heartbeat=args.heartbeat,
+        trace_out=args.trace_out,
+        replay=args.replay,
+        heartbeat_only=args.heartbeat_only,
+        gpus=gpus,
+        calibration=args.calibration,
+        mlflow_run_id=args.mlflow_run_id,
+        tracking_uri=args.mlflow_tracking_uri,
+        alert=AlertHook(args.alert_webhook or None, args.alert_command or None),
+    )
+    try:
+        outcome = watch(options)
+    except WatchError as err:
+        print(f"tuneloop watch: {err}", file=sys.stderr)
+        return 127  # the shell's "command not found"
+    if outcome.alarm is not None:
+        print(f"tuneloop watch: {outcome.alarm.reason}")
+        for name, result in outcome.actions.items():
+            print(f"  {name}: {result}")
+    print(f"tuneloop watch: exit {outcome.exit_code}; details in {outcome.manifest}")
+    return outcome.exit_code
