@@ -1,12 +1,15 @@
 """Stage ``clean``: pooled records into training chats, a validation split and DPO pairs.
 
-Reads:  ``paths.pool`` records; eval suite items under ``paths.eval_suites``.
+Reads:  ``paths.pool`` records; eval suite items under ``paths.eval_suites``; the
+        base model's tokenizer (for the token limit).
 Writes: ``paths.clean``/train.jsonl, val.jsonl (``{"id", "messages"}``), dpo.jsonl
         (``{"id", "prompt", "chosen", "rejected"}``), manifest.json;
         ``metrics/clean.json``.
 Params: ``clean``, ``paths``.
 
-Every pooled record is accounted for: kept, or removed with a counted reason.
+Every pooled record is accounted for: kept, or removed with a counted reason
+(reply too short, degenerate repetition, over the token limit, an eval item's
+near-duplicate, an exact or near duplicate, outside the pilot sample).
 The split is by content hash, so a sample never moves between train and val
 from one month to the next.
 """
@@ -18,11 +21,15 @@ import logging
 import re
 import unicodedata
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from tuneloop import lineage, suites
+from tuneloop.chat import render
 from tuneloop.io import atomic_dir, write_json, write_jsonl
+from tuneloop.models import base_model_ref, load_tokenizer
+from tuneloop.neardup import NearDupIndex
 from tuneloop.params import CleanParams, load_params
 from tuneloop.records import PoolRecord, pool_records
 from tuneloop.stage import setup_logging, write_metrics
@@ -56,6 +63,9 @@ class CleanResult:
     records_in: int = 0
 
 
+TokenCounter = Callable[[list[dict[str, str]]], int]
+
+
 def to_chat(record: PoolRecord) -> list[dict[str, str]] | None:
     """The conversation to learn from: a chat as is; a badcase with its correction as the reply."""
     messages = [m.model_dump() for m in record.messages]
@@ -66,16 +76,50 @@ def to_chat(record: PoolRecord) -> list[dict[str, str]] | None:
     return [*messages, {"role": "assistant", "content": record.corrected_response}]
 
 
-def clean(records: list[PoolRecord], eval_questions: set[str], params: CleanParams) -> CleanResult:
+def distinct_ngram_share(text: str, n: int = 4) -> float:
+    """Share of distinct character n-grams: near 0 for 'ok ok ok ok ...', near 1 for prose."""
+    grams = [text[i : i + n] for i in range(len(text) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def filter_reason(
+    messages: list[dict[str, str]], params: CleanParams, count_tokens: TokenCounter
+) -> str | None:
+    """Why a conversation is not fit to train on, or None."""
+    replies = [m["content"].strip() for m in messages if m["role"] == "assistant"]
+    if min(len(r) for r in replies) < params.min_response_chars:
+        return "response_too_short"
+    if any(len(r) >= 40 and distinct_ngram_share(r) < params.min_distinct_ngrams for r in replies):
+        return "degenerate_repetition"
+    if count_tokens(messages) > params.max_tokens:
+        return "over_token_limit"
+    return None
+
+
+def user_text(messages: list[dict[str, str]]) -> str:
+    return "\n".join(m["content"] for m in messages if m["role"] == "user")
+
+
+def clean(
+    records: list[PoolRecord],
+    eval_questions: list[str],
+    params: CleanParams,
+    count_tokens: TokenCounter,
+) -> CleanResult:
+    """Every pooled record ends kept (train or val) or removed with a counted reason."""
     result = CleanResult(records_in=len(records))
+    exact_eval = {normalise(q) for q in eval_questions}
+    eval_index = NearDupIndex(params.decontam_threshold)
+    for number, question in enumerate(eval_questions):
+        eval_index.add(str(number), question)
+    near_dups = NearDupIndex(params.near_dup_threshold)
     seen: set[str] = set()
     for record in records:
         if record.kind == "badcase" and record.corrected_response is not None:
-            prompt = [m.model_dump() for m in record.messages]
             result.dpo.append(
                 {
                     "id": record.id,
-                    "prompt": prompt,
+                    "prompt": [m.model_dump() for m in record.messages],
                     "chosen": record.corrected_response,
                     "rejected": record.bad_response,
                 }
@@ -84,11 +128,11 @@ def clean(records: list[PoolRecord], eval_questions: set[str], params: CleanPara
         if messages is None:
             result.removed["badcase_without_correction"] += 1
             continue
-        replies = [m["content"] for m in messages if m["role"] == "assistant"]
-        if min(len(r.strip()) for r in replies) < params.min_response_chars:
-            result.removed["response_too_short"] += 1
+        if reason := filter_reason(messages, params, count_tokens):
+            result.removed[reason] += 1
             continue
-        if any(normalise(m["content"]) in eval_questions for m in messages if m["role"] == "user"):
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        if any(normalise(u) in exact_eval or eval_index.query(u) for u in users):
             result.removed["eval_contamination"] += 1
             continue
         key = text_key(messages)
@@ -96,13 +140,17 @@ def clean(records: list[PoolRecord], eval_questions: set[str], params: CleanPara
             result.removed["exact_duplicate"] += 1
             continue
         seen.add(key)
+        text = "\n".join(m["content"] for m in messages)
+        if near_dups.query(text):
+            result.removed["near_duplicate"] += 1
+            continue
+        near_dups.add(key, text)
         if hash_fraction(key, "pilot") >= params.pilot_fraction:
             result.removed["not_in_pilot"] += 1
             continue
         sample = {"id": key[:16], "messages": messages}
-        (result.val if hash_fraction(key, "val") < params.val_fraction else result.train).append(
-            sample
-        )
+        is_val = hash_fraction(key, "val") < params.val_fraction
+        (result.val if is_val else result.train).append(sample)
     return result
 
 
@@ -111,8 +159,13 @@ def main() -> None:
     params = load_params()
     with stage_run(STAGE, params):
         records = list(pool_records(params.paths.pool))
-        eval_questions = {normalise(q) for _, q in suites.questions(params.paths.eval_suites)}
-        result = clean(records, eval_questions, params.clean)
+        eval_questions = [q for _, q in suites.questions(params.paths.eval_suites)]
+        tokenizer = load_tokenizer(base_model_ref(params))
+
+        def count_tokens(messages: list[dict[str, str]]) -> int:
+            return len(tokenizer(render(tokenizer, messages), add_special_tokens=False).input_ids)
+
+        result = clean(records, eval_questions, params.clean, count_tokens)
         if not result.train:
             raise SystemExit(
                 f"clean: no training sample left from {result.records_in} pooled records "

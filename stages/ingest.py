@@ -6,6 +6,9 @@ Writes: one new batch file under ``paths.pool``/records (accepted records, each
         lines with file, line number and reason); ``metrics/ingest.json``.
 Params: ``ingest``, ``paths``.
 
+PII (e-mail, phone numbers, Chinese resident IDs, bank cards, IP addresses) is
+replaced by typed placeholders before a record is hashed or stored.
+
 Every non-blank line ends in exactly one of: accepted, quarantined, or counted
 as a duplicate of a record already in the pool, so
 ``lines = accepted + quarantined + duplicates`` holds on every run. Nothing in
@@ -24,11 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tuneloop import pii
 from tuneloop.io import read_jsonl, write_jsonl
 from tuneloop.params import load_params
 from tuneloop.records import (
     Badcase,
+    Chat,
     InvalidRecord,
+    Message,
     PoolRecord,
     content_hash,
     parse_record,
@@ -55,6 +61,7 @@ class IngestResult:
     duplicates: int = 0
     blank: int = 0
     reasons: Counter[str] = field(default_factory=Counter)
+    pii: Counter[str] = field(default_factory=Counter)
 
     @property
     def lines(self) -> int:
@@ -89,6 +96,28 @@ def decode(line: Line, max_line_bytes: int) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as error:
         raise InvalidRecord("bad_json", f"bad JSON: {error.msg} at column {error.colno}") from None
+
+
+def scrub_record(record: Chat | Badcase) -> tuple[Chat | Badcase, Counter[str]]:
+    """The record with PII replaced by typed placeholders in every text field, and the counts."""
+    found: Counter[str] = Counter()
+
+    def clean(text: str) -> str:
+        scrubbed, counts = pii.scrub(text)
+        found.update(counts)
+        return scrubbed
+
+    messages = [Message(role=m.role, content=clean(m.content)) for m in record.messages]
+    if isinstance(record, Badcase):
+        corrected = record.corrected_response
+        return record.model_copy(
+            update={
+                "messages": messages,
+                "bad_response": clean(record.bad_response),
+                "corrected_response": clean(corrected) if corrected is not None else None,
+            }
+        ), found
+    return record.model_copy(update={"messages": messages}), found
 
 
 def ingest(lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str) -> IngestResult:
@@ -127,6 +156,8 @@ def ingest(lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str
                 }
             )
             continue
+        record, found = scrub_record(record)
+        result.pii.update(found)
         digest = content_hash(record)
         if digest in seen:
             result.duplicates += 1
@@ -185,6 +216,7 @@ def main() -> None:
             "blank_lines": result.blank,
             "reject_rate": round(reject_rate, 6),
             "quarantine_reasons": dict(result.reasons),
+            "pii_scrubbed": {kind: result.pii.get(kind, 0) for kind in pii.PII_TYPES},
             "pool_records": pooled + len(result.accepted),
         }
         log.info(

@@ -220,13 +220,27 @@ def _wrong_answer(item: Item, rng: random.Random) -> str:
     return other
 
 
+# Customers paste contact details into chats; ingest must scrub them before storing.
+PII_SNIPPETS = (
+    "My email is chen.li@example.com. ",
+    "Call me at 138 1234 5678. ",
+    "我的手机号是+86 139-8765-4321，",
+    "My card 4111 1111 1111 1111 was charged. ",
+    "身份证号11010519491231002X。",
+    "Logged in from 203.0.113.7. ",
+)
+
+
 def badcase_records(seed: int, n: int) -> Iterator[dict[str, object]]:
     """Router feedback: the conversation, the bad response, the correction."""
     gen = _Generator(seed + 1, "train")
     for index in range(n):
         item = gen.item(unknown_rate=0.3)
+        question = item.question
+        if index % 10 == 0:
+            question = PII_SNIPPETS[(index // 10) % len(PII_SNIPPETS)] + question
         yield {
-            "messages": [{"role": "user", "content": item.question}],
+            "messages": [{"role": "user", "content": question}],
             "bad_response": _wrong_answer(item, gen.rng),
             "corrected_response": item.answer,
             "source": "router-feedback",

@@ -96,6 +96,14 @@ class IngestParams(_Group):
 class CleanParams(_Group):
     val_fraction: float = Field(gt=0, lt=0.5)
     min_response_chars: int = Field(ge=1)
+    max_tokens: int = Field(ge=16, description="a conversation longer than this is filtered")
+    min_distinct_ngrams: float = Field(
+        ge=0, le=1, description="below this share of distinct 4-grams a reply is degenerate"
+    )
+    near_dup_threshold: float = Field(gt=0, le=1, description="MinHash Jaccard for near-dups")
+    decontam_threshold: float = Field(
+        gt=0, le=1, description="MinHash Jaccard at which a user turn matches an eval item"
+    )
     pilot_fraction: float = Field(gt=0, le=1, description="1.0 = the full data set")
 
 

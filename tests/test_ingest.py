@@ -1,0 +1,220 @@
+"""Ingest against hostile input: every line accounted for, no PII stored, nothing lost."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stages import ingest
+from tests.conftest import write_params
+from tuneloop import pii
+from tuneloop.records import pool_records
+
+GOOD = {"prompt": "Can I return the Aurora kettle?", "response": "[return] Yes, within 30 days."}
+
+
+def line(record: Any) -> bytes:
+    return json.dumps(record, ensure_ascii=False).encode() + b"\n"
+
+
+def hostile_file() -> tuple[bytes, dict[str, int]]:
+    """A month's export at its worst, and how many lines of each outcome it holds."""
+    chat = {
+        "messages": [
+            {"role": "user", "content": "Hi, my email is a.b@example.com, call 13812345678"},
+            {"role": "assistant", "content": "[greeting] Hello!"},
+        ]
+    }
+    lines = [
+        b"\xef\xbb\xbf" + line(GOOD),  # UTF-8 byte-order mark on the first line
+        line({"prompt": "Warranty on the Zephyr fan?", "response": "[warranty] 12 months."})[:-1]
+        + b"\r\n",  # CRLF line ending
+        line(chat),
+        line(
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": "card 4111 1111 1111 1111, id "
+                        "11010519491231002X, from 203.0.113.7 or 2001:db8::1",
+                    }
+                ],
+                "bad_response": "ok",
+                "corrected_response": "[unknown] Sorry, +44 20 7946 0958 is not ours.",
+            }
+        ),
+        b'{"prompt": "unterminated\n',  # bad JSON
+        b"\n",  # blank line: not a record
+        b'{"prompt": "caf\xe9", "response": "latin-1 bytes"}\n',  # invalid UTF-8
+        line({"prompt": "x" * 10_500_000, "response": "huge"}),  # 10 MB line
+        line(
+            {"messages": [{"role": "robot", "content": "beep"}, {"role": "user", "content": "x"}]}
+        ),
+        line(
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "system", "content": "you are evil now"},
+                    {"role": "assistant", "content": "ok"},
+                ]
+            }
+        ),
+        line({"prompt": "   ", "response": "blank prompt"}),
+        line(
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}
+        ),
+        line({"text": "no accepted fields"}),
+        line(["not", "an", "object"]),
+        line(GOOD),  # duplicate within the file
+        b"\n",  # blank line: not a record
+    ]
+    # GOOD is already in the pool (first.jsonl), so both of its lines here are duplicates.
+    return b"".join(lines), {"accepted": 3, "quarantined": 9, "duplicates": 2, "blank": 2}
+
+
+def pool_digest(pool: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(pool)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(pool.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def project(in_folder: Path) -> Iterator[Path]:
+    write_params(in_folder, {"ingest": {"max_reject_rate": 0.9, "max_line_bytes": 1_000_000}})
+    incoming = in_folder / "data/badcases/incoming"
+    incoming.mkdir(parents=True)
+    (incoming / "first.jsonl").write_bytes(line(GOOD) + line({"prompt": "p", "response": "r"}))
+    ingest.main()
+    yield in_folder
+
+
+def metrics(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / "metrics/ingest.json").read_text())
+
+
+def test_hostile_file_every_line_accounted_no_pii_pool_intact(project: Path) -> None:
+    pool = project / "data/pool"
+    before = pool_digest(pool)
+    data, expected = hostile_file()
+    (project / "data/badcases/incoming/hostile.jsonl").write_bytes(data)
+    ingest.main()
+    m = metrics(project)
+    # first.jsonl is read again: its 2 lines are duplicates now, and GOOD recurs in hostile.
+    assert m["lines"] == m["accepted"] + m["quarantined"] + m["duplicates"]
+    assert m["accepted"] == expected["accepted"]
+    assert m["quarantined"] == expected["quarantined"]
+    assert m["duplicates"] == expected["duplicates"] + 2
+    assert m["blank_lines"] == expected["blank"]
+    assert set(m["quarantine_reasons"]) >= {
+        "bad_json",
+        "invalid_utf8",
+        "line_too_long",
+        "unknown_role",
+        "system_not_first",
+        "empty_content",
+        "unknown_shape",
+        "not_an_object",
+    }
+    # Nothing already stored changed: the old batch files are byte-identical.
+    after = pool_digest(pool)
+    assert {k: after[k] for k in before} == before
+    # Every rejected line is in quarantine with its file, line and reason.
+    quarantine = [
+        json.loads(x)
+        for p in (pool / "quarantine").glob("*.jsonl")
+        for x in p.read_text().splitlines()
+    ]
+    assert len(quarantine) == expected["quarantined"]
+    assert all(q["file"] == "hostile.jsonl" and q["line"] > 0 and q["reason"] for q in quarantine)
+    # No PII survives into the pool, and each kind was counted.
+    for record in pool_records(pool):
+        texts = [m.content for m in record.messages]
+        texts += [record.bad_response or "", record.corrected_response or ""]
+        for text in texts:
+            assert not pii.scrub(text)[1], text
+    assert all(m["pii_scrubbed"][kind] >= 1 for kind in pii.PII_TYPES)
+
+
+def test_ingesting_the_same_files_twice_adds_nothing(project: Path) -> None:
+    data, _ = hostile_file()
+    (project / "data/badcases/incoming/hostile.jsonl").write_bytes(data)
+    ingest.main()
+    pool = project / "data/pool"
+    before = pool_digest(pool)
+    ingest.main()
+    m = metrics(project)
+    assert m["accepted"] == 0 and m["quarantined"] == 0
+    assert m["duplicates"] == m["lines"]
+    assert pool_digest(pool) == before
+
+
+def test_a_crash_mid_ingest_leaves_the_pool_as_it_was(
+    project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = project / "data/pool"
+    before = pool_digest(pool)
+    (project / "data/badcases/incoming/more.jsonl").write_bytes(
+        line({"prompt": "new one", "response": "[return] ok"})
+    )
+
+    def crash(src: str, dst: str) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        ingest.main()
+    assert pool_digest(pool) == before
+
+
+def test_reject_rate_over_the_limit_fails_and_stores_nothing(in_folder: Path) -> None:
+    write_params(in_folder, {"ingest": {"max_reject_rate": 0.2, "max_line_bytes": 1000}})
+    incoming = in_folder / "data/badcases/incoming"
+    incoming.mkdir(parents=True)
+    (incoming / "bad.jsonl").write_bytes(line(GOOD) + b"{nope\n{nope again\n")
+    with pytest.raises(SystemExit, match=r"ingest.max_reject_rate=20.0%; the pool is unchanged"):
+        ingest.main()
+    assert not list((in_folder / "data/pool").rglob("*.jsonl"))
+    assert (in_folder / "reports/ingest-rejected.jsonl").read_text().count("\n") == 2
+
+
+# Property tests over generated lines: the pure core, no MLflow.
+roles = st.sampled_from(["system", "user", "assistant", "robot"])
+texts = st.text(min_size=0, max_size=30)
+message = st.fixed_dictionaries({"role": roles, "content": texts})
+record = st.one_of(
+    st.fixed_dictionaries({"prompt": texts, "response": texts}),
+    st.fixed_dictionaries({"messages": st.lists(message, max_size=4)}),
+    st.fixed_dictionaries(
+        {"messages": st.lists(message, max_size=3), "bad_response": texts},
+        optional={"corrected_response": texts},
+    ),
+    st.dictionaries(st.text(max_size=5), texts, max_size=2),
+)
+raw_line = st.one_of(
+    record.map(line), st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"") + b"\n")
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(raw_line, max_size=25))
+def test_property_conservation_and_idempotence(raw: list[bytes]) -> None:
+    lines = [ingest.Line("f.jsonl", n, r) for n, r in enumerate(raw, start=1)]
+    first = ingest.ingest(iter(lines), set(), 1000, "t")
+    assert first.lines + first.blank == len(lines)
+    assert first.lines == len(first.accepted) + len(first.quarantined) + first.duplicates
+    for record in first.accepted:
+        assert not any(pii.scrub(m.content)[1] for m in record.messages)
+    known = {r.id for r in first.accepted} | {q["sha256"] for q in first.quarantined}
+    second = ingest.ingest(iter(lines), known, 1000, "t")
+    assert not second.accepted and not second.quarantined
+    assert second.duplicates == second.lines == first.lines
