@@ -107,7 +107,11 @@ def stage_run(stage: str, params: Params) -> Iterator[Run]:
     # A flow task created this child run; resume it. Drop the variable once
     # used, or the transformers MLflow callback would try to start it again.
     run_id = os.environ.pop("MLFLOW_RUN_ID", None)
-    with mlflow.start_run(run_id=run_id, run_name=stage, experiment_id=experiment_id) as run:
+    # Inside an active run (a notebook, a flow in-process), the stage is its child.
+    nested = mlflow.active_run() is not None
+    with mlflow.start_run(
+        run_id=run_id, run_name=stage, experiment_id=experiment_id, nested=nested
+    ) as run:
         mlflow.set_tags(lineage_tags(stage, params) | dvc_tags(stage))
         mlflow.log_params(flat_params(params, stage))
         yield run

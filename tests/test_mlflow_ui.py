@@ -1,0 +1,134 @@
+"""The MLflow UI shows a pipeline run's stages and lineage tags, rendered by a real browser.
+
+Needs Debian's `chromium` (`.ci/run` installs it); skipped where it is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import write_params
+from tuneloop import tracking
+from tuneloop.params import load_params
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def chromium(url: str, profile: Path, *extra: str) -> str:
+    assert CHROMIUM is not None
+    command = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=20000",
+        *extra,
+        url,
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120).stdout
+
+
+@pytest.fixture
+def ui(in_folder: Path) -> Iterator[tuple[str, str, str]]:
+    """A parent run with stage children logged the way the flow logs them, and a UI serving it."""
+    write_params(in_folder)
+    params = load_params()
+    experiment_id = tracking.setup(params.tracking.experiment)
+    with mlflow.start_run(run_name="retrain-ui-test", experiment_id=experiment_id) as parent:
+        mlflow.set_tags({"git.commit": "0123abcd", "prefect.flow_run_id": "flow-ui-test"})
+        for stage in ("ingest", "train"):
+            with tracking.stage_run(stage, params):
+                mlflow.log_metric("records", 42)
+    port = free_port()
+    env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            tracking.tracking_uri(),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "mlflow server did not start in 90 s"
+            time.sleep(0.5)
+        yield base, experiment_id, parent.info.run_id
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_experiment_page_lists_the_pipeline_run(ui: tuple[str, str, str], tmp_path: Path) -> None:
+    base, experiment_id, parent_id = ui
+    page = f"{base}/#/experiments/{experiment_id}/runs"
+    dom = chromium(page, tmp_path / "profile", "--dump-dom")
+    # The stage runs are folded under their parent in the runs table.
+    assert "retrain-ui-test" in dom, "the pipeline run is not rendered on the experiment page"
+    shot = tmp_path / "experiment.png"
+    chromium(
+        page,
+        tmp_path / "profile2",
+        f"--screenshot={shot}",
+        "--window-size=1400,900",
+    )
+    assert shot.stat().st_size > 10_000
+    MlflowClient().log_artifact(parent_id, str(shot), "ui")
+    artifacts = [a.path for a in MlflowClient().list_artifacts(parent_id, "ui")]
+    assert artifacts == ["ui/experiment.png"]
+
+
+def test_run_page_shows_the_lineage_tags(ui: tuple[str, str, str], tmp_path: Path) -> None:
+    base, experiment_id, _ = ui
+    child = MlflowClient().search_runs(
+        [experiment_id], filter_string="tags.`tuneloop.stage` = 'train'"
+    )[0]
+    dom = chromium(
+        f"{base}/#/experiments/{experiment_id}/runs/{child.info.run_id}",
+        tmp_path / "profile",
+        "--dump-dom",
+    )
+    for tag in ("train", "params.hash", "git.commit", child.data.tags["params.hash"]):
+        assert tag in dom, f"{tag!r} not rendered on the run page"
