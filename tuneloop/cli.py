@@ -71,6 +71,42 @@ def _demo(args: argparse.Namespace) -> int:
     return _retrain(args)
 
 
+def _approve(args: argparse.Namespace) -> int:
+    from tuneloop import approval
+
+    try:
+        done = approval.approve(args.flow_run, args.approver, args.percent, args.comment)
+    except approval.ApprovalError as error:
+        print(f"tuneloop approve: {error}", file=sys.stderr)
+        return 1
+    print(f"approved {done['flow_run']}: challenger -> {done['next_percent']} % by {args.approver}")
+    return 0
+
+
+def _reject(args: argparse.Namespace) -> int:
+    from tuneloop import approval
+
+    try:
+        done = approval.reject(args.flow_run, args.approver, args.comment)
+    except approval.ApprovalError as error:
+        print(f"tuneloop reject: {error}", file=sys.stderr)
+        return 1
+    print(f"rejected {done['flow_run']} by {args.approver}: the challenger is rolled back to 0 %")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from tuneloop import approval
+    from tuneloop.params import load_params
+
+    result = approval.status(load_params())
+    if args.json:
+        print(json.dumps(result, indent=2, ensure_ascii=False, default=str))
+    else:
+        print(approval.format_status(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tuneloop", description="Continuous fine-tuning: badcases in, a judged model out."
@@ -90,6 +126,31 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--repo", default=".", help="the tuneloop project folder")
         command.add_argument("--json", action="store_true", help="also print the full result")
         command.set_defaults(run=run)
+
+    approve = commands.add_parser(
+        "approve", help="approve the next traffic step of a release waiting for approval"
+    )
+    approve.add_argument("flow_run", help="the paused release's flow-run id or name")
+    approve.add_argument("--approver", required=True, help="your name, kept with the release")
+    approve.add_argument(
+        "--percent", type=int, help="challenger percent to move to (default: the planned step)"
+    )
+    approve.add_argument("--comment", default="", help="why, kept with the release")
+    approve.set_defaults(run=_approve)
+
+    reject = commands.add_parser(
+        "reject", help="reject a release waiting for approval: the challenger goes to 0 %%"
+    )
+    reject.add_argument("flow_run", help="the paused release's flow-run id or name")
+    reject.add_argument("--approver", required=True, help="your name, kept with the release")
+    reject.add_argument("--comment", required=True, help="why; recorded as the rollback reason")
+    reject.set_defaults(run=_reject)
+
+    status = commands.add_parser(
+        "status", help="live weights, per-arm figures, registry aliases, releases waiting"
+    )
+    status.add_argument("--json", action="store_true", help="print it as JSON")
+    status.set_defaults(run=_status)
     return parser
 
 

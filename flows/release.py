@@ -1,0 +1,647 @@
+"""The release flow: canary, analysis, a person's approval, ramp, promote — or roll back.
+
+Reads the registry's ``challenger`` and ``champion`` versions of
+``tracking.registered_model`` and drives the canary router(s) in
+``release.routers`` through ``release.steps`` (e.g. 10 -> 50 -> 100 %):
+
+1. **Preflight**: the router's arms must serve exactly those two versions and
+   send the challenger nothing yet; otherwise nothing moves.
+2. **Load test** before the first traffic: candidate and champion backends,
+   called directly, on median TTFT and output throughput
+   (``release.loadtest``); a regression past the thresholds blocks the release.
+3. **Each step**: set the weight, then analyse every ``analysis_interval``
+   seconds (challenger against champion: error rate, p99 latency and TTFT,
+   badcase rate) until ``analyses_per_step`` have passed. Failed analyses are
+   counted over the whole release; at ``failure_limit`` the flow rolls back by
+   itself. Analysis goes on while the flow waits for a person.
+4. **Before every increase** the flow pauses for a person
+   (``pause_flow_run(wait_for_input=...)``): approve (optionally choosing the
+   next percent) or reject, with name and comment, from the Prefect UI or
+   ``tuneloop approve|reject``. The answer is validated again here. Reject, or
+   no answer within ``approval_timeout``, rolls back; it never ramps.
+5. **At 100 %**, after its analyses pass, **promote**: alias ``champion`` moves
+   to the candidate, ``previous-champion`` marks the old one (kept, for an
+   instant return), ``challenger`` is removed.
+
+**Rollback** is ``POST /admin/rollback`` on every replica: the challenger gets
+0 % from the very next request; registry aliases are not touched. Every step,
+analysis, answer and decision is logged on the candidate's MLflow run (the run
+its model version came from): ``release.*`` metrics and tags, and the event
+log as the text artifact ``release/<flow-run-id>.jsonl``.
+
+The load test runs while the champion serves its live traffic and the
+candidate serves none, which favours the candidate: set the thresholds with
+that in mind, or point the test at an idle copy of the champion.
+
+The flow ends COMPLETED only when it promoted. A blocked or rolled-back
+release ends FAILED with the reason as the state message; an approval timeout
+also ends FAILED, with Prefect's own message ("The flow was failed and never
+resumed."), because the server fails a paused run whose pause timed out even
+though the flow catches the timeout, rolls back and records why.
+
+After a promotion the router still sends 100 % to its ``challenger`` arm:
+the operator swaps the arms in ``router.yaml`` (the new version becomes the
+``champion`` arm at 0 %) at the next router deploy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+from uuid import UUID
+
+import pydantic
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.tracking import MlflowClient
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NONE
+from prefect.exceptions import FlowPauseTimeout
+from prefect.flow_runs import pause_flow_run, resume_flow_run
+from prefect.input import RunInput
+from prefect.runtime import flow_run
+from prefect.states import Failed, State
+
+from serving.controller import (
+    Approval,
+    Check,
+    InvalidAnswer,
+    Snapshot,
+    StatsError,
+    Verdict,
+    analyse,
+    approval_poll_seconds,
+    compare_load,
+    interval,
+    merge,
+    next_step,
+    parse_stats,
+    validate_answer,
+)
+from serving.launch import AdminError, RouterAdmin, load_test
+from tuneloop import tracking
+from tuneloop.params import Params, ReleaseParams, load_params
+from tuneloop.registry import CHALLENGER, CHAMPION, PREVIOUS, find_alias
+
+# The approver name the flow answers its own pause with when analysis rolls back.
+CONTROLLER = "tuneloop-release-controller"
+
+Logger = logging.Logger | logging.LoggerAdapter[Any]
+
+
+class ReleaseRefused(RuntimeError):
+    """The release cannot start; nothing was moved. The message names the fix."""
+
+
+# --- registry ----------------------------------------------------------------------------------
+# tuneloop.registry sets `challenger` when a candidate passes the gate; the
+# release flow is the one place that moves `champion` and `previous-champion`.
+
+
+def registry_pair(client: MlflowClient, name: str) -> tuple[ModelVersion, ModelVersion]:
+    """(candidate, champion): the versions aliased ``challenger`` and ``champion``."""
+    found: dict[str, ModelVersion] = {}
+    for alias in (CHALLENGER, CHAMPION):
+        version = find_alias(name, alias, client)
+        if version is None:
+            raise ReleaseRefused(
+                f"registered model {name!r} has no version with alias {alias!r}; a candidate "
+                "gets `challenger` when it passes the gate (tuneloop.registry), and the model "
+                f"that serves now needs `champion`: MlflowClient().set_registered_model_alias("
+                f"{name!r}, {alias!r}, <version>)"
+            )
+        found[alias] = version
+    candidate, champion = found[CHALLENGER], found[CHAMPION]
+    if str(candidate.version) == str(champion.version):
+        raise ReleaseRefused(
+            f"{name} v{candidate.version} is both champion and challenger; nothing to release"
+        )
+    return candidate, champion
+
+
+def promote(client: MlflowClient, name: str, candidate: str, champion: str) -> None:
+    # `previous-champion` keeps the old version one alias-move away from serving again.
+    client.set_registered_model_alias(name, CHAMPION, candidate)
+    client.set_registered_model_alias(name, PREVIOUS, champion)
+    client.delete_registered_model_alias(name, CHALLENGER)
+
+
+# --- the record on the candidate's MLflow run ----------------------------------------------------
+
+
+class ReleaseLog:
+    """Every event of one release: the flow log, MLflow metrics and tags, a JSON-lines artifact.
+
+    Written from the flow and from the analysis thread that runs during a pause,
+    hence the lock.
+    """
+
+    def __init__(self, client: MlflowClient, run_id: str, flow_run_id: str, logger: Logger) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.artifact = f"release/{flow_run_id}.jsonl"
+        self.logger = logger
+        self.events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def record(
+        self,
+        kind: str,
+        message: str,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
+        warn: bool = False,
+        **fields: Any,
+    ) -> None:
+        (self.logger.warning if warn else self.logger.info)("%s: %s", kind, message)
+        at = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        with self._lock:
+            self.events.append({"at": at, "kind": kind, "message": message, **fields})
+            for key, value in (metrics or {}).items():
+                self.client.log_metric(
+                    self.run_id, f"release.{key}", value, step=step or len(self.events)
+                )
+            self.client.log_text(
+                self.run_id,
+                "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in self.events),
+                self.artifact,
+            )
+
+    def tag(self, **tags: str) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, f"release.{key}", value[:5000])
+
+
+def candidate_run(client: MlflowClient, version: ModelVersion, params: Params, log: Logger) -> str:
+    """The run the candidate version came from, where its release is recorded."""
+    if version.run_id:
+        return str(version.run_id)
+    log.warning(
+        "%s v%s has no source run (registered without one); recording the release in a new run",
+        version.name,
+        version.version,
+    )
+    experiment = client.get_experiment_by_name(params.tracking.experiment)
+    experiment_id = (
+        experiment.experiment_id
+        if experiment is not None
+        else client.create_experiment(params.tracking.experiment)
+    )
+    run = client.create_run(experiment_id, run_name=f"release-v{version.version}")
+    return str(run.info.run_id)
+
+
+# --- one release in progress -------------------------------------------------------------------
+
+
+@dataclass
+class Release:
+    """What the flow and its analysis thread share while one release is under way."""
+
+    params: ReleaseParams
+    admin: RouterAdmin
+    log: ReleaseLog
+    flow_run_id: str
+    baseline: Snapshot | None = None
+    analyses: int = 0
+    failures: int = 0
+    rolled_back: str | None = None
+    rollback_seconds: float | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def read_stats(self) -> Snapshot:
+        return merge([parse_stats(s) for s in self.admin.stats().values()])
+
+    def shift(self, percent: int, reason: str) -> None:
+        self.admin.set_weight(percent, reason)
+        # Intervals are measured from here: traffic before the shift is not this step's.
+        self.baseline = self.read_stats()
+        self.log.record(
+            "shift",
+            f"challenger -> {percent} % ({reason})",
+            {"challenger_percent": float(percent)},
+            percent=percent,
+        )
+        self.history.append({"kind": "shift", "percent": percent})
+
+    def analyse(self, percent: int) -> Verdict:
+        """One analysis of the traffic since the last one, rolling back when it must.
+
+        A failure counts toward ``failure_limit``. The rollback comes before any
+        bookkeeping, so that MLflow writes never delay it.
+        """
+        self.analyses += 1
+        try:
+            after = self.read_stats()
+        except (AdminError, StatsError) as error:
+            verdict = Verdict(
+                False, (Check(f"router_stats ({error})", None, None, "readable", False),)
+            )
+            window = None
+        else:
+            window = interval(self.baseline or after, after)
+            self.baseline = after
+            verdict = analyse(window, self.params, percent)
+        if not verdict.passed:
+            self.failures += 1
+        reason = self.must_roll_back(verdict)
+        if reason is not None:
+            self.roll_back(reason)
+        metrics = {
+            "analysis.passed": float(verdict.passed),
+            "analysis.failures": float(self.failures),
+        }
+        if window is not None:
+            share = window.challenger_share
+            if share is not None:
+                metrics["analysis.challenger_share"] = share
+            for arm, figures in window.arms.items():
+                metrics[f"{arm}.requests"] = float(figures.requests)
+                for name in ("error_rate", "badcase_rate", "latency_p99_ms", "ttft_p99_ms"):
+                    value = getattr(figures, name)
+                    if value is not None:
+                        metrics[f"{arm}.{name}"] = float(value)
+        summary = "; ".join(verdict.reasons)
+        self.log.record(
+            "analysis",
+            f"#{self.analyses} at {percent} %: {'PASS' if verdict.passed else 'FAIL'} "
+            f"(failures {self.failures}/{self.params.failure_limit}): {summary}",
+            metrics,
+            step=self.analyses,
+            warn=not verdict.passed,
+            percent=percent,
+            number=self.analyses,
+            challenger_share=None if window is None else window.challenger_share,
+            **verdict.as_dict(),
+        )
+        self.history.append(
+            {
+                "kind": "analysis",
+                "percent": percent,
+                "passed": verdict.passed,
+                "challenger_share": None if window is None else window.challenger_share,
+                "requests": None
+                if window is None
+                else {arm: f.requests for arm, f in window.arms.items()},
+            }
+        )
+        return verdict
+
+    def must_roll_back(self, verdict: Verdict) -> str | None:
+        """Why this verdict ends the release, or None."""
+        if verdict.interrupted:
+            return "the router's weight was changed outside this flow: " + "; ".join(
+                verdict.reasons
+            )
+        if self.failures >= self.params.failure_limit:
+            return (
+                f"{self.failures} failed analyses (limit {self.params.failure_limit}); last: "
+                + "; ".join(verdict.reasons)
+            )
+        return None
+
+    def roll_back(self, reason: str) -> None:
+        """Challenger to 0 on every router now. Aliases stay as they are."""
+        if self.rolled_back is not None:
+            return
+        try:
+            seconds = self.admin.rollback(reason)
+        except AdminError as error:
+            self.log.record("rollback_failed", str(error), warn=True)
+            self.log.tag(status="rollback_failed", reason=str(error))
+            raise
+        self.rolled_back, self.rollback_seconds = reason, seconds
+        self.log.record(
+            "rollback",
+            f"challenger -> 0 % in {seconds * 1000:.0f} ms: {reason}",
+            {"challenger_percent": 0.0, "rollback_seconds": seconds},
+            warn=True,
+            seconds=seconds,
+        )
+        self.log.tag(status="rolled_back", reason=reason)
+        self.history.append({"kind": "rollback", "reason": reason, "seconds": seconds})
+
+
+# --- tasks -------------------------------------------------------------------------------------
+# No cache: they act on live systems. No retries: a traffic shift is a decision,
+# not something to repeat behind a person's back.
+
+
+@task(task_run_name="load test", cache_policy=NONE, retries=0)
+def loadtest_gate(release: Release, arms: dict[str, dict[str, str]]) -> Verdict:
+    """Candidate against champion, each backend called directly, before any user sees it."""
+    p = release.params.loadtest
+    results = {
+        arm: load_test(
+            arms[arm]["base_url"], arms[arm]["model"], p.requests, p.concurrency, p.max_tokens
+        )
+        for arm in (CHAMPION, CHALLENGER)
+    }
+    verdict = compare_load(results[CHAMPION], results[CHALLENGER], p)
+    metrics = {
+        f"loadtest.{arm}.{key}": float(value)
+        for arm, result in results.items()
+        for key, value in result.summary().items()
+        if value is not None
+    }
+    metrics["loadtest.passed"] = float(verdict.passed)
+    release.log.record(
+        "loadtest",
+        f"{'PASS' if verdict.passed else 'BLOCKED'}: " + "; ".join(verdict.reasons),
+        metrics,
+        warn=not verdict.passed,
+        results={arm: r.summary() for arm, r in results.items()},
+        **verdict.as_dict(),
+    )
+    return verdict
+
+
+@task(task_run_name="challenger to {percent} %", cache_policy=NONE, retries=0)
+def shift_traffic(release: Release, percent: int, reason: str) -> None:
+    release.shift(percent, reason)
+
+
+@task(task_run_name="analysis at {percent} %", cache_policy=NONE, retries=0)
+def hold_and_analyse(release: Release, percent: int) -> Verdict:
+    time.sleep(release.params.analysis_interval)
+    return release.analyse(percent)
+
+
+# --- the person in the loop --------------------------------------------------------------------
+
+
+def approval_form(current: int, proposed: int, description: str) -> type[RunInput]:
+    """The form the Prefect UI shows, with the bounds of this step in its schema.
+
+    Built from ``Approval`` with ``next_percent`` narrowed to (current, 100] and
+    defaulting to the planned step. Only the description goes through
+    ``with_initial_data``, which would drop the bounds of any field it sets.
+    """
+    base = RunInput.subclass_from_base_model_type(Approval)
+    form: type[RunInput] = pydantic.create_model(
+        "ReleaseApproval",
+        __base__=base,
+        next_percent=(
+            int,
+            pydantic.Field(
+                default=proposed,
+                ge=current + 1,
+                le=100,
+                description=f"challenger percent to move to (planned: {proposed})",
+            ),
+        ),
+    )
+    return form.with_initial_data(description=description)
+
+
+def _describe_step(
+    release: Release, name: str, versions: tuple[str, str], current: int, proposed: int
+) -> str:
+    last = next((e for e in reversed(release.log.events) if e["kind"] == "analysis"), None)
+    figures = last["message"] if last else "no analysis yet"
+    timeout = release.params.approval_timeout
+    return (
+        f"**{name} v{versions[0]}** (champion v{versions[1]}) serves **{current} %** of users.\n\n"
+        f"Last analysis: {figures}\n\n"
+        f"Approve to move to **{proposed} %** (or set another percent above {current}), or "
+        f"reject to roll back to 0 % at once. No answer within {timeout} s rolls back.\n\n"
+        f"CLI: `tuneloop approve {release.flow_run_id} --approver NAME [--percent N]` or "
+        f"`tuneloop reject {release.flow_run_id} --approver NAME --comment WHY`; "
+        "figures: `tuneloop status`."
+    )
+
+
+def _watch(release: Release, percent: int, stop: threading.Event) -> None:
+    """Keep analysing while the flow waits for a person; roll back and answer for them if needed."""
+    while not stop.wait(release.params.analysis_interval):
+        try:
+            release.analyse(percent)
+        except AdminError as error:
+            # The rollback itself failed: wake the flow, which tries again and fails loudly.
+            _answer_for_the_person(release, f"rollback failed: {error}")
+            return
+        except Exception:
+            # A bookkeeping failure (MLflow unreachable) must not end the watch; the
+            # router calls inside already count as failed analyses.
+            release.log.logger.exception("analysis at %d %% failed; still watching", percent)
+            continue
+        if release.rolled_back is not None:
+            _answer_for_the_person(release, release.rolled_back)
+            return
+
+
+def _answer_for_the_person(release: Release, reason: str) -> None:
+    # Wake the paused flow with a rejection in the controller's name. If a
+    # person answered first, the flow still sees `rolled_back` and stops.
+    try:
+        resume_flow_run(
+            UUID(release.flow_run_id),
+            run_input={"decision": "reject", "approver": CONTROLLER, "comment": reason},
+        )
+    except Exception as error:  # already resumed or timed out; the flow checks anyway
+        release.log.logger.info("could not answer the pause (%s); the flow checks", error)
+
+
+def await_approval(
+    release: Release, current: int, proposed: int, description: str
+) -> Approval | None:
+    """The person's valid answer, or None when none came within ``approval_timeout``.
+
+    An invalid answer is logged and the flow pauses again for the time left.
+    """
+    params = release.params
+    form = approval_form(current, proposed, description)
+    poll = approval_poll_seconds(params.approval_timeout)
+    deadline = time.monotonic() + params.approval_timeout
+    stop = threading.Event()
+    # The thread needs this run's Prefect settings and context, which live in contextvars.
+    context = contextvars.copy_context()
+    watcher = threading.Thread(
+        target=context.run,
+        args=(_watch, release, current, stop),
+        name="release-analysis",
+        daemon=True,
+    )
+    watcher.start()
+    try:
+        while True:
+            left = int(deadline - time.monotonic())
+            if left < 1:
+                return None
+            try:
+                answer = pause_flow_run(wait_for_input=form, timeout=left, poll_interval=poll)
+            except FlowPauseTimeout:
+                return None
+            try:
+                return validate_answer(answer.model_dump(), current)
+            except InvalidAnswer as error:
+                release.log.record(
+                    "approval_invalid", str(error), warn=True, answer=answer.model_dump()
+                )
+    finally:
+        stop.set()
+        watcher.join()
+
+
+# --- the flow ----------------------------------------------------------------------------------
+
+
+def _check_routers(admin: RouterAdmin, candidate: str, champion: str) -> dict[str, dict[str, str]]:
+    """The arms (base_url, model) of the first replica, after checking every replica's versions."""
+    statuses = admin.status()
+    for url, status in statuses.items():
+        serving = {arm: str(status["arms"][arm]["model_version"]) for arm in (CHAMPION, CHALLENGER)}
+        wanted = {CHAMPION: champion, CHALLENGER: candidate}
+        if serving != wanted:
+            raise ReleaseRefused(
+                f"router {url} serves {serving} but the registry says {wanted}: point the "
+                "router's arms at those versions (router.yaml) and restart it"
+            )
+        if status["challenger_percent"] != 0:
+            raise ReleaseRefused(
+                f"router {url} already sends {status['challenger_percent']} % to the challenger; "
+                "a release starts from 0 % (POST /admin/rollback, then run the flow again)"
+            )
+    first = next(iter(statuses.values()))
+    return {
+        arm: {k: str(v) for k, v in first["arms"][arm].items()} for arm in (CHAMPION, CHALLENGER)
+    }
+
+
+def _end(
+    release: Release,
+    outcome: Literal["promoted", "rolled_back", "blocked"],
+    reason: str,
+    **extra: Any,
+) -> Any:
+    result = {
+        "outcome": outcome,
+        "reason": reason,
+        "flow_run_id": release.flow_run_id,
+        "analyses": release.analyses,
+        "failures": release.failures,
+        "rollback_seconds": release.rollback_seconds,
+        "history": release.history,
+        **extra,
+    }
+    release.log.tag(status=outcome, reason=reason)
+    if outcome == "promoted":
+        return result
+    return Failed(message=f"release {outcome.replace('_', ' ')}: {reason}", data=result)
+
+
+@flow(name="release")
+def release(repo: Path = Path()) -> dict[str, Any] | State[Any]:
+    """Canary the registry's challenger, ramp it with a person's approval, promote or roll back."""
+    logger = get_run_logger()
+    repo = repo.resolve()
+    params = load_params(repo / "params.yaml")
+    rp = params.release
+    name = params.tracking.registered_model
+    flow_run_id = str(flow_run.id or "local")
+    # MLflow's default store and lineage reads are relative to the project, as in retrain.
+    with contextlib.chdir(repo):
+        client = MlflowClient(tracking.tracking_uri())
+        candidate, champion = registry_pair(client, name)
+        cv, pv = str(candidate.version), str(champion.version)
+        log = ReleaseLog(
+            client, candidate_run(client, candidate, params, logger), flow_run_id, logger
+        )
+        log.tag(
+            flow_run_id=flow_run_id,
+            status="running",
+            candidate_version=cv,
+            champion_version=pv,
+            reason="",
+        )
+        with RouterAdmin.from_env(rp.routers, rp.admin_token_env) as admin:
+            run = Release(rp, admin, log, flow_run_id)
+            try:
+                arms = _check_routers(admin, cv, pv)
+            except (ReleaseRefused, AdminError) as error:
+                log.record("refused", str(error), warn=True)
+                log.tag(status="refused", reason=str(error))
+                raise
+            log.record(
+                "start",
+                f"{name} v{cv} against champion v{pv}, steps {list(rp.steps)}, "
+                f"routers {list(rp.routers)}",
+                candidate=cv,
+                champion=pv,
+                steps=list(rp.steps),
+            )
+            gate = loadtest_gate(run, arms)
+            if not gate.passed:
+                return _end(run, "blocked", "load test: " + "; ".join(gate.reasons))
+            try:
+                return _ramp(run, name, (cv, pv), client)
+            except BaseException as error:
+                # Whatever broke, the challenger must not keep traffic nobody watches.
+                if run.rolled_back is None:
+                    reason = f"release flow stopped by {type(error).__name__}: {error}"
+                    with contextlib.suppress(AdminError):
+                        run.roll_back(reason)
+                raise
+
+
+def _ramp(run: Release, name: str, versions: tuple[str, str], client: MlflowClient) -> Any:
+    """Steps, analyses, approvals: the body of the release once traffic may move."""
+    rp = run.params
+    percent = rp.steps[0]
+    shift_traffic(run, percent, "canary")
+    while True:
+        passes = 0
+        while passes < rp.analyses_per_step:
+            verdict = hold_and_analyse(run, percent)
+            if run.rolled_back is not None:
+                return _end(run, "rolled_back", run.rolled_back)
+            passes += verdict.passed
+        proposed = next_step(rp.steps, percent)
+        if proposed is None:
+            promote(client, name, *versions)
+            run.log.record(
+                "promote",
+                f"{name} v{versions[0]} is champion; v{versions[1]} keeps alias {PREVIOUS!r}. "
+                f"Next: make v{versions[0]} the router's champion arm at the next router deploy",
+                candidate=versions[0],
+                previous=versions[1],
+            )
+            return _end(run, "promoted", f"v{versions[0]} promoted at 100 %")
+        description = _describe_step(run, name, versions, percent, proposed)
+        answer = await_approval(run, percent, proposed, description)
+        if run.rolled_back is not None:  # the analysis thread rolled back during the pause
+            return _end(run, "rolled_back", run.rolled_back)
+        if answer is None:
+            reason = f"no approval within {rp.approval_timeout} s at {percent} %"
+            run.log.record("approval_timeout", reason, warn=True)
+            run.roll_back(reason)
+            return _end(run, "rolled_back", reason)
+        run.log.record(
+            "approval",
+            f"{answer.decision} by {answer.approver} at {percent} %"
+            + (f" -> {answer.next_percent} %" if answer.decision == "approve" else "")
+            + (f": {answer.comment}" if answer.comment else ""),
+            **answer.model_dump(),
+        )
+        run.log.tag(**{f"approval.{percent}": f"{answer.decision} by {answer.approver}"})
+        run.history.append({"kind": "approval", "percent": percent, **answer.model_dump()})
+        if answer.decision == "reject":
+            reason = (
+                f"rejected by {answer.approver} at {percent} %: {answer.comment or '(no comment)'}"
+            )
+            run.roll_back(reason)
+            return _end(run, "rolled_back", reason)
+        percent = answer.next_percent
+        shift_traffic(run, percent, f"approved by {answer.approver}")
+
+
+if __name__ == "__main__":
+    release(Path(os.environ.get("TUNELOOP_HOME", ".")))

@@ -1,0 +1,519 @@
+"""The release flow end to end on CPU: two ``transformers serve`` backends behind the router.
+
+A real MLflow registry (a temp SQLite store) holds two versions of a logged model,
+aliased ``champion`` and ``challenger``; the router runs in-process on a loopback
+port; a traffic generator sends chat requests as 400 named users. The flow runs in
+a thread against the shared Prefect test server, and the test answers its pauses
+through the ``tuneloop`` CLI, as a person would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+from prefect.states import State
+
+from serving.config import RouterConfig
+from serving.launch import Backend, start_transformers_serve
+from serving.router import create_app
+from tests.conftest import write_params
+from tests.test_router import serve
+from tuneloop import approval
+from tuneloop.cli import main as cli
+
+logger = logging.getLogger(__name__)
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "release-test-token"
+MODEL = "tuneloop-support"
+USERS = [f"user-{i}" for i in range(400)]
+
+# Short intervals and lenient latency ratios: two cores shared by two backends,
+# the router, the Prefect server and the test make latencies noisy, and the
+# thresholds under test here are error and badcase rates.
+RELEASE = {
+    "admin_token_env": "TUNELOOP_ADMIN_TOKEN",
+    "steps": [10, 50, 100],
+    "analysis_interval": 2.0,
+    "analyses_per_step": 1,
+    "failure_limit": 2,
+    "min_requests": 3,
+    "max_error_rate_increase": 0.05,
+    "max_badcase_rate_increase": 0.05,
+    "max_latency_p99_ratio": 10.0,
+    "max_ttft_p99_ratio": 10.0,
+    "approval_timeout": 60,
+    "loadtest": {
+        "requests": 8,
+        "concurrency": 2,
+        "max_tokens": 8,
+        "max_ttft_ratio": 10.0,
+        "min_throughput_ratio": 0.1,
+    },
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+# --- fixtures: models, backends, registry ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from tuneloop.demo import tokenizer_corpus
+    from tuneloop.params import TinyModel
+    from tuneloop.tiny import save_tiny
+
+    shape = TinyModel(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, vocab_size=600, max_position_embeddings=512,
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("models")
+    corpus = list(tokenizer_corpus(0))
+    # Two versions of one model: same shape and tokenizer, different weights.
+    out = {"1": folder / "v1", "2": folder / "v2"}
+    for seed, path in enumerate(out.values()):
+        save_tiny(path, shape, corpus, seed=seed)
+    return out
+
+
+class _Folder(mlflow.pyfunc.PythonModel):  # type: ignore[name-defined]
+    """A model version whose artifact is the served folder (the registry entry the flow reads)."""
+
+    def predict(
+        self, context: Any, model_input: list[str], params: dict[str, Any] | None = None
+    ) -> list[str]:
+        return model_input
+
+
+def register(folder: Path, models: dict[str, Path]) -> None:
+    """Versions 1 and 2 of the registered model, each logged from its own run."""
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment(
+        "tuneloop", artifact_location=(folder / "mlartifacts").as_uri()
+    )
+    previous = mlflow.get_tracking_uri()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
+        mlflow.set_tracking_uri(uri)
+        try:
+            for version in ("1", "2"):
+                with mlflow.start_run(experiment_id=experiment, run_name=f"train-v{version}"):
+                    mlflow.pyfunc.log_model(
+                        name="model",
+                        python_model=_Folder(),
+                        artifacts={"model_dir": str(models[version])},
+                        registered_model_name=MODEL,
+                    )
+        finally:
+            mlflow.set_tracking_uri(previous)
+
+
+@pytest.fixture(scope="module")
+def stack(
+    models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, dict[str, Backend]]]:
+    """(project folder with its MLflow registry, the two running backends)."""
+    folder = tmp_path_factory.mktemp("release-repo")
+    # Backends load (~16 s) while the registry is written, then both must be healthy.
+    started = {
+        arm: start_transformers_serve(models[version], _free_port(), folder / f"{arm}.log")
+        for arm, version in (("champion", "1"), ("challenger", "2"))
+    }
+    try:
+        register(folder, models)
+        for arm, backend in started.items():
+            waited = backend.wait_healthy(timeout=180)
+            logger.info("%s backend healthy after %.1f s", arm, waited)
+        yield folder, started
+    finally:
+        for backend in started.values():
+            backend.stop()
+
+
+@pytest.fixture
+def repo(stack: tuple[Path, dict[str, Backend]]) -> Path:
+    return stack[0]
+
+
+@pytest.fixture
+def backends(stack: tuple[Path, dict[str, Backend]]) -> dict[str, Backend]:
+    return stack[1]
+
+
+@pytest.fixture
+def aliases(repo: Path) -> MlflowClient:
+    """Champion v1, challenger v2, as before every release."""
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    for alias in ("previous-champion", "challenger"):
+        with contextlib.suppress(mlflow.exceptions.MlflowException):  # not set: nothing to do
+            client.delete_registered_model_alias(MODEL, alias)
+    client.set_registered_model_alias(MODEL, "champion", "1")
+    client.set_registered_model_alias(MODEL, "challenger", "2")
+    return client
+
+
+# --- the router and traffic --------------------------------------------------------------------
+
+
+@contextmanager
+def router(backends: dict[str, Backend], feedback: Path) -> Iterator[str]:
+    arms = {
+        arm: {"base_url": b.url, "model": b.model, "model_version": version}
+        for (arm, b), version in zip(backends.items(), ("1", "2"), strict=True)
+    }
+    config = RouterConfig.model_validate({"arms": arms, "feedback_dir": feedback})
+    with serve(create_app(config)) as url:
+        yield url
+
+
+@dataclass
+class Traffic:
+    """Chat requests as named users, in batches of 10 bracketed by two reads of the weight.
+
+    A batch counts toward a weight only when the weight was the same before and
+    after it, so the observed split is never smeared across a change. With
+    ``plant_badcases``, every challenger answer is flagged through /v1/feedback.
+    """
+
+    url: str
+    plant_badcases: bool = False
+    max_requests: int = 20_000  # bounded, whatever happens to the test
+    seen: list[tuple[int, str, str]] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    errors: list[str] = field(default_factory=list)
+
+    def run(self) -> None:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        sent = 0
+        with httpx.Client(base_url=self.url, timeout=30, trust_env=False) as client:
+            while not self.stop.is_set() and sent < self.max_requests:
+                before = client.get("/admin/status", headers=headers).json()["challenger_percent"]
+                batch = []
+                for _ in range(10):
+                    user = USERS[sent % len(USERS)]
+                    # Every fourth request streams, so the router measures TTFT too.
+                    batch.append((user, self._chat(client, user, stream=sent % 4 == 0)))
+                    sent += 1
+                after = client.get("/admin/status", headers=headers).json()["challenger_percent"]
+                if before == after:
+                    self.seen.extend((before, user, arm) for user, arm in batch if arm)
+
+    def _chat(self, client: httpx.Client, user: str, stream: bool) -> str:
+        body = {
+            "model": "tuneloop",
+            "messages": [{"role": "user", "content": "Can I return the Aurora kettle?"}],
+            "max_tokens": 2,
+            "user": user,
+            "stream": stream,
+        }
+        reply = client.post("/v1/chat/completions", json=body)
+        if reply.status_code != 200:
+            self.errors.append(f"{reply.status_code}: {reply.text[:200]}")
+            return ""
+        arm = reply.headers["x-tuneloop-arm"]
+        if self.plant_badcases and arm == "challenger":
+            flag = {
+                "messages": body["messages"],
+                "bad_response": "Sorry, I cannot help with that.",
+                "corrected_response": "[return] Yes, within 30 days.",
+                "request_id": reply.headers["x-request-id"],
+            }
+            client.post("/v1/feedback", json=flag).raise_for_status()
+        return arm
+
+    @contextmanager
+    def running(self) -> Iterator[Traffic]:
+        thread = threading.Thread(target=self.run, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self.stop.set()
+            thread.join(timeout=60)
+
+    def split(self) -> dict[int, tuple[int, float]]:
+        """Per weight: (requests, observed challenger share)."""
+        by_percent: dict[int, Counter[str]] = defaultdict(Counter)
+        for percent, _, arm in self.seen:
+            by_percent[percent][arm] += 1
+        return {
+            p: (sum(c.values()), c["challenger"] / sum(c.values())) for p, c in by_percent.items()
+        }
+
+
+# --- running the flow --------------------------------------------------------------------------
+
+
+@dataclass
+class FlowThread:
+    thread: threading.Thread
+    out: dict[str, Any]
+
+    def state(self, timeout: float = 120) -> State[Any]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the release flow did not finish"
+        if "error" in self.out:
+            raise self.out["error"]
+        state: State[Any] = self.out["state"]
+        return state
+
+
+def start_release(repo: Path, router_url: str, **release: Any) -> FlowThread:
+    from flows.release import release as release_flow
+
+    write_params(repo, {"release": {**RELEASE, "routers": [router_url], **release}})
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["state"] = release_flow(repo, return_state=True)
+        except BaseException as error:  # re-raised in the test thread
+            out["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return FlowThread(thread, out)
+
+
+def wait_paused(flow: FlowThread, timeout: float = 90) -> str:
+    """The id of the release run waiting for approval."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        waiting = approval.waiting_releases()
+        if waiting:
+            assert len(waiting) == 1, waiting
+            return waiting[0]["id"]
+        assert flow.thread.is_alive(), f"flow ended before pausing: {flow.out}"
+        time.sleep(0.3)
+    raise AssertionError("the release flow never paused for approval")
+
+
+def _seconds(start: str, end: str) -> float:
+    def parse(at: str) -> datetime:
+        return datetime.fromisoformat(at.replace("Z", "+00:00"))
+
+    return (parse(end) - parse(start)).total_seconds()
+
+
+def router_status(url: str) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    status: dict[str, Any] = httpx.get(
+        f"{url}/admin/status", headers=headers, trust_env=False
+    ).json()
+    return status
+
+
+def events(repo: Path, client: MlflowClient, flow_run_id: str) -> list[dict[str, Any]]:
+    run_id = client.get_model_version(MODEL, "2").run_id
+    assert run_id is not None
+    path = client.download_artifacts(run_id, f"release/{flow_run_id}.jsonl", str(repo / "dl"))
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+@pytest.fixture
+def token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
+
+
+# --- tests -------------------------------------------------------------------------------------
+
+
+def test_canary_ramps_with_cli_approvals_and_promotes(
+    prefect_harness: None,
+    backends: dict[str, Backend],
+    repo: Path,
+    aliases: MlflowClient,
+    token: None,
+    tmp_path: Path,
+) -> None:
+    with router(backends, tmp_path / "feedback") as url, Traffic(url).running() as traffic:
+        flow = start_release(repo, url)
+        approved = []
+        for approver in ("alice", "bob"):
+            run_id = wait_paused(flow)
+            assert cli(["approve", run_id, "--approver", approver, "--comment", "looks fine"]) == 0
+            approved.append(run_id)
+            # Wait for the ramp before looking for the next pause.
+            deadline = time.monotonic() + 30
+            while approval.waiting_releases() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        state = flow.state()
+        time.sleep(1.0)  # a few batches at 100 %
+    assert state.is_completed(), state
+    result = state.result()
+    assert result["outcome"] == "promoted"
+    assert [h["percent"] for h in result["history"] if h["kind"] == "shift"] == [10, 50, 100]
+    assert [h["approver"] for h in result["history"] if h["kind"] == "approval"] == ["alice", "bob"]
+
+    # The registry: the candidate is champion, the old champion kept for an instant return.
+    found = aliases.get_registered_model(MODEL).aliases
+    assert {k: str(v) for k, v in found.items()} == {"champion": "2", "previous-champion": "1"}
+
+    # The observed split at each weight, from the test's own traffic.
+    split = traffic.split()
+    logger.warning("observed split: %s", split)
+    for percent in (10, 50):
+        n, share = split[percent]
+        assert n >= 50, split
+        assert abs(share * 100 - percent) <= 8, split
+    assert split[100][1] == 1.0
+    assert not traffic.errors, traffic.errors[:3]
+
+    # Sticky: one arm per user at a given weight, and a ramp only ever adds users.
+    arms: dict[tuple[int, str], set[str]] = defaultdict(set)
+    for percent, user, arm in traffic.seen:
+        arms[percent, user].add(arm)
+    assert all(len(a) == 1 for a in arms.values())
+    for user in USERS:
+        on = [arms[p, user] for p in (0, 10, 50, 100) if (p, user) in arms]
+        flat = [next(iter(a)) for a in on]
+        assert flat == sorted(flat, key=lambda a: a == "challenger"), (user, flat)
+
+    # Everything is on the candidate's run.
+    recorded = events(repo, aliases, approved[0])
+    kinds = [e["kind"] for e in recorded]
+    assert kinds[:2] == ["start", "loadtest"]
+    assert kinds.count("approval") == 2 and kinds[-1] == "promote"
+    run = aliases.get_run(str(aliases.get_model_version(MODEL, "2").run_id))
+    assert run.data.tags["release.status"] == "promoted"
+    assert "release.loadtest.challenger.ttft_p50_ms" in run.data.metrics
+
+
+def test_badcases_on_the_canary_roll_back_by_themselves(
+    prefect_harness: None,
+    backends: dict[str, Backend],
+    repo: Path,
+    aliases: MlflowClient,
+    token: None,
+    tmp_path: Path,
+) -> None:
+    with (
+        router(backends, tmp_path / "feedback") as url,
+        Traffic(url, plant_badcases=True).running() as traffic,
+    ):
+        flow = start_release(repo, url)
+        state = flow.state()
+        time.sleep(0.5)  # a few batches after the rollback
+        final = router_status(url)
+    assert state.is_failed(), state
+    result = state.result(raise_on_failure=False)
+    assert result["outcome"] == "rolled_back"
+    assert result["failures"] == RELEASE["failure_limit"] == result["analyses"]
+    assert "badcase_rate" in result["reason"]
+    assert result["rollback_seconds"] < 1.0
+    assert final["challenger_percent"] == 0
+    # By itself, within failure_limit intervals of the canary (plus bookkeeping).
+    recorded = {e["kind"]: e for e in events(repo, aliases, result["flow_run_id"])}
+    took = _seconds(recorded["shift"]["at"], recorded["rollback"]["at"])
+    logger.warning(
+        "canary -> rollback in %.1f s; rollback call %.3f s", took, result["rollback_seconds"]
+    )
+    assert took <= RELEASE["failure_limit"] * RELEASE["analysis_interval"] + 4
+    # After the rollback every request went to the champion.
+    assert {arm for percent, _, arm in traffic.seen if percent == 0} == {"champion"}
+    assert {k: str(v) for k, v in aliases.get_registered_model(MODEL).aliases.items()} == {
+        "champion": "1",
+        "challenger": "2",
+    }
+    run = aliases.get_run(str(aliases.get_model_version(MODEL, "2").run_id))
+    assert run.data.tags["release.status"] == "rolled_back"
+
+
+def test_no_answer_rolls_back_at_the_timeout(
+    prefect_harness: None,
+    backends: dict[str, Backend],
+    repo: Path,
+    aliases: MlflowClient,
+    token: None,
+    tmp_path: Path,
+) -> None:
+    with router(backends, tmp_path / "feedback") as url, Traffic(url).running() as traffic:
+        flow = start_release(repo, url, approval_timeout=5)
+        wait_paused(flow)
+        state = flow.state()
+        final = router_status(url)
+    # Prefect fails a run whose pause timed out, even though the flow rolled back.
+    assert state.is_failed(), state
+    assert final["challenger_percent"] == 0
+    assert max(percent for percent, _, _ in traffic.seen) == 10  # never ramped
+    run = aliases.get_run(str(aliases.get_model_version(MODEL, "2").run_id))
+    assert run.data.tags["release.status"] == "rolled_back"
+    assert run.data.tags["release.reason"] == "no approval within 5 s at 10 %"
+    assert aliases.get_model_version_by_alias(MODEL, "champion").version in ("1", 1)
+
+
+def test_a_rejection_rolls_back_and_a_bad_answer_changes_nothing(
+    prefect_harness: None,
+    backends: dict[str, Backend],
+    repo: Path,
+    aliases: MlflowClient,
+    token: None,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with router(backends, tmp_path / "feedback") as url, Traffic(url).running():
+        flow = start_release(repo, url)
+        run_id = wait_paused(flow)
+        assert cli(["approve", run_id, "--approver", "carol", "--percent", "150"]) == 1
+        assert "out of range" in capsys.readouterr().err
+        assert cli(["approve", run_id, "--approver", "carol", "--percent", "5"]) == 1
+        assert router_status(url)["challenger_percent"] == 10
+        assert approval.waiting_releases()[0]["id"] == run_id  # still waiting
+        assert cli(["reject", run_id, "--approver", "carol", "--comment", "tone is off"]) == 0
+        state = flow.state()
+        final = router_status(url)
+    assert state.is_failed(), state
+    assert state.message == "release rolled back: rejected by carol at 10 %: tone is off"
+    assert final["challenger_percent"] == 0
+    assert final["last_change"]["reason"].startswith("rejected by carol")
+
+
+def test_a_canary_that_fails_while_waiting_for_approval_rolls_back(
+    prefect_harness: None,
+    backends: dict[str, Backend],
+    repo: Path,
+    aliases: MlflowClient,
+    token: None,
+    tmp_path: Path,
+) -> None:
+    with router(backends, tmp_path / "feedback") as url, Traffic(url).running() as traffic:
+        flow = start_release(repo, url)
+        wait_paused(flow)
+        traffic.plant_badcases = True  # the canary goes bad while nobody has answered yet
+        state = flow.state()
+        final = router_status(url)
+        assert not approval.waiting_releases()
+    assert state.is_failed(), state
+    result = state.result(raise_on_failure=False)
+    assert result["outcome"] == "rolled_back"
+    assert "badcase_rate" in result["reason"]
+    assert result["failures"] == RELEASE["failure_limit"]
+    assert final["challenger_percent"] == 0
+    assert {k: str(v) for k, v in aliases.get_registered_model(MODEL).aliases.items()} == {
+        "champion": "1",
+        "challenger": "2",
+    }
