@@ -1,154 +1,470 @@
-"""Stage ``train``: supervised fine-tuning with TRL and a LoRA adapter from peft.
+"""Stage ``train``: SFT and DPO with TRL, as a LoRA/QLoRA adapter (peft) or on every weight.
 
-Reads:  ``paths.packed`` (this rank's shard and val.parquet); the base model.
-Writes: ``paths.adapter`` (the adapter, the tokenizer and manifest.json);
-        ``metrics/train.json`` (losses, steps, tokens/s, GPU-hours).
-Params: ``train``, ``batch``, ``pack``, ``model.base``, ``paths``.
+Reads:  ``paths.packed``: this rank's ``rank-NNNNN.parquet`` and ``val.parquet``;
+        ``paths.clean``/dpo.jsonl when ``train.phases`` holds dpo; the base model.
+Writes: ``paths.adapter``: the adapter (lora, qlora) or the whole model (full), with the
+        tokenizer and manifest.json (``artifact`` says which); ``metrics/train.json``;
+        checkpoints under ``checkpoints/train`` (outside DVC's outs).
+Params: ``train``, ``batch``, ``pack.seq_len``, ``model.base``, ``paths``.
 
-The data arrives packed and rank-balanced by ``pack`` and checked by
-``preflight``; the trainer only reads it (no re-packing inside), through TRL's
-padding-free collator, so the micro-batches preflight counted are the ones
-that run. Loss, learning rate and grad-norm curves reach MLflow through the
-transformers MLflow callback.
+Phases: ``train.phases`` lists the objectives in order. ``sft`` trains on the packed shards;
+``dpo`` on clean's preference pairs, starting from the SFT result and using it as DPO's
+reference (LoRA: a frozen copy of the SFT adapter; full: the SFT weights). Each phase's result
+is saved under ``checkpoints/train/<phase>/final`` and the last one is the stage's output.
+
+Data: the shards arrive packed and rank-balanced by ``pack`` and checked by ``preflight``.
+Each rank reads its own shard, ``rank-{RANK:05d}.parquet``, through TRL's padding-free
+collator; accelerate's re-split of the loader is undone (``methods.keep_rank_shard``), so the
+micro-batches preflight counted are the ones that run.
+
+Processes: one entry point. With ``train.distributed: none`` it trains in this process; with
+ddp, zero2, zero3 or fsdp, started without a launcher (``dvc repro``, ``python -m
+stages.train``), it re-execs itself under torchrun with ``batch.world_size`` processes; under
+torchrun, ``accelerate launch`` or ``deepspeed`` it trains as the rank it was given. See
+``tuneloop.training.plan``.
+
+Checkpoints and resume: every ``train.save_steps`` steps a checkpoint with optimizer,
+scheduler and RNG state (the newest ``train.save_total_limit`` and the best are kept), and a
+validation loss. With ``train.resume: auto`` a rerun of the same params and data continues from
+the newest complete checkpoint (a SIGKILL mid-run loses at most ``save_steps`` steps) and logs
+into the same MLflow run when that run was cut off. The best checkpoint by validation loss is
+the phase's result; ``train.early_stopping_patience`` evaluations without improvement end it.
+
+Stop-loss: ``train.max_wall_hours``, ``max_host_memory_gb``, ``max_gpu_memory_gb`` and
+``loss_spike_factor`` end the run at a step boundary (``tuneloop.training.stoploss``); the stage
+then tags the MLflow run with the rule and reason, calls the alert hook (``alert_webhook`` /
+``alert_command``), and exits non-zero, so DVC records no output and the pipeline stops.
+
+MLflow: the stage's params and the run's plan; loss, learning-rate and grad-norm curves through
+the transformers integration (the first phase into the stage's run, a later phase into a nested
+run ``train/<phase>``); tokens/s and GPU-hours (GPUs x wall time) in ``metrics/train.json`` and
+the run, stopped runs included.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
+import os
+import statistics
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlflow
 import torch
-from datasets import Dataset
-from peft import LoraConfig
-from trl import SFTConfig, SFTTrainer
+import torch.distributed as dist
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+from transformers import EarlyStoppingCallback, TrainerCallback, TrainingArguments
 
-from tuneloop import lineage
+from tuneloop import lineage, tracking
 from tuneloop.io import atomic_dir, write_json
-from tuneloop.models import base_model_ref, load_causal_lm, load_tokenizer
+from tuneloop.models import base_model_ref, load_tokenizer
 from tuneloop.params import Params, load_params
-from tuneloop.shards import VAL_SHARD, shard_name
 from tuneloop.stage import setup_logging, write_metrics
-from tuneloop.tracking import stage_run
+from tuneloop.telemetry.actions import AlertHook, send_alert
+from tuneloop.telemetry.callback import HeartbeatCallback
+from tuneloop.training import checkpoints, methods
+from tuneloop.training.plan import (
+    Environment,
+    TrainPlan,
+    TrainSetupError,
+    exec_under_torchrun,
+    resolve_plan,
+)
+from tuneloop.training.stoploss import StepMeter, StopLossCallback, StopRules, TrainingStopped
 
 STAGE = "train"
 CHECKPOINTS = Path("checkpoints/train")
+TAG_STOP_RULE = "tuneloop.train.stop_rule"
+TAG_STOP_REASON = "tuneloop.train.stop_reason"
+TAG_PHASE = "tuneloop.train.phase"  # on the nested run of a phase after the first
 log = logging.getLogger(__name__)
 
 
-def device_supports_bf16() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+@dataclass(frozen=True)
+class Rank:
+    rank: int
+
+    @classmethod
+    def from_env(cls) -> Rank:
+        # torchrun, accelerate and deepspeed all export RANK (global, across nodes).
+        return cls(int(os.environ.get("RANK", "0")))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
 
 
-def training_config(params: Params, output_dir: Path, has_val: bool) -> SFTConfig:
-    train, batch = params.train, params.batch
-    on_gpu = torch.cuda.is_available()
-    return SFTConfig(
-        output_dir=str(output_dir),
-        learning_rate=train.learning_rate,
-        num_train_epochs=train.epochs,
-        max_steps=train.max_steps,
-        warmup_steps=train.warmup_ratio,  # a float below 1 is a ratio of the total steps
-        lr_scheduler_type=train.lr_scheduler,
-        weight_decay=train.weight_decay,
-        per_device_train_batch_size=batch.micro_batch_size,
-        per_device_eval_batch_size=batch.micro_batch_size,
-        gradient_accumulation_steps=batch.gradient_accumulation_steps,
-        # TRL defaults both on; on a CPU they only cost time (about 2.3x here).
-        bf16=device_supports_bf16(),
-        gradient_checkpointing=on_gpu,
-        padding_free=True,
-        max_length=None,  # bins are already cut to pack.seq_len
-        dataset_kwargs={"skip_prepare_dataset": True},
-        remove_unused_columns=False,  # the collator needs seq_lengths
-        eval_strategy="epoch" if has_val else "no",
-        save_strategy="no",
-        logging_steps=train.logging_steps,
-        report_to=["mlflow"],
-        run_name=STAGE,
-        seed=train.seed,
-        data_seed=train.seed,
-        dataloader_num_workers=0,
-        use_cpu=not on_gpu,
-    )
+@dataclass(frozen=True)
+class PhaseResult:
+    phase: str
+    folder: Path
+    """``checkpoints/train/<phase>/final``: the phase's weights and tokenizer."""
+    metrics: dict[str, Any]
 
 
-def lora_config(params: Params) -> LoraConfig:
-    return LoraConfig(
-        r=params.train.lora_r,
-        lora_alpha=params.train.resolved_lora_alpha,
-        lora_dropout=params.train.lora_dropout,
-        target_modules=list(params.train.target_modules),
-        task_type="CAUSAL_LM",
-    )
+def inputs(params: Params) -> dict[str, Path]:
+    """The data the run reads: the fingerprint of its checkpoints and the manifest's inputs."""
+    found = {"packed": params.paths.packed}
+    if "dpo" in params.train.phases:
+        found["dpo_pairs"] = params.paths.clean / "dpo.jsonl"
+    return found
 
 
-def train(params: Params, adapter_dir: Path) -> dict[str, Any]:
-    rank = 0
-    shard = Dataset.from_parquet(str(params.paths.packed / shard_name(rank)))
-    val_path = params.paths.packed / VAL_SHARD
-    val = Dataset.from_parquet(str(val_path)) if val_path.exists() else None
-    has_val = val is not None and len(val) > 0
-    ref = base_model_ref(params)
-    tokenizer = load_tokenizer(ref)
-    model = load_causal_lm(ref)
-    trainer = SFTTrainer(
-        model=model,
-        args=training_config(params, CHECKPOINTS, has_val),
-        train_dataset=shard,
-        eval_dataset=val if has_val else None,
-        processing_class=tokenizer,
-        peft_config=lora_config(params),
-    )
-    started = time.perf_counter()
-    output = trainer.train()
-    seconds = time.perf_counter() - started
-    epochs = output.metrics.get("epoch", params.train.epochs)
-    real_tokens = sum(sum(lengths) for lengths in shard["seq_lengths"])
-    tokens = real_tokens * epochs * params.batch.world_size
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    eval_losses = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e]
-    trained: Any = trainer.model  # the PeftModel wrapping the base
-    trained.save_pretrained(adapter_dir)
-    tokenizer.save_pretrained(adapter_dir)
-    devices = max(torch.cuda.device_count(), 1) if torch.cuda.is_available() else 0
+def phase_args(phase: str, params: Params, plan: TrainPlan) -> TrainingArguments:
+    output_dir = CHECKPOINTS / phase
+    if phase == "sft":
+        return methods.sft_args(
+            params, plan, output_dir, methods.val_set(params.paths.packed) is not None
+        )
+    return methods.dpo_args(params, plan, output_dir)
+
+
+def sum_over_ranks(value: int, device: torch.device) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor)
+    return int(tensor.item())
+
+
+def logged(history: list[dict[str, Any]], key: str) -> list[float]:
+    return [float(entry[key]) for entry in history if key in entry]
+
+
+def phase_metrics(
+    trainer: Any, seconds: float, tokens: int, resumed_from: Path | None
+) -> dict[str, Any]:
+    state = trainer.state
+    losses = logged(state.log_history, "loss")
+    eval_losses = logged(state.log_history, "eval_loss")
+    # The phase's result is the best checkpoint: its validation loss, not the last one.
+    best = state.best_metric
     metrics: dict[str, Any] = {
-        "method": params.train.method,
-        "train_loss": round(float(output.training_loss), 6),
+        # The Trainer's own training_loss divides a resumed run's sum by all its steps.
+        "train_loss": round(statistics.fmean(losses), 6) if losses else None,
         "first_logged_loss": losses[0] if losses else None,
         "last_logged_loss": losses[-1] if losses else None,
-        "eval_loss": eval_losses[-1] if eval_losses else None,
-        "global_steps": trainer.state.global_step,
-        "epochs": epochs,
+        "eval_loss": best if best is not None else (eval_losses[-1] if eval_losses else None),
+        "best_step": state.best_global_step,
+        "global_steps": state.global_step,
+        "max_steps": state.max_steps,
+        "epochs": round(float(state.epoch or 0.0), 4),
+        "stopped_early": state.global_step < state.max_steps,
+        "resumed_from_step": int(resumed_from.name.split("-")[-1]) if resumed_from else None,
         "seconds": round(seconds, 2),
-        "tokens_per_second": round(tokens / seconds, 1),
-        "gpu_hours": round(devices * seconds / 3600, 6),
-        "trainable_parameters": sum(p.numel() for p in trained.parameters() if p.requires_grad),
-        "lora_alpha": params.train.resolved_lora_alpha,
-        "gradient_accumulation_steps": params.batch.gradient_accumulation_steps,
+        "tokens": tokens,
+        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
+        "trainable_parameters": methods.trainable_parameters(trainer.model),
     }
+    for key in ("rewards/accuracies", "rewards/margins"):  # DPO's own curves
+        if values := logged(state.log_history, key):
+            metrics[key.replace("/", "_")] = values[-1]
     return metrics
+
+
+@contextlib.contextmanager
+def phase_mlflow_run(phase: str, params: Params, rank: Rank) -> Iterator[None]:
+    """The first phase logs into the stage's run; a later one into a nested run of its own.
+
+    The transformers callback logs every Trainer argument as a param, and MLflow refuses a
+    param that changes value within a run: DPO's learning rate is not SFT's.
+    """
+    if not rank.is_main or phase == params.train.phases[0]:
+        yield
+        return
+    with mlflow.start_run(
+        run_name=f"{STAGE}/{phase}",
+        nested=True,
+        tags={tracking.TAG_STAGE: STAGE, TAG_PHASE: phase},
+    ):
+        yield
+
+
+@dataclass(frozen=True)
+class PhaseTrainer:
+    trainer: Any
+    meter: StepMeter
+    stop: StopLossCallback
+
+
+def build_trainer(
+    phase: str,
+    args: TrainingArguments,
+    params: Params,
+    plan: TrainPlan,
+    previous: Path | None,
+    rank: int,
+    started_at: float,
+) -> PhaseTrainer:
+    """The phase's model and trainer, from the base or the previous phase's result."""
+    base = base_model_ref(params)
+    tokenizer = load_tokenizer(previous or base)
+    if plan.uses_lora:
+        model = methods.load_model(base, plan, adapter=previous)
+    else:
+        model = methods.load_model(previous or base, plan)
+    peft_config = methods.lora_config(params) if plan.uses_lora and previous is None else None
+
+    meter = StepMeter()
+    stop = StopLossCallback(StopRules.from_params(params.train, phase), meter, started_at)
+    callbacks: list[TrainerCallback] = [
+        HeartbeatCallback(),
+        checkpoints.MarkCompleteCheckpoints(),
+        stop,
+    ]
+    if phase == "dpo":
+        trainer = methods.MeteredDPOTrainer(
+            model=model,
+            args=args,
+            train_dataset=methods.dpo_pairs(params.paths.clean / "dpo.jsonl"),
+            processing_class=tokenizer,
+            peft_config=peft_config,
+            callbacks=callbacks,
+            meter=meter,
+        )
+        return PhaseTrainer(trainer, meter, stop)
+    val = methods.val_set(params.paths.packed)
+    patience = params.train.early_stopping_patience
+    if val is not None and patience is not None:
+        callbacks.append(EarlyStoppingCallback(early_stopping_patience=patience))
+    sft = methods.PackedSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=methods.rank_shard(params.paths.packed, rank),
+        eval_dataset=val,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=callbacks,
+        meter=meter,
+    )
+    return PhaseTrainer(sft, meter, stop)
+
+
+def run_phase(
+    phase: str,
+    args: TrainingArguments,
+    params: Params,
+    plan: TrainPlan,
+    previous: Path | None,
+    rank: Rank,
+    started_at: float,
+) -> PhaseResult:
+    """Train one phase, resuming where a checkpoint allows; save its best weights."""
+    phase_dir = CHECKPOINTS / phase
+    built = build_trainer(phase, args, params, plan, previous, rank.rank, started_at)
+    trainer, meter, stop = built.trainer, built.meter, built.stop
+
+    resume_from = checkpoints.newest_complete(phase_dir) if params.train.resume == "auto" else None
+    if resume_from is not None and rank.is_main:
+        log.info("train: %s phase continues from %s", phase, resume_from)
+    with phase_mlflow_run(phase, params, rank):
+        started = time.perf_counter()
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        seconds = time.perf_counter() - started
+        tokens = sum_over_ranks(meter.tokens(), args.device)
+        metrics = phase_metrics(trainer, seconds, tokens, resume_from)
+        if stop.event is not None:  # inside the phase's run, which ends FAILED with it
+            raise TrainingStopped(stop.event, phase, metrics)
+        if rank.is_main and phase != params.train.phases[0]:
+            tracking.log_metrics(metrics)
+
+    final = phase_dir / checkpoints.FINAL
+    methods.drop_reference_adapter(trainer.model)
+    trainer.save_model(str(final))  # every rank: ZeRO-3 and FSDP gather the weights for it
+    checkpoints.barrier()
+    if rank.is_main:
+        checkpoints.mark_complete(final, {"phase": phase, "metrics": metrics})
+    checkpoints.barrier()
+    del trainer, built
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return PhaseResult(phase, final, metrics)
+
+
+def run_phases(
+    params: Params, plan: TrainPlan, first_args: TrainingArguments, rank: Rank, started_at: float
+) -> list[PhaseResult]:
+    results: list[PhaseResult] = []
+    previous: Path | None = None
+    for phase in plan.phases:
+        final = CHECKPOINTS / phase / checkpoints.FINAL
+        if checkpoints.is_complete(final):
+            log.info("train: %s phase finished in an earlier run; continuing from %s", phase, final)
+            result = PhaseResult(phase, final, checkpoints.read_marker(final)["metrics"])
+        else:
+            args = first_args if phase == plan.phases[0] else phase_args(phase, params, plan)
+            result = run_phase(phase, args, params, plan, previous, rank, started_at)
+        results.append(result)
+        previous = result.folder
+    return results
+
+
+def stage_metrics(
+    params: Params, plan: TrainPlan, results: list[PhaseResult], wall_seconds: float
+) -> dict[str, Any]:
+    """metrics/train.json: the first phase on top (what the flow reads), every phase below."""
+    first = results[0].metrics
+    seconds = sum(r.metrics["seconds"] for r in results)
+    tokens = sum(r.metrics["tokens"] for r in results)
+    gpus = plan.world_size if plan.cuda else 0
+    return {
+        "method": params.train.method,
+        "phases": {r.phase: r.metrics for r in results},
+        "train_loss": first["train_loss"],
+        "first_logged_loss": first["first_logged_loss"],
+        "last_logged_loss": first["last_logged_loss"],
+        "eval_loss": first["eval_loss"],
+        "global_steps": first["global_steps"],
+        "epochs": first["epochs"],
+        "seconds": round(seconds, 2),
+        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
+        "gpu_hours": round(gpus * wall_seconds / 3600, 6),
+        "trainable_parameters": results[-1].metrics["trainable_parameters"],
+        "lora_alpha": params.train.resolved_lora_alpha if plan.uses_lora else None,
+        "gradient_accumulation_steps": params.batch.gradient_accumulation_steps,
+        "world_size": plan.world_size,
+    }
+
+
+def continue_mlflow_run(prep: checkpoints.Preparation, params_hash: str, experiment: str) -> None:
+    """Log a resumed run into the MLflow run that a kill cut off, so its curve continues there.
+
+    Only when nothing else chose the run (a flow passes MLFLOW_RUN_ID) and the params are the
+    same (MLflow refuses a param that changes value within a run).
+    """
+    previous = prep.previous
+    if not prep.resumed or previous is None or previous.mlflow_run_id is None:
+        return
+    if "MLFLOW_RUN_ID" in os.environ or previous.params_hash != params_hash:
+        return
+    tracking.setup(experiment)
+    try:
+        status = MlflowClient().get_run(previous.mlflow_run_id).info.status
+    except MlflowException:
+        return
+    if status == "RUNNING":
+        log.info("train: logging into the interrupted MLflow run %s", previous.mlflow_run_id)
+        os.environ["MLFLOW_RUN_ID"] = previous.mlflow_run_id
+
+
+def report_stop(
+    params: Params, plan: TrainPlan, stopped: TrainingStopped, wall_seconds: float
+) -> None:
+    """Rank 0: tag the MLflow run with the rule and reason, log the numbers, call the alert hook.
+
+    The run then ends FAILED as the stage exits with the stop's message.
+    """
+    event = stopped.event
+    run = mlflow.active_run()
+    mlflow.set_tags({TAG_STOP_RULE: event.rule, TAG_STOP_REASON: str(stopped)[:5000]})
+    gpus = plan.world_size if plan.cuda else 0
+    tracking.log_metrics(
+        {
+            **stopped.metrics,
+            "stop_step": event.step,
+            "gpu_hours": round(gpus * wall_seconds / 3600, 6),
+        }
+    )
+    hook = AlertHook(webhook_url=params.train.alert_webhook, command=params.train.alert_command)
+    if not hook.configured:
+        return
+    payload = {
+        "stage": STAGE,
+        "reason": str(stopped),
+        "rule": event.rule,
+        "phase": stopped.phase,
+        "step": event.step,
+        "mlflow_run_id": run.info.run_id if run else None,
+    }
+    try:
+        send_alert(hook, payload)
+    except Exception:  # the stop is the news; a failed alert must not hide it
+        log.exception("train: the alert hook failed")
+
+
+def write_output(
+    params: Params, plan: TrainPlan, results: list[PhaseResult], metrics: dict[str, Any]
+) -> None:
+    with atomic_dir(params.paths.adapter) as out:
+        checkpoints.link_tree(results[-1].folder, out)
+        write_json(
+            out / "manifest.json",
+            lineage.manifest(
+                STAGE,
+                params,
+                inputs=inputs(params),
+                base=params.model.base,
+                artifact="adapter" if plan.uses_lora else "model",
+                plan=plan.describe(),
+                **metrics,
+            ),
+        )
+
+
+def train(params: Params, plan: TrainPlan, started_at: float) -> None:
+    """Every rank: set up checkpoints, run the phases; rank 0 logs and writes the output."""
+    rank = Rank.from_env()
+    # The first TrainingArguments starts the process group (gloo, NCCL or DeepSpeed's) that
+    # the checkpoint set-up below waits on.
+    first_args = phase_args(plan.phases[0], params, plan)
+    groups = lineage.stage_param_groups(STAGE)
+    params_hash = lineage.params_hash(params, groups)
+    record = checkpoints.RunRecord(checkpoints.fingerprint(params, inputs(params)), params_hash)
+    with first_args.main_process_first(local=False, desc="checkpoint set-up"):
+        prep = (
+            checkpoints.prepare(CHECKPOINTS, record, params.train.resume == "auto")
+            if rank.is_main
+            else None
+        )
+    if prep is not None:
+        log.info("train: %s", prep.detail)
+        continue_mlflow_run(prep, params_hash, params.tracking.experiment)
+
+    run_context = tracking.stage_run(STAGE, params) if rank.is_main else contextlib.nullcontext()
+    with run_context as run:
+        if run is not None:
+            checkpoints.write_record(
+                CHECKPOINTS, checkpoints.RunRecord(record.fingerprint, params_hash, run.info.run_id)
+            )
+            mlflow.log_params({f"plan.{key}": str(value) for key, value in plan.describe().items()})
+            for config in (plan.deepspeed_config, plan.fsdp_config):
+                if config is not None:  # not a DVC dep: it changes speed and memory, not the result
+                    mlflow.log_artifact(str(config), "configs")
+        if rank.is_main:
+            log.info("train: %s", plan.describe())
+        try:
+            results = run_phases(params, plan, first_args, rank, started_at)
+        except TrainingStopped as stopped:
+            if rank.is_main:
+                report_stop(params, plan, stopped, time.time() - started_at)
+            raise SystemExit(f"train: {stopped}") from None
+        if rank.is_main:
+            metrics = stage_metrics(params, plan, results, time.time() - started_at)
+            write_output(params, plan, results, metrics)
+            write_metrics(params, STAGE, metrics)
+            log.info("train: %s", {k: v for k, v in metrics.items() if k != "phases"})
+    checkpoints.barrier()  # no rank exits (and tears down the group) while rank 0 still writes
 
 
 def main() -> None:
     setup_logging()
+    started_at = time.time()
     params = load_params()
-    with stage_run(STAGE, params):
-        with atomic_dir(params.paths.adapter) as out:
-            metrics = train(params, out)
-            write_json(
-                out / "manifest.json",
-                lineage.manifest(
-                    STAGE,
-                    params,
-                    inputs={"packed": params.paths.packed},
-                    base=params.model.base,
-                    **metrics,
-                ),
-            )
-        write_metrics(params, STAGE, metrics)
-        log.info("train: %s", metrics)
+    try:
+        plan = resolve_plan(params, Environment.probe())
+    except TrainSetupError as error:
+        raise SystemExit(f"train: cannot start:\n{error}") from None
+    if plan.needs_launcher:
+        log.info("train: re-running under torchrun with %d processes", plan.world_size)
+        exec_under_torchrun(plan.world_size)
+    train(params, plan, started_at)
 
 
 if __name__ == "__main__":

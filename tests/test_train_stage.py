@@ -1,0 +1,387 @@
+"""The train stage on the tiny model: each method, DPO after SFT, two processes, resume, stop-loss.
+
+One module fixture builds the data once (base, ingest, clean, pack); each test trains a few
+steps in a folder of its own. Runs that need their own process (torchrun, a SIGKILL) go
+through ``python -m stages.train`` as ``dvc repro`` would start it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from stages import base, clean, ingest, pack, train
+from tests.conftest import ROOT, write_params
+from tuneloop import demo
+from tuneloop.params import load_params
+from tuneloop.training import methods
+from tuneloop.training.plan import Environment, resolve_plan
+
+# A few steps each; checkpoints (and validation) every 3 so resume and best-model paths run.
+FAST = {"max_steps": 6, "save_steps": 3, "logging_steps": 1}
+ADAPTER_FILES = {
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "chat_template.jinja",
+    "manifest.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The tiny project's data and base model, packed for one rank and (data/packed-2) for two."""
+    folder = tmp_path_factory.mktemp("train-data")
+    shutil.copytree(ROOT / "eval", folder / "eval")
+    previous = Path.cwd()
+    os.chdir(folder)
+    try:
+        write_params(folder)
+        params = load_params()
+        demo.seed_incoming(
+            params.paths.incoming, params.demo.seed, params.demo.n_support, params.demo.n_badcases
+        )
+        for stage in (base, ingest, clean, pack):
+            stage.main()
+        write_params(folder, {"batch": {"world_size": 2, "effective_batch": 2}})
+        shutil.move(folder / "data/packed", folder / "packed-1")
+        pack.main()
+        shutil.move(folder / "data/packed", folder / "data/packed-2")
+        shutil.move(folder / "packed-1", folder / "data/packed")
+        yield folder
+    finally:
+        os.chdir(previous)
+
+
+def make_project(data: Path, folder: Path, world_size: int = 1, **train_overrides: Any) -> Path:
+    """A project folder with the shared data and params for this test."""
+    (folder / "data").mkdir(parents=True)
+    shutil.copytree(data / "data/clean", folder / "data/clean")
+    packed = "packed" if world_size == 1 else f"packed-{world_size}"
+    shutil.copytree(data / "data" / packed, folder / "data/packed")
+    shutil.copytree(data / "models/base", folder / "models/base")
+    # The data stages' MLflow store, tables made: creating them costs seconds per run here.
+    shutil.copy(data / "mlflow.db", folder / "mlflow.db")
+    batch = {"world_size": world_size, "micro_batch_size": 1, "effective_batch": world_size}
+    write_params(folder, {"batch": batch, "train": {**FAST, **train_overrides}})
+    return folder
+
+
+def run_main(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(folder)
+    train.main()
+
+
+def stage_env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return os.environ | {
+        "PYTHONPATH": path,
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+def run_stage(folder: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m stages.train`` as dvc repro starts it: no launcher around it."""
+    return subprocess.run(
+        [sys.executable, "-m", "stages.train"],
+        cwd=folder,
+        env=stage_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def metrics(folder: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((folder / "metrics/train.json").read_text())
+    return data
+
+
+def train_runs(folder: Path) -> list[Any]:
+    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("tuneloop")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    return [r for r in runs if r.data.tags.get("tuneloop.stage") == "train"]
+
+
+@pytest.fixture
+def watch_training(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, Any]]:
+    """Snapshots of every parameter before and after each trainer's train(), by trainer class."""
+    seen: dict[str, dict[str, Any]] = {}
+
+    def spy(original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            named = dict(self.model.named_parameters())
+            before = {n: p.detach().clone() for n, p in named.items()}
+            output = original(self, *args, **kwargs)
+            seen[type(self).__name__] = {
+                "before": before,
+                "after": {n: p.detach().clone() for n, p in self.model.named_parameters()},
+                "trainable": {n for n, p in named.items() if p.requires_grad},
+            }
+            return output
+
+        return wrapped
+
+    for cls in (methods.PackedSFTTrainer, methods.MeteredDPOTrainer):
+        monkeypatch.setattr(cls, "train", spy(cls.train))
+    return seen
+
+
+def changed(run: dict[str, Any]) -> set[str]:
+    return {n for n in run["before"] if not torch.equal(run["before"][n], run["after"][n])}
+
+
+def test_lora_trains_every_adapter_weight_and_nothing_else(
+    data: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    watch_training: dict[str, dict[str, Any]],
+) -> None:
+    folder = make_project(data, tmp_path)
+    monkeypatch.setenv("TUNELOOP_HEARTBEAT", str(tmp_path / "heartbeat.json"))
+    run_main(folder, monkeypatch)
+
+    run = watch_training["PackedSFTTrainer"]
+    moved = changed(run)
+    assert run["trainable"] and all("lora_" in n for n in run["trainable"])
+    assert moved == run["trainable"]  # every adapter weight moved, no base weight did
+    out = folder / "models/adapter"
+    assert {p.name for p in out.iterdir()} >= ADAPTER_FILES
+    assert all("lora_" in name for name in load_file(out / "adapter_model.safetensors"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["artifact"] == "adapter" and manifest["plan"]["precision"] == "fp32"
+    m = metrics(folder)
+    assert m["global_steps"] == 6 and m["tokens_per_second"] > 0 and m["gpu_hours"] == 0
+    assert m["phases"]["sft"]["best_step"] in (3, 6)  # the best checkpoint is the output
+    assert json.loads((tmp_path / "heartbeat.json").read_text())["step"] == 6
+    (stage_run,) = train_runs(folder)
+    assert {"loss", "learning_rate", "grad_norm", "tokens_per_second", "gpu_hours"} <= set(
+        stage_run.data.metrics
+    )
+    assert stage_run.data.params["plan.method"] == "lora"
+
+
+def test_full_trains_every_weight_and_saves_a_whole_model(
+    data: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    watch_training: dict[str, dict[str, Any]],
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = make_project(data, tmp_path, method="full", max_steps=3)
+    run_main(folder, monkeypatch)
+
+    run = watch_training["PackedSFTTrainer"]
+    moved = changed(run)
+    assert run["trainable"] == set(run["before"]) and moved == run["trainable"]
+    model = AutoModelForCausalLM.from_pretrained(folder / "models/adapter")
+    base_weights = AutoModelForCausalLM.from_pretrained(folder / "models/base").state_dict()
+    assert all(not torch.equal(t, base_weights[n]) for n, t in model.state_dict().items())
+    assert json.loads((folder / "models/adapter/manifest.json").read_text())["artifact"] == "model"
+
+
+def test_dpo_after_sft_refines_the_sft_adapter(
+    data: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    watch_training: dict[str, dict[str, Any]],
+) -> None:
+    folder = make_project(data, tmp_path, phases=["sft", "dpo"], max_steps=3, dpo_max_steps=3)
+    run_main(folder, monkeypatch)
+
+    sft, dpo = watch_training["PackedSFTTrainer"], watch_training["MeteredDPOTrainer"]
+    # DPO starts from SFT's result and moves every weight of the trained adapter.
+    trained = {n for n in dpo["trainable"] if ".default." in n}
+    assert trained == dpo["trainable"]
+    moved = changed(dpo)
+    assert moved == trained
+    for name in trained:
+        assert torch.equal(dpo["before"][name], sft["after"][name])
+    out = folder / "models/adapter"
+    assert {p.name for p in out.iterdir()} >= ADAPTER_FILES
+    assert not (out / "ref").exists()  # TRL's frozen reference copy stays out of the result
+    m = metrics(folder)
+    assert set(m["phases"]) == {"sft", "dpo"} and m["phases"]["dpo"]["global_steps"] == 3
+    runs = {r.info.run_name: r for r in train_runs(folder)}
+    assert set(runs) == {"train", "train/dpo"}
+    assert runs["train/dpo"].data.tags["mlflow.parentRunId"] == runs["train"].info.run_id
+    assert "rewards/accuracies" in runs["train/dpo"].data.metrics
+
+
+def test_early_stopping_and_the_best_checkpoint_follow_the_params(
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import EarlyStoppingCallback
+
+    folder = make_project(data, tmp_path, early_stopping_patience=2)
+    monkeypatch.chdir(folder)
+    params = load_params()
+    planned = resolve_plan(params, Environment.probe())
+    args = train.phase_args("sft", params, planned)
+    built = train.build_trainer("sft", args, params, planned, None, 0, time.time())
+    stoppers = [
+        c for c in built.trainer.callback_handler.callbacks if isinstance(c, EarlyStoppingCallback)
+    ]
+    assert [s.early_stopping_patience for s in stoppers] == [2]
+    # Evaluated whenever saved, the best by validation loss reloaded as the phase's result.
+    assert args.load_best_model_at_end and args.eval_steps == args.save_steps == 3
+    assert args.metric_for_best_model == "eval_loss" and not args.greater_is_better
+
+
+def test_qlora_on_a_machine_without_cuda_fails_at_start(
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    folder = make_project(data, tmp_path, method="qlora")
+    with pytest.raises(SystemExit, match=r"(?s)cannot start.*qlora.*needs a CUDA GPU"):
+        run_main(folder, monkeypatch)
+    assert not (folder / "checkpoints").exists() and not (folder / "models/adapter").exists()
+
+
+def plant_bad_batches(shard: Path, count: int, vocab_size: int) -> None:
+    """Random labels on ``count`` bins: a corrupted export, far harder than anything learned."""
+    rows = pq.read_table(shard).to_pylist()
+    rng = random.Random(0)
+    for i in rng.sample(range(len(rows)), count):
+        rows[i]["labels"] = [rng.randrange(vocab_size) for _ in rows[i]["labels"]]
+    pq.write_table(pa.Table.from_pylist(rows, schema=pq.read_schema(shard)), shard)
+
+
+def test_loss_spike_on_a_planted_bad_batch_stops_marks_and_alerts(
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = make_project(
+        data,
+        tmp_path,
+        method="full",  # learns fast enough on the tiny model for a bad batch to stand out
+        max_steps=60,
+        save_steps=100,
+        loss_spike_factor=2.5,
+        loss_spike_window=5,
+        alert_command='echo "$TUNELOOP_ALERT_REASON" > alert.txt',
+    )
+    plant_bad_batches(folder / "data/packed/rank-00000.parquet", 10, vocab_size=2048)
+    with pytest.raises(SystemExit, match=r"stopped at step \d+ by train.loss_spike_factor"):
+        run_main(folder, monkeypatch)
+
+    (run,) = train_runs(folder)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["tuneloop.train.stop_rule"] == "loss_spike_factor"
+    step = int(run.data.metrics["stop_step"])
+    assert 5 < step < 60 and f"step {step}" in (folder / "alert.txt").read_text()
+    assert "tokens_per_second" in run.data.metrics and "gpu_hours" in run.data.metrics
+    assert not (folder / "models/adapter").exists()  # no output for DVC to record
+
+
+def test_two_gloo_processes_train_each_on_its_own_shard(data: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder = make_project(data, tmp_path, world_size=2, distributed="ddp")
+    done = run_stage(folder)  # no launcher around it: the stage re-execs under torchrun
+    assert done.returncode == 0, done.stderr[-3000:]
+    m = metrics(folder)
+    assert m["world_size"] == 2 and m["global_steps"] == 6
+    shard_rows = pq.read_metadata(folder / "data/packed/rank-00001.parquet").num_rows
+    # Six steps of one micro-batch each out of this rank's own shard; a re-split loader
+    # would have halved the shard and doubled the epoch fraction.
+    assert m["epochs"] == round(6 / shard_rows, 4)
+    out = folder / "models/adapter"
+    assert {p.name for p in out.iterdir()} >= ADAPTER_FILES
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(folder / "models/base"), out
+    )
+    assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
+    (run,) = train_runs(folder)  # rank 0 alone logs
+    assert run.info.status == "FINISHED"
+
+
+def test_sigkill_mid_run_then_rerun_continues_to_the_same_final_step(
+    data: Path, tmp_path: Path
+) -> None:
+    folder = make_project(data, tmp_path, max_steps=16, save_steps=4)
+    marker = folder / "checkpoints/train/sft/checkpoint-4/tuneloop-complete.json"
+    stage = subprocess.Popen(
+        [sys.executable, "-m", "stages.train"],
+        cwd=folder,
+        env=stage_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists() and stage.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stage.kill()  # SIGKILL: no handler runs, no clean-up
+    finally:
+        stage.wait(timeout=60)
+    assert stage.returncode == -9, "the run ended before it could be killed"
+    assert not (folder / "models/adapter").exists()
+
+    done = run_stage(folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sft = metrics(folder)["phases"]["sft"]
+    assert sft["global_steps"] == 16 and sft["resumed_from_step"] >= 4
+    # One run in MLflow, its loss curve whole: the rerun continued the run the kill cut off.
+    (run,) = train_runs(folder)
+    assert run.info.status == "FINISHED"
+    history = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").get_metric_history(
+        run.info.run_id, "loss"
+    )
+    steps = sorted({point.step for point in history})
+    assert steps == list(range(1, 17))
+    by_step = {point.step: point.value for point in history}
+    resumed = sft["resumed_from_step"] + 1
+    # Picks up where it stopped, not from the untrained model's loss.
+    assert by_step[resumed] < by_step[1] - 0.2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="DeepSpeed is not installed (pip install -e '.[gpu]')",
+)
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+@pytest.mark.parametrize(("distributed", "method"), [("zero2", "lora"), ("zero3", "full")])
+def test_deepspeed_two_processes_save_the_single_process_format(
+    data: Path, tmp_path: Path, distributed: str, method: str
+) -> None:
+    # On a CPU the first launch compiles DeepSpeed's communication op (about 40 s, g++ + ninja).
+    folder = make_project(data, tmp_path, world_size=2, distributed=distributed, method=method)
+    done = run_stage(folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = folder / "models/adapter"
+    if method == "lora":
+        assert {p.name for p in out.iterdir()} >= ADAPTER_FILES
+    else:
+        from transformers import AutoModelForCausalLM
+
+        # ZeRO-3 gathers the sharded weights into one ordinary checkpoint for the save.
+        model = AutoModelForCausalLM.from_pretrained(out)
+        base_weights = AutoModelForCausalLM.from_pretrained(folder / "models/base").state_dict()
+        assert all(not torch.equal(t, base_weights[n]) for n, t in model.state_dict().items())
+    assert metrics(folder)["global_steps"] == 6

@@ -1,0 +1,225 @@
+"""Checkpoints of a training run: which ones belong to it, the newest complete one, phase results.
+
+Layout under the stage's checkpoint folder (``checkpoints/train``, outside DVC's outs)::
+
+    run.json                 fingerprint of what is trained, params hash, MLflow run id
+    sft/checkpoint-200/      the Trainer's checkpoints: weights, optimizer, scheduler, RNG, state
+    sft/final/               the phase's result (the best checkpoint's weights), for the next phase
+    dpo/...
+
+A checkpoint or a phase result counts only once it holds ``tuneloop-complete.json``, written
+after every rank has finished writing its part: a process killed in the middle of a save
+leaves a folder without it, and ``prune_incomplete`` removes such folders before a resume.
+
+``run.json``'s fingerprint covers what decides the trained weights (the train stage's params
+less the operational keys, and the data); ``prepare`` keeps the checkpoints of a run with the
+same fingerprint for ``train.resume: auto`` and clears anything else, so a run never continues
+from another run's optimizer state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from tuneloop import lineage
+from tuneloop.io import read_json, write_json
+from tuneloop.params import Params
+
+log = logging.getLogger(__name__)
+
+MARKER = "tuneloop-complete.json"
+RUN_RECORD = "run.json"
+FINAL = "final"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR
+
+# Keys of the train group that change how a run is watched or kept, not the weights it makes:
+# raising max_wall_hours after a stop must resume the run, not start it again.
+OPERATIONAL_KEYS = (
+    "resume",
+    "save_steps",
+    "save_total_limit",
+    "logging_steps",
+    "max_wall_hours",
+    "max_host_memory_gb",
+    "max_gpu_memory_gb",
+    "loss_spike_factor",
+    "loss_spike_window",
+    "alert_webhook",
+    "alert_command",
+)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    fingerprint: str
+    params_hash: str
+    mlflow_run_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Preparation:
+    resumed: bool
+    """True when the folder holds this run's checkpoints and they are kept."""
+    previous: RunRecord | None
+    detail: str
+
+
+def data_identity(path: Path) -> str:
+    """A cheap identity of an input file or folder: its manifest's bytes, or file names and sizes.
+
+    Hashing every shard would take minutes on a real data set; ``pack`` and ``clean`` write a
+    new manifest (with its creation time) whenever they write new data.
+    """
+    if path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    manifest = path / "manifest.json"
+    if manifest.is_file():
+        return hashlib.sha256(manifest.read_bytes()).hexdigest()
+    sizes = sorted((p.name, p.stat().st_size) for p in path.iterdir() if p.is_file())
+    return hashlib.sha256(json.dumps(sizes).encode()).hexdigest()
+
+
+def fingerprint(params: Params, inputs: Mapping[str, Path]) -> str:
+    """What decides the trained weights: the train stage's params less operational keys, data."""
+    subset = lineage.params_subset(params, lineage.stage_param_groups("train"))
+    subset["train"] = {
+        key: value for key, value in subset.get("train", {}).items() if key not in OPERATIONAL_KEYS
+    }
+    data = {name: data_identity(path) for name, path in sorted(inputs.items())}
+    canonical = json.dumps({"params": subset, "data": data}, sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def read_record(root: Path) -> RunRecord | None:
+    try:
+        return RunRecord(**read_json(root / RUN_RECORD))
+    except (FileNotFoundError, TypeError, json.JSONDecodeError):
+        return None
+
+
+def write_record(root: Path, record: RunRecord) -> None:
+    write_json(root / RUN_RECORD, asdict(record))
+
+
+def prepare(root: Path, record: RunRecord, resume: bool) -> Preparation:
+    """Keep this run's complete checkpoints (when resuming) and clear everything else.
+
+    Call it on one process (rank 0) before training; the others wait for it.
+    """
+    previous = read_record(root)
+    if previous is not None and resume and previous.fingerprint == record.fingerprint:
+        for phase_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+            for removed in prune_incomplete(phase_dir):
+                log.info("removed %s: a save that did not finish", removed)
+        write_record(
+            root, RunRecord(record.fingerprint, record.params_hash, previous.mlflow_run_id)
+        )
+        return Preparation(True, previous, f"resuming the run in {root}")
+    if previous is None:
+        detail = "no earlier run" if not root.exists() else f"{root} holds no run record"
+    elif not resume:
+        detail = "train.resume is 'never'"
+    else:
+        detail = (
+            f"the checkpoints in {root} were made with other params or data "
+            f"(fingerprint {previous.fingerprint}, now {record.fingerprint})"
+        )
+    if root.exists():
+        shutil.rmtree(root)
+    write_record(root, record)
+    return Preparation(False, previous, f"starting afresh: {detail}")
+
+
+def checkpoints(phase_dir: Path) -> list[tuple[int, Path]]:
+    """The Trainer's checkpoint folders in ``phase_dir``, oldest step first."""
+    if not phase_dir.is_dir():
+        return []
+    found = []
+    for path in phase_dir.iterdir():
+        match = _CHECKPOINT.match(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / MARKER).is_file()
+
+
+def newest_complete(phase_dir: Path) -> Path | None:
+    complete = [path for _, path in checkpoints(phase_dir) if is_complete(path)]
+    return complete[-1] if complete else None
+
+
+def prune_incomplete(phase_dir: Path) -> list[Path]:
+    """Remove checkpoint and result folders whose save never finished; returns them."""
+    doomed = [path for _, path in checkpoints(phase_dir) if not is_complete(path)]
+    final = phase_dir / FINAL
+    if final.exists() and not is_complete(final):
+        doomed.append(final)
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def mark_complete(folder: Path, payload: Mapping[str, Any]) -> None:
+    """Written last, by one process, once every rank has written its part (callers barrier)."""
+    write_json(folder / MARKER, {"time": time.time(), **payload})
+
+
+def read_marker(folder: Path) -> dict[str, Any]:
+    data: dict[str, Any] = read_json(folder / MARKER)
+    return data
+
+
+class MarkCompleteCheckpoints(TrainerCallback):
+    """Marks each checkpoint complete once every rank has saved its part of it.
+
+    The Trainer calls ``on_save`` on every rank right after its own part of the save
+    (weights on rank 0, each rank's RNG state, each rank's optimizer shard under ZeRO).
+    """
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        barrier()
+        folder = Path(str(args.output_dir)) / f"checkpoint-{state.global_step}"
+        if state.is_world_process_zero and folder.is_dir():
+            mark_complete(folder, {"step": state.global_step})
+
+
+def link_tree(source: Path, target: Path, skip: frozenset[str] = frozenset({MARKER})) -> None:
+    """Fill ``target`` with ``source``'s files: hard links where possible, else copies.
+
+    A full model's weights are tens of GB; a link costs nothing and the checkpoint folder
+    never rewrites a file in place (a new run removes the folder first).
+    """
+    for folder, _, files in os.walk(source):
+        relative = Path(folder).relative_to(source)
+        (target / relative).mkdir(parents=True, exist_ok=True)
+        for name in files:
+            if name in skip:
+                continue
+            src, dst = Path(folder) / name, target / relative / name
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
