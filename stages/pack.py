@@ -9,7 +9,8 @@ Params: ``pack``, ``batch``, ``model.base``, ``paths``.
 Each row is one bin of ``pack.seq_len`` tokens at most: ``input_ids``,
 ``labels`` (assistant tokens only) and ``seq_lengths``, the layout TRL's
 padding-free collator reads to restart position ids at every sample, so
-attention never crosses samples.
+attention never crosses samples; ``sample_indices`` gives each packed
+sequence's row in the source file (the collator ignores it).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def bins_table(bins: list[Bin]) -> pa.Table:
             "input_ids": [as_list(b.input_ids) for b in bins],
             "labels": [as_list(b.labels) for b in bins],
             "seq_lengths": [as_list(b.seq_lengths) for b in bins],
+            # Row of the input file each sequence came from: preflight traces bins back to chats.
+            "sample_indices": [as_list(b.sample_indices) for b in bins],
         }
     )
 
@@ -83,6 +86,7 @@ def main() -> None:
             "truncated": train.n_truncated,
             "dropped_overlong": train.n_dropped,
             "split_overlong": train.n_split,
+            "samples_without_labels": train.n_no_label,
             "world_size": batch.world_size,
             "micro_batch_size": batch.micro_batch_size,
             "gradient_accumulation_steps": batch.gradient_accumulation_steps,
