@@ -24,15 +24,15 @@ from mlflow.tracking import MlflowClient
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 
-from tuneloop import lineage, tracking
+from tuneloop import lineage, registry, tracking
 from tuneloop.io import read_json
 from tuneloop.params import load_params
 
 STAGES = ("base", "ingest", "clean", "pack", "preflight", "train", "merge", "export", "evaluate")
 # Safe to run again after a failure: outputs are replaced atomically, ingest deduplicates.
-# Training is not retried: a second attempt costs as much as the first, and its
-# failures (a preflight miss, a stop-loss) need a person, not a rerun.
-RETRIES = {stage: (0 if stage == "train" else 1) for stage in STAGES}
+# Preflight and training are not retried: a refusal or a stop-loss needs a person,
+# not a rerun, and a second training attempt costs as much as the first.
+RETRIES = {stage: (0 if stage in {"preflight", "train"} else 1) for stage in STAGES}
 
 
 class StageFailed(RuntimeError):
@@ -79,6 +79,23 @@ def run_stage(stage: str, repo: Path, parent_run_id: str, experiment_id: str) ->
         client.set_terminated(run_id, status="FINISHED")
     logger.info("%s: %s", stage, "up to date" if cached else "ran")
     return metrics
+
+
+@task(task_run_name="register", retries=1)
+def register(repo: Path, run_id: str) -> dict[str, Any]:
+    """Register the candidate (alias challenger) if the evaluate gate passed; else say why not.
+
+    Here rather than in the DVC stage: the registry is a side effect `dvc repro`
+    must not repeat or skip (see tuneloop/registry.py). Idempotent, so it may retry.
+    """
+    params = load_params(repo / "params.yaml")
+    done = registry.register_candidate(params, run_id=run_id, flow_run_id=str(flow_run.id or ""))
+    reasons = "\n".join(done.reasons)
+    if done.registered:
+        get_run_logger().info("%s v%s (%s):\n%s", done.name, done.version, done.alias, reasons)
+    else:
+        get_run_logger().warning("nothing registered:\n%s", reasons)
+    return done.to_dict()
 
 
 def summary(metrics: dict[str, dict[str, Any]], decision: dict[str, Any]) -> dict[str, Any]:
@@ -139,6 +156,8 @@ def retrain(repo: Path = Path()) -> dict[str, Any]:
             tracking.log_metrics({"data": result["data"], "train": result["train"]})
             tracking.log_metrics(result["eval"], prefix="eval")
             mlflow.set_tag("gate.passed", str(decision["passed"]).lower())
+            # The flow ends with the verdict: a registered version, or the gate's reasons.
+            result["registration"] = register(repo, parent.info.run_id)
             result["mlflow_run_id"] = parent.info.run_id
             return result
     finally:

@@ -45,6 +45,16 @@ def _print_summary(result: dict[str, Any]) -> None:
     print(f"gate   {'PASS' if decision['passed'] else 'FAIL'}")
     for reason in decision["reasons"]:
         print(f"       {reason}")
+    registration = result.get("registration") or {}
+    if registration.get("registered"):
+        print(
+            f"model  registered {registration['name']} v{registration['version']} "
+            f"as {registration['alias']!r}"
+        )
+    else:
+        print("model  not registered:")
+        for reason in registration.get("reasons", []):
+            print(f"       {reason}")
     print(
         "\nSee it:\n"
         "  MLflow  .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000"

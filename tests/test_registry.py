@@ -1,0 +1,206 @@
+"""Registering a candidate in a real MLflow store (SQLite in a temp project); finding the champion.
+
+The candidate is the tiny base model with a planted gate decision: what is
+under test is the registry, not the scores (tests/test_evaluate.py runs the
+real gate).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlflow.pyfunc
+import pytest
+import torch
+import yaml
+from mlflow.tracking import MlflowClient
+
+from stages import base, evaluate, export
+from tests.conftest import ROOT, write_params
+from tuneloop import registry
+from tuneloop.io import write_json, write_text
+from tuneloop.params import Params, load_params
+
+SUITE = "support_demo"
+DIRECTIONS = {SUITE: {"accuracy": True, "format_compliance": True, "hallucination_rate": False}}
+NAME = "tuneloop-support"
+
+
+def planted(candidate: float, champion: float | None = None) -> evaluate.Scores:
+    models = {"base": 0.4, "candidate": candidate, "candidate-fp8": candidate}
+    if champion is not None:
+        models["champion"] = champion
+    return {
+        name: {SUITE: {"accuracy": a, "format_compliance": 1.0, "hallucination_rate": 0.1}}
+        for name, a in models.items()
+    }
+
+
+def write_evaluation(params: Params, scores: evaluate.Scores, champion: str | None) -> None:
+    """What the evaluate stage leaves behind, for planted scores."""
+    decision = evaluate.decide(scores, DIRECTIONS, params.gate)
+    decision["champion"] = None if champion is None else {"name": NAME, "version": champion}
+    decision["candidate_key"] = registry.candidate_key(params.paths.merged)
+    write_json(params.paths.metrics / "decision.json", decision)
+    write_json(params.paths.metrics / "evaluate.json", scores)
+    write_text(params.paths.reports / "eval.md", evaluate.report(scores, decision))
+    evaluate.plot(scores, DIRECTIONS, params.paths.reports / "eval.png")
+
+
+def client(project: Path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    # On a shared 2-core machine, torch's second thread spin-waits for a busy core:
+    # a tiny forward pass took 1.5 s with two threads and 16 ms with one.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    folder = tmp_path_factory.mktemp("registry")
+    shutil.copytree(ROOT / "eval", folder / "eval")
+    write_params(folder)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run([*git, "init", "-q"], cwd=folder, check=True)
+    subprocess.run([*git, "add", "params.yaml"], cwd=folder, check=True)
+    subprocess.run([*git, "commit", "-qm", "params"], cwd=folder, check=True)
+    previous = Path.cwd()
+    os.chdir(folder)
+    try:
+        base.main()
+        params = load_params()
+        shutil.copytree(params.paths.base_model, params.paths.merged)
+        as_merged = params.paths.model_copy(update={"merged": params.paths.base_model})
+        params.paths.fp8.mkdir(parents=True)
+        export.export(params.model_copy(update={"paths": as_merged}), params.paths.fp8)
+        lock = {
+            "schema": "2.0",
+            "stages": {
+                "ingest": {
+                    "deps": [{"path": "data/badcases/incoming", "md5": "in.dir"}],
+                    "outs": [{"path": "data/pool", "md5": "pool.dir"}],
+                },
+                "merge": {
+                    "deps": [{"path": "stages/merge.py", "md5": "code"}],
+                    "outs": [{"path": "models/merged", "md5": "merged.dir"}],
+                },
+            },
+        }
+        Path("dvc.lock").write_text(yaml.safe_dump(lock))
+        write_evaluation(params, planted(0.75), champion=None)
+        yield folder
+    finally:
+        os.chdir(previous)
+
+
+def test_no_registered_model_means_no_champion(project: Path) -> None:
+    assert registry.find_alias(NAME, registry.CHAMPION, client(project)) is None
+
+
+def test_a_passed_candidate_is_registered_with_its_lineage_and_report(project: Path) -> None:
+    params = load_params()
+    store = client(project)
+    experiment = store.get_experiment_by_name(params.tracking.experiment)
+    assert experiment is not None
+    retrain = store.create_run(experiment.experiment_id, run_name="retrain")  # the flow's run
+    done = registry.register_candidate(params, run_id=retrain.info.run_id, flow_run_id="flow-42")
+
+    assert done.registered and (done.version, done.alias) == ("1", "challenger")
+    version = store.get_model_version_by_alias(NAME, "challenger")
+    assert str(version.version) == "1" and version.run_id == retrain.info.run_id
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    tags = version.tags
+    assert tags["git.commit"] == commit
+    assert tags["git.dirty"] in {"true", "false"}
+    assert len(tags["params.hash"]) == 16
+    assert tags["prefect.flow_run_id"] == "flow-42"
+    assert tags["dvc.out.models/merged"] == "merged.dir"
+    assert tags["dvc.out.data/pool"] == "pool.dir"
+    assert tags["dvc.dep.data/badcases/incoming"] == "in.dir"
+    assert "dvc.dep.stages/merge.py" not in tags  # code is pinned by the commit
+    assert tags["gate.passed"] == "true"
+    assert version.description == (project / "reports/eval.md").read_text()
+    logged = {a.path for a in store.list_artifacts(retrain.info.run_id, "evaluation")}
+    assert logged == {
+        f"evaluation/{name}" for name in ("eval.md", "eval.png", "decision.json", "evaluate.json")
+    }
+
+    model = mlflow.pyfunc.load_model(f"models:/{NAME}@challenger")
+    answers = model.predict(["How long does shipping take for the Pixel camera?"])
+    assert isinstance(answers, list) and len(answers) == 1 and isinstance(answers[0], str)
+
+
+def test_registering_the_same_candidate_again_adds_no_version(project: Path) -> None:
+    done = registry.register_candidate(load_params())
+    assert done.registered and done.version == "1"
+    assert done.reasons[0] == f"already registered as {NAME} v1"
+    assert len(client(project).search_model_versions(f"name = '{NAME}'")) == 1
+
+
+def test_the_champion_is_found_and_downloaded(project: Path, tmp_path: Path) -> None:
+    store = client(project)
+    store.set_registered_model_alias(NAME, registry.CHAMPION, "1")
+    champion = registry.find_alias(NAME, registry.CHAMPION, store)
+    assert champion is not None and str(champion.version) == "1"
+    assert registry.describe(champion) == {
+        "name": NAME,
+        "version": "1",
+        "run_id": champion.run_id,
+        "source": champion.source,
+    }
+    merged = registry.download_folder(champion, registry.MERGED, tmp_path / "m")
+    assert (merged / "model.safetensors").read_bytes() == (
+        project / "models/merged/model.safetensors"
+    ).read_bytes()
+    fp8 = registry.download_folder(champion, registry.FP8, tmp_path / "f")
+    config = json.loads((fp8 / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+
+
+def test_a_champion_that_moved_after_the_gate_blocks_registration(project: Path) -> None:
+    # decision.json compared with no champion; the registry has one now (previous test).
+    with pytest.raises(registry.ChampionChanged, match=r"dvc repro --force --single-item evaluate"):
+        registry.register_candidate(load_params())
+
+
+def test_a_decision_about_another_candidate_blocks_registration(project: Path) -> None:
+    params = load_params()
+    decision = json.loads((params.paths.metrics / "decision.json").read_text())
+    write_json(params.paths.metrics / "decision.json", decision | {"candidate_key": "other"})
+    try:
+        with pytest.raises(registry.StaleDecision, match=r"judged another candidate"):
+            registry.register_candidate(params)
+    finally:
+        write_json(params.paths.metrics / "decision.json", decision)
+
+
+def test_a_candidate_worse_than_the_champion_is_not_registered(project: Path) -> None:
+    params = load_params()
+    (params.paths.merged / "manifest.json").write_text('{"stage": "merge", "run": 2}')
+    write_evaluation(params, planted(0.70, champion=0.75), champion="1")
+    decision = json.loads((params.paths.metrics / "decision.json").read_text())
+    assert not decision["passed"]
+    assert decision["failed"] == [
+        "support_demo/accuracy (higher is better): candidate 0.700 vs champion 0.750: "
+        "behind by +0.050 (allowed <= 0.020): FAIL"
+    ]
+
+    done = registry.register_candidate(params)
+    assert not done.registered and done.version is None and done.alias is None
+    assert done.reasons == ["gate failed: nothing registered", *decision["failed"]]
+    store = client(project)
+    assert len(store.search_model_versions(f"name = '{NAME}'")) == 1
+    assert str(store.get_model_version_by_alias(NAME, "challenger").version) == "1"

@@ -1,0 +1,347 @@
+"""The MLflow model registry: the champion the gate compares with, and registering a candidate.
+
+The project's registered model (``tracking.registered_model``) holds one version
+per candidate that passed the evaluate gate. Each version is a logged pyfunc
+model whose artifacts are the merged folder (what ``mlflow.pyfunc.load_model``
+serves) and the FP8 folder (what vLLM serves); its tags carry the lineage (git
+commit, params hash, DVC md5s, Prefect flow run) and its description the eval
+report. Aliases: ``challenger`` is set here; ``champion`` and
+``previous-champion`` are moved by the release flow when a person promotes.
+
+Registration runs in the retrain flow after the ``evaluate`` stage, not inside
+it: a DVC stage must be a function of its declared inputs, and writing to the
+registry is a side effect DVC cannot see or undo. Inside the stage, a cached
+``dvc repro`` would skip it, and a rerun would register a second version of
+the same model. The flow task reads the stage's ``decision.json`` and is
+idempotent (a version is keyed by its merged folder's manifest), so it may
+retry.
+
+The other registry read, the champion, does happen inside ``evaluate``: the
+gate must score it. DVC cannot see an alias move, so the decision records the
+champion version it compared with (and which merged folder it judged), and
+:func:`register_candidate` refuses to register when either has changed since
+(rerun ``dvc repro --force --single-item evaluate``).
+
+Logging a version copies both folders into the MLflow artifact store: for a
+real model that is the merged checkpoint plus its FP8 export, once per version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import yaml
+from mlflow.entities import Run
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+from mlflow.models import Model
+from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
+from mlflow.pyfunc import PythonModel, PythonModelContext
+from mlflow.tracking import MlflowClient
+
+from tuneloop import lineage, tracking
+from tuneloop.io import read_json
+from tuneloop.params import Params
+
+log = logging.getLogger(__name__)
+
+CHAMPION, CHALLENGER, PREVIOUS = "champion", "challenger", "previous-champion"
+MERGED, FP8 = "merged", "fp8"  # artifact names inside every logged model
+MODEL_NAME = "candidate"  # the logged model's name in its run
+TAG_CANDIDATE = "tuneloop.merged_manifest_sha256"
+TAG_GATE = "gate.passed"
+# The registry stores descriptions in a 5000-character column.
+MAX_DESCRIPTION = 5000
+# What loading a version back needs (besides this package, whose class it pickles).
+REQUIREMENTS = ("mlflow", "torch", "transformers", "compressed-tensors")
+
+
+class StaleDecision(RuntimeError):
+    """decision.json no longer describes what would be registered; evaluate again."""
+
+
+class ChampionChanged(StaleDecision):
+    """The champion moved after the gate compared the candidate with the old one."""
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def find_alias(name: str, alias: str, client: MlflowClient | None = None) -> ModelVersion | None:
+    """The version of registered model ``name`` that holds ``alias``; None if there is none."""
+    client = client or MlflowClient()
+    try:
+        registered = client.get_registered_model(name)
+    except MlflowException as error:
+        if error.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            return None
+        raise
+    version = registered.aliases.get(alias)
+    return None if version is None else client.get_model_version(name, str(version))
+
+
+def describe(version: ModelVersion | None) -> dict[str, str] | None:
+    """A version's identity as decision.json records it."""
+    if version is None:
+        return None
+    return {
+        "name": version.name,
+        "version": str(version.version),
+        "run_id": version.run_id or "",
+        "source": version.source or "",
+    }
+
+
+def download_folder(version: ModelVersion, artifact: str, dst: Path) -> Path:
+    """Download a version's logged model into ``dst`` and return its ``artifact`` folder."""
+    local = Path(
+        mlflow.artifacts.download_artifacts(
+            artifact_uri=f"models:/{version.name}/{version.version}", dst_path=str(dst)
+        )
+    )
+    artifacts = Model.load(str(local)).flavors["python_function"].get("artifacts", {})
+    if artifact not in artifacts:
+        raise KeyError(
+            f"{version.name} v{version.version} has no {artifact!r} artifact (it has "
+            f"{sorted(artifacts)}); it was not registered by tuneloop.registry"
+        )
+    return local / artifacts[artifact]["path"]
+
+
+# --- the logged model -------------------------------------------------------------------------
+
+
+class CandidateModel(PythonModel):
+    """The merged model as a pyfunc: chat questions in, greedy answers out.
+
+    The FP8 folder travels beside it as an artifact for vLLM; this wrapper
+    serves the merged one, which any CPU can run.
+    """
+
+    max_new_tokens = 64
+
+    def load_context(self, context: PythonModelContext) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder = context.artifacts[MERGED]
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(folder)
+        self.model: Any = AutoModelForCausalLM.from_pretrained(folder)
+        self.model.eval()
+
+    def predict(
+        self,
+        context: PythonModelContext,
+        model_input: list[str],
+        params: dict[str, Any] | None = None,
+    ) -> list[str]:
+        import torch
+
+        answers = []
+        for question in model_input:
+            batch: Any = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": question}],
+                add_generation_prompt=True,
+                return_tensors="pt",
+                return_dict=True,
+            )
+            with torch.no_grad():
+                out = self.model.generate(
+                    **batch,
+                    max_new_tokens=self.max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                )
+            new = out[0, batch["input_ids"].shape[1] :]
+            answers.append(str(self.tokenizer.decode(new, skip_special_tokens=True)).strip())
+        return answers
+
+
+def _requirements() -> list[str]:
+    return [f"{name}=={importlib.metadata.version(name)}" for name in REQUIREMENTS]
+
+
+# --- registering ------------------------------------------------------------------------------
+
+
+@dataclass
+class Registration:
+    """What the retrain flow's register step did, and why."""
+
+    registered: bool
+    name: str
+    version: str | None = None
+    alias: str | None = None
+    model_uri: str | None = None
+    run_id: str | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def candidate_key(merged: Path) -> str:
+    """Identifies a merged folder: its manifest names its inputs, code and time of making."""
+    return hashlib.sha256((merged / "manifest.json").read_bytes()).hexdigest()
+
+
+def lineage_tags(params: Params, flow_run_id: str | None) -> dict[str, str]:
+    """Git commit, params hash, every DVC data/model md5, and the flow run of a candidate."""
+    git = lineage.git_state()
+    tags = {
+        tracking.TAG_COMMIT: git.commit,
+        tracking.TAG_DIRTY: str(git.dirty).lower(),
+        # Every group: the version depends on the whole pipeline, not one stage.
+        tracking.TAG_PARAMS_HASH: lineage.params_hash(params, list(type(params).model_fields)),
+        TAG_CANDIDATE: candidate_key(params.paths.merged),
+    }
+    if flow_run_id:
+        tags[tracking.TAG_FLOW_RUN] = flow_run_id
+    for stage in _locked_stages():
+        md5s = lineage.dvc_lock_md5s(stage)
+        for path, md5 in md5s["outs"].items():
+            tags[f"dvc.out.{path}"] = md5
+        # Data deps only; code is pinned by the commit.
+        for path, md5 in md5s["deps"].items():
+            if not path.endswith(".py"):
+                tags[f"dvc.dep.{path}"] = md5
+    return tags
+
+
+def _locked_stages(repo: Path = Path()) -> list[str]:
+    """The stages dvc.lock records (none before the first ``dvc repro``)."""
+    path = repo / "dvc.lock"
+    if not path.exists():
+        return []
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    return list(data.get("stages", {}))
+
+
+def _existing(client: MlflowClient, name: str, key: str) -> ModelVersion | None:
+    try:
+        versions = client.search_model_versions(f"name = '{name}'")
+    except MlflowException as error:
+        if error.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            return None
+        raise
+    return next((v for v in versions if v.tags.get(TAG_CANDIDATE) == key), None)
+
+
+def _run(run_id: str | None, experiment_id: str) -> AbstractContextManager[Run]:
+    """The run the model and report are logged to: the flow's retrain run, or a new one."""
+    active = mlflow.active_run()
+    if active is not None and run_id in (None, active.info.run_id):
+        return nullcontext(active)
+    if run_id is not None:
+        return mlflow.start_run(run_id=run_id, nested=active is not None)
+    return mlflow.start_run(
+        run_name="register", experiment_id=experiment_id, nested=active is not None
+    )
+
+
+def register_candidate(
+    params: Params, run_id: str | None = None, flow_run_id: str | None = None
+) -> Registration:
+    """Register the evaluated candidate when its gate passed; otherwise register nothing.
+
+    Reads ``metrics/decision.json`` (and the report beside it) as the
+    ``evaluate`` stage left them. On a pass: logs a pyfunc model with the merged
+    and FP8 folders into ``run_id`` (the flow's retrain run; a new ``register``
+    run without one), registers it as a new version of
+    ``tracking.registered_model`` with the lineage tags and the report, and
+    points alias ``challenger`` at it. The same candidate is registered once.
+    """
+    name = params.tracking.registered_model
+    decision = read_json(params.paths.metrics / "decision.json")
+    if not decision["passed"]:
+        failed = decision.get("failed") or decision["reasons"]
+        log.warning("gate failed; nothing registered: %s", "; ".join(failed))
+        return Registration(False, name, reasons=["gate failed: nothing registered", *failed])
+
+    key = candidate_key(params.paths.merged)
+    if decision.get("candidate_key") != key:
+        raise StaleDecision(
+            f"{params.paths.metrics / 'decision.json'} judged another candidate than the one in "
+            f"{params.paths.merged}; run `dvc repro evaluate` before registering"
+        )
+
+    experiment_id = tracking.setup(params.tracking.experiment)
+    client = MlflowClient()
+    champion = describe(find_alias(name, CHAMPION, client))
+    compared = decision.get("champion")
+    if (champion or {}).get("version") != (compared or {}).get("version"):
+        raise ChampionChanged(
+            f"the gate compared the candidate with champion "
+            f"{(compared or {}).get('version', 'none')}, but {name}@{CHAMPION} is now "
+            f"{(champion or {}).get('version', 'none')}; run `dvc repro --force --single-item "
+            "evaluate` so the gate compares with the model that serves now, then register"
+        )
+
+    found = _existing(client, name, key)
+    if found is not None:
+        version = str(found.version)
+        alias = _point_challenger(client, name, version, champion)
+        log.info("%s v%s already holds this candidate", name, version)
+        return Registration(
+            True,
+            name,
+            version=version,
+            alias=alias,
+            model_uri=f"models:/{name}/{version}",
+            run_id=found.run_id,
+            reasons=[f"already registered as {name} v{version}", *decision["reasons"]],
+        )
+
+    tags = lineage_tags(params, flow_run_id or os.environ.get("TUNELOOP_FLOW_RUN_ID"))
+    tags[TAG_GATE] = "true"
+    report = params.paths.reports / "eval.md"
+    with _run(run_id, experiment_id) as run:
+        info = mlflow.pyfunc.log_model(
+            name=MODEL_NAME,
+            python_model=CandidateModel(),
+            artifacts={MERGED: str(params.paths.merged), FP8: str(params.paths.fp8)},
+            pip_requirements=_requirements(),
+            tags=tags,
+        )
+        for path in (
+            report,
+            params.paths.reports / "eval.png",
+            params.paths.metrics / "decision.json",
+            params.paths.metrics / "evaluate.json",
+        ):
+            mlflow.log_artifact(str(path), artifact_path="evaluation")
+        registered = mlflow.register_model(info.model_uri, name, tags=tags)
+        version = str(registered.version)
+        client.update_model_version(
+            name, version, description=report.read_text(encoding="utf-8")[:MAX_DESCRIPTION]
+        )
+        alias = _point_challenger(client, name, version, champion)
+        mlflow.set_tags({"registry.version": version, "registry.name": name})
+        log.info("registered %s v%s as %s (%s)", name, version, alias, info.model_uri)
+        return Registration(
+            True,
+            name,
+            version=version,
+            alias=alias,
+            model_uri=f"models:/{name}/{version}",
+            run_id=run.info.run_id,
+            reasons=[f"gate passed: registered {name} v{version} as {CHALLENGER}"]
+            + decision["reasons"],
+        )
+
+
+def _point_challenger(
+    client: MlflowClient, name: str, version: str, champion: dict[str, str] | None
+) -> str | None:
+    # The champion already serves; calling it the challenger too would canary it against itself.
+    if champion is not None and champion["version"] == version:
+        return None
+    client.set_registered_model_alias(name, CHALLENGER, version)
+    return CHALLENGER
