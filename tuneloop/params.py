@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 # Relative to the working directory, as in DVC: stages run from the project root.
 PARAMS_FILE = Path("params.yaml")
@@ -136,13 +143,27 @@ class PackParams(_Group):
 
 class PreflightParams(_Group):
     min_train_bins: int = Field(ge=1)
+    roundtrip_samples: int = Field(
+        ge=1, description="packed sequences decoded and compared with their source chat"
+    )
+
+
+TRAIN_PHASE_ORDER = ("sft", "dpo")
 
 
 class TrainParams(_Group):
-    method: Literal["lora"]
-    learning_rate: float = Field(gt=0, lt=1)
-    epochs: float = Field(gt=0)
-    max_steps: int = Field(ge=-1, description="-1 = run the epochs")
+    method: Literal["lora", "qlora", "full"] = Field(
+        description="what trains: a LoRA adapter, one on a 4-bit base (CUDA), or every weight"
+    )
+    phases: tuple[Literal["sft", "dpo"], ...] = Field(
+        min_length=1, description="objectives in order: [sft], [dpo] or [sft, dpo]"
+    )
+    distributed: Literal["none", "ddp", "zero2", "zero3", "fsdp"] = Field(
+        description="how batch.world_size processes share the work; configs/ holds each config"
+    )
+    learning_rate: float = Field(gt=0, lt=1, description="sft phase")
+    epochs: float = Field(gt=0, description="sft phase")
+    max_steps: int = Field(ge=-1, description="sft phase; -1 = run the epochs")
     warmup_ratio: float = Field(ge=0, lt=1)
     lr_scheduler: Literal["cosine", "linear", "constant_with_warmup"]
     weight_decay: float = Field(ge=0)
@@ -152,6 +173,34 @@ class TrainParams(_Group):
     target_modules: tuple[str, ...] = Field(min_length=1)
     logging_steps: int = Field(ge=1)
     seed: int
+    dpo_beta: float = Field(gt=0)
+    dpo_learning_rate: float = Field(gt=0, lt=1)
+    dpo_epochs: float = Field(gt=0)
+    dpo_max_steps: int = Field(ge=-1, description="-1 = run dpo_epochs")
+    save_steps: int = Field(ge=1, description="checkpoint and validation loss every N steps")
+    save_total_limit: int = Field(ge=1, description="newest checkpoints kept, plus the best")
+    resume: Literal["auto", "never"]
+    early_stopping_patience: int | None = Field(default=None, ge=1, description="null = off")
+    max_wall_hours: float | None = Field(default=None, gt=0, description="null = no limit")
+    max_host_memory_gb: float | None = Field(default=None, gt=0, description="RSS per process")
+    max_gpu_memory_gb: float | None = Field(default=None, gt=0, description="CUDA max allocated")
+    loss_spike_factor: float | None = Field(
+        default=None,
+        gt=1,
+        description="stop when the sft step loss exceeds this x its running median",
+    )
+    loss_spike_window: int = Field(ge=1, description="steps in the running median")
+    alert_webhook: str | None = Field(default=None, description="JSON POST when a stop-loss fires")
+    alert_command: str | None = Field(default=None, description="shell command when one fires")
+
+    @field_validator("phases")
+    @classmethod
+    def _phases_in_order(cls, phases: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(phases)) != len(phases) or list(phases) != sorted(
+            phases, key=TRAIN_PHASE_ORDER.index
+        ):
+            raise ValueError("must be [sft], [dpo] or [sft, dpo] (DPO refines the SFT model)")
+        return phases
 
     @property
     def resolved_lora_alpha(self) -> int:
@@ -159,29 +208,89 @@ class TrainParams(_Group):
 
 
 class MergeParams(_Group):
-    dtype: Literal["float32", "bfloat16", "float16"]
-    max_abs_logit_diff: float = Field(gt=0)
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        description="dtype the merged model is saved in; merging and its check run in float32"
+    )
+    max_abs_logit_diff: float = Field(gt=0, description="adapter vs merged, float32 logits")
+    probes: int = Field(ge=1, description="eval-suite questions of the equivalence check")
 
 
 class ExportParams(_Group):
     scheme: Literal["FP8_DYNAMIC"]
     ignore: tuple[str, ...]
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        description="dtype of the layers left unquantized (ignored ones, embeddings, norms)"
+    )
 
 
 class EvaluateParams(_Group):
     suites: tuple[str, ...] = Field(min_length=1)
     batch_size: int = Field(ge=1)
     limit: int | None = Field(default=None, ge=1, description="null = every item")
+    backend: Literal["auto", "hf", "vllm"] = Field(
+        description="lm-eval backend; auto = vllm where it is installed and a GPU is present"
+    )
 
 
 class GateParams(_Group):
-    primary_metric: str
-    min_gain: float = Field(ge=0)
+    """Promotion gate; every threshold is in the metric's own units (a rate: 0.02 = 2 points)."""
+
+    primary_metric: str = Field(min_length=1)
+    min_gain: float = Field(ge=0, description="candidate over base on the primary metric")
+    max_regression: float = Field(
+        ge=0, description="candidate behind the champion on any metric, at most"
+    )
+    fp8_max_drop: float = Field(
+        ge=0, description="FP8 export behind the merged candidate on any metric, at most"
+    )
 
 
 class TrackingParams(_Group):
     experiment: str = Field(min_length=1)
     registered_model: str = Field(min_length=1)
+
+
+class LoadTestParams(_Group):
+    """The short load test of candidate against champion before the first traffic moves."""
+
+    requests: int = Field(ge=1, description="measured requests per backend, after 2 warm-ups")
+    concurrency: int = Field(ge=1, description="requests in flight at once")
+    max_tokens: int = Field(ge=1, description="output tokens asked for per request")
+    max_ttft_ratio: float = Field(gt=0, description="candidate / champion median TTFT, at most")
+    min_throughput_ratio: float = Field(
+        gt=0, description="candidate / champion output tokens per second, at least"
+    )
+
+
+class ReleaseParams(_Group):
+    """The release flow: canary steps, analysis thresholds, approvals (flows/release.py)."""
+
+    routers: tuple[str, ...] = Field(
+        min_length=1, description="base URL of every router replica; all are driven together"
+    )
+    admin_token_env: str = Field(min_length=1, description="env var holding the admin token")
+    steps: tuple[int, ...] = Field(min_length=1, description="challenger percents, rising to 100")
+    analysis_interval: float = Field(gt=0, description="seconds of traffic per analysis")
+    analyses_per_step: int = Field(ge=1, description="passing analyses before the next step")
+    failure_limit: int = Field(ge=1, description="failed analyses that roll back by themselves")
+    min_requests: int = Field(
+        ge=1, description="challenger requests an analysis needs; fewer is a failed analysis"
+    )
+    max_error_rate_increase: float = Field(ge=0, le=1)
+    max_badcase_rate_increase: float = Field(ge=0, le=1)
+    max_latency_p99_ratio: float = Field(gt=0, description="challenger / champion p99, at most")
+    max_ttft_p99_ratio: float = Field(gt=0, description="challenger / champion p99, at most")
+    approval_timeout: int = Field(ge=1, description="seconds to wait for a person; then rollback")
+    loadtest: LoadTestParams
+
+    @model_validator(mode="after")
+    def _steps_rise_to_100(self) -> ReleaseParams:
+        steps = self.steps
+        if any(not 1 <= s <= 100 for s in steps) or list(steps) != sorted(set(steps)):
+            raise ValueError(f"steps must rise strictly within [1, 100] (got {list(steps)})")
+        if steps[-1] != 100:
+            raise ValueError(f"steps must end at 100, where the candidate is promoted ({steps})")
+        return self
 
 
 class Params(_Group):
@@ -199,6 +308,7 @@ class Params(_Group):
     evaluate: EvaluateParams
     gate: GateParams
     tracking: TrackingParams
+    release: ReleaseParams
 
 
 def _describe(error: ValidationError, source: Path) -> str:
