@@ -146,6 +146,9 @@ def _run_action(actions: dict[str, str], name: str, action: Any) -> None:
 def _tracking_uri(options: WatchOptions) -> str:
     if options.tracking_uri:
         return options.tracking_uri
+    # Read now, not at import: whoever launched the watch set it for this job.
+    if from_env := os.environ.get("MLFLOW_TRACKING_URI"):
+        return from_env
     from tuneloop.tracking import tracking_uri  # the project's one default (imports mlflow)
 
     return tracking_uri()
