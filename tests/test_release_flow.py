@@ -57,15 +57,18 @@ RELEASE = {
     "min_requests": 3,
     "max_error_rate_increase": 0.05,
     "max_badcase_rate_increase": 0.05,
-    "max_latency_p99_ratio": 10.0,
-    "max_ttft_p99_ratio": 10.0,
+    # Two CPU backends on a busy 2-core runner differ by more than any real canary
+    # would; these tests are about approvals and rollbacks, so latency gates are loose
+    # here (their logic is tested with planted figures in test_release.py).
+    "max_latency_p99_ratio": 100.0,
+    "max_ttft_p99_ratio": 100.0,
     "approval_timeout": 60,
     "loadtest": {
         "requests": 8,
         "concurrency": 2,
         "max_tokens": 8,
-        "max_ttft_ratio": 10.0,
-        "min_throughput_ratio": 0.1,
+        "max_ttft_ratio": 1000.0,
+        "min_throughput_ratio": 0.001,
     },
 }
 
