@@ -58,6 +58,21 @@ def _no_inherited_tracking(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for a module's tiny models.
+
+    On a shared 2-core machine, torch's second thread spin-waits for a busy core:
+    a tiny forward pass took 1.5 s with two threads and 16 ms with one.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def prefect_harness() -> Iterator[None]:
     from prefect.testing.utilities import prefect_test_harness

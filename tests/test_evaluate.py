@@ -191,14 +191,7 @@ def read(folder: Path, name: str) -> Any:
     return json.loads((folder / "metrics" / name).read_text())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    # On a shared 2-core machine, torch's second thread spin-waits for a busy core:
-    # a tiny forward pass took 1.5 s with two threads and 16 ms with one.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

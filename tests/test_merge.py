@@ -24,19 +24,11 @@ from tests.conftest import ROOT, write_params
 from tuneloop.models import load_causal_lm, load_tokenizer
 from tuneloop.params import load_params
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def metrics(folder: Path, stage: str) -> dict[str, Any]:
     return json.loads((folder / "metrics" / f"{stage}.json").read_text())
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    # On a shared 2-core machine, torch's second thread spin-waits for a busy core:
-    # a tiny forward pass took 1.5 s with two threads and 16 ms with one.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

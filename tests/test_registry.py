@@ -16,7 +16,6 @@ from pathlib import Path
 
 import mlflow.pyfunc
 import pytest
-import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
@@ -56,14 +55,7 @@ def client(project: Path) -> MlflowClient:
     return MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    # On a shared 2-core machine, torch's second thread spin-waits for a busy core:
-    # a tiny forward pass took 1.5 s with two threads and 16 ms with one.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
