@@ -1,8 +1,8 @@
 """Benchmark the train stage's SFT trainer against bare TRL ``SFTTrainer``: tokens/s, one process.
 
-Both train the same base model on the same packed shard with the same ``SFTConfig`` (the
-stage's own, from the project's params.yaml, ``--steps`` optimizer steps). The stage side is
-built by ``stages.train.build_trainer``, so it carries everything the stage adds: its rank-shard
+Both train the same base model on the same packed shard with the same ``SFTConfig`` (the stage's
+own, from the project's params.yaml, ``--steps`` optimizer steps). The stage side is built by
+``tuneloop.training.run.build_trainer``, so it carries everything the stage adds: its rank-shard
 loader check, the stop-loss meter and callback (loss-spike rule on, as shipped), the heartbeat
 and checkpoint-marker callbacks, early stopping. The bare side is ``trl.SFTTrainer`` with the
 same arguments and its default loader. Checkpoints and validation run on both as configured;
@@ -33,11 +33,11 @@ import torch
 import yaml
 from trl import SFTTrainer
 
-from stages import base, clean, ingest, pack, train
+from stages import base, clean, ingest, pack
 from tuneloop import demo
 from tuneloop.models import base_model_ref, load_tokenizer
 from tuneloop.params import Params, load_params
-from tuneloop.training import methods
+from tuneloop.training import methods, run
 from tuneloop.training.plan import Environment, resolve_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def timed(trainer: Any) -> tuple[float, int]:
 
 def run_stage(params: Params, output_dir: Path) -> tuple[float, int]:
     args, planned = config(params, output_dir)
-    built = train.build_trainer("sft", args, params, planned, None, 0, time.time())
+    built = run.build_trainer("sft", args, params, planned, None, 0, time.time())
     seconds, tokens = timed(built.trainer)
     if built.meter.tokens() != tokens:  # the stage's own count must agree with TRL's
         raise RuntimeError(f"stage counted {built.meter.tokens()} tokens, TRL {tokens}")

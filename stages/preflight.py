@@ -50,16 +50,12 @@ from tuneloop.params import BatchParams, Params, TrainParams, load_params
 from tuneloop.shards import shard_name
 from tuneloop.stage import setup_logging, write_metrics
 from tuneloop.tracking import stage_run
-from tuneloop.training.plan import Environment, TrainSetupError, resolve_plan
+from tuneloop.training.plan import CHECKPOINTS, Environment, TrainSetupError, resolve_plan
 
 STAGE = "preflight"
 log = logging.getLogger(__name__)
 
 Status = Literal["pass", "warn", "fail", "skip"]
-
-# Where stages/train.py writes checkpoints (its CHECKPOINTS). Importing train here would load
-# trl and peft, seconds of the one second this gate has; a test keeps the two equal.
-TRAIN_CHECKPOINTS = Path("checkpoints/train")
 
 REQUIRED_COLUMNS = ("input_ids", "labels", "seq_lengths")
 # Written by pack: the row of paths.clean/train.jsonl each packed sequence came from.
@@ -1185,9 +1181,9 @@ def run_preflight(
         )
 
     def disk() -> CheckResult:
-        free = shutil.disk_usage(existing_parent(TRAIN_CHECKPOINTS)).free
+        free = shutil.disk_usage(existing_parent(CHECKPOINTS)).free
         return check_checkpoint_disk(
-            TRAIN_CHECKPOINTS,
+            CHECKPOINTS,
             train.method,
             model_weight_bytes(ref),
             train.save_total_limit,
@@ -1218,7 +1214,7 @@ def run_preflight(
         lambda: check_devices(batch.world_size, inv, visible, machine.cuda),
         lambda: check_interconnect(inv, env, multi_node=batch.world_size > max(visible, 1)),
         disk,
-        lambda: check_checkpoint_dir(TRAIN_CHECKPOINTS, dvc_out_folders(params), paths.packed),
+        lambda: check_checkpoint_dir(CHECKPOINTS, dvc_out_folders(params), paths.packed),
         lambda: check_stop_loss(train.max_wall_hours, batch.world_size, bool(inv.gpus)),
     ]
     results = run_checks(checks)

@@ -31,6 +31,7 @@ from tests.conftest import ROOT, write_params
 from tuneloop import demo
 from tuneloop.params import load_params
 from tuneloop.training import methods
+from tuneloop.training import run as train_run
 from tuneloop.training.plan import Environment, resolve_plan
 
 # A few steps each; checkpoints (and validation) every 3 so resume and best-model paths run.
@@ -70,8 +71,18 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.chdir(previous)
 
 
-def make_project(data: Path, folder: Path, world_size: int = 1, **train_overrides: Any) -> Path:
-    """A project folder with the shared data and params for this test."""
+def make_project(
+    data: Path,
+    folder: Path,
+    world_size: int = 1,
+    watchdog: dict[str, Any] | None = None,
+    **train_overrides: Any,
+) -> Path:
+    """A project folder with the shared data and params for this test.
+
+    ``watchdog`` None: off, so ``train.main()`` trains in the test's own process; runs
+    through ``python -m stages.train`` turn it on, as the shipped params do.
+    """
     (folder / "data").mkdir(parents=True)
     shutil.copytree(data / "data/clean", folder / "data/clean")
     packed = "packed" if world_size == 1 else f"packed-{world_size}"
@@ -80,7 +91,8 @@ def make_project(data: Path, folder: Path, world_size: int = 1, **train_override
     # The data stages' MLflow store, tables made: creating them costs seconds per run here.
     shutil.copy(data / "mlflow.db", folder / "mlflow.db")
     batch = {"world_size": world_size, "micro_batch_size": 1, "effective_batch": world_size}
-    write_params(folder, {"batch": batch, "train": {**FAST, **train_overrides}})
+    watch = {"enabled": False} if watchdog is None else {"enabled": True, **watchdog}
+    write_params(folder, {"batch": batch, "train": {**FAST, **train_overrides}, "watchdog": watch})
     return folder
 
 
@@ -238,8 +250,8 @@ def test_early_stopping_and_the_best_checkpoint_follow_the_params(
     monkeypatch.chdir(folder)
     params = load_params()
     planned = resolve_plan(params, Environment.probe())
-    args = train.phase_args("sft", params, planned)
-    built = train.build_trainer("sft", args, params, planned, None, 0, time.time())
+    args = train_run.phase_args("sft", params, planned)
+    built = train_run.build_trainer("sft", args, params, planned, None, 0, time.time())
     stoppers = [
         c for c in built.trainer.callback_handler.callbacks if isinstance(c, EarlyStoppingCallback)
     ]
@@ -299,7 +311,7 @@ def test_two_gloo_processes_train_each_on_its_own_shard(data: Path, tmp_path: Pa
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    folder = make_project(data, tmp_path, world_size=2, distributed="ddp")
+    folder = make_project(data, tmp_path, world_size=2, watchdog={}, distributed="ddp")
     done = run_stage(folder)  # no launcher around it: the stage re-execs under torchrun
     assert done.returncode == 0, done.stderr[-3000:]
     m = metrics(folder)
@@ -316,12 +328,58 @@ def test_two_gloo_processes_train_each_on_its_own_shard(data: Path, tmp_path: Pa
     assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
     (run,) = train_runs(folder)  # rank 0 alone logs
     assert run.info.status == "FINISHED"
+    # The stage ran beside its watchdog, which let it be and left its verdict.
+    (verdict,) = (folder / "checkpoints/train/watch").glob("*/watch.json")
+    watched = json.loads(verdict.read_text())
+    assert watched["alarm"] is None and watched["exit_code"] == 0
+    assert watched["command"][-2:] == ["-m", "stages.train"]
+    assert watched["mlflow_run_id"] == run.info.run_id  # named by the job's heartbeat
+
+
+def test_a_hung_rank_is_ended_by_the_stage_watchdog_and_the_run_failed(
+    data: Path, tmp_path: Path
+) -> None:
+    """Rank 1 one micro-batch short, a whole epoch: rank 0's extra step waits forever.
+
+    gloo would wait 30 minutes; the watchdog the stage started beside itself ends it.
+    """
+    deadlock_after_s = 10.0
+    folder = make_project(
+        data,
+        tmp_path,
+        world_size=2,
+        watchdog={"deadlock_after_s": deadlock_after_s, "kill_grace_s": 5},
+        distributed="ddp",
+        max_steps=-1,
+        epochs=1,
+        save_steps=1000,
+    )
+    shard = folder / "data/packed/rank-00001.parquet"
+    table = pq.read_table(shard)
+    pq.write_table(table.slice(0, table.num_rows - 1), shard)
+
+    started = time.monotonic()
+    done = run_stage(folder)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 86, done.stderr[-3000:]  # the watchdog's exit code
+    (verdict,) = (folder / "checkpoints/train/watch").glob("*/watch.json")
+    watched = json.loads(verdict.read_text())
+    alarm = watched["alarm"]
+    assert alarm["kind"] == "deadlock"
+    last_sign_of_life = alarm["t"] - alarm["quiet_s"]
+    assert watched["job_ended_at"] - last_sign_of_life < deadlock_after_s + 15
+    assert (verdict.parent / "stacks.txt").stat().st_size > 0
+    assert elapsed < 600
+    (run,) = train_runs(folder)
+    assert run.info.status == "FAILED"
+    assert "no training step" in run.data.tags["tuneloop.watchdog.reason"]
+    assert not (folder / "models/adapter").exists()
 
 
 def test_sigkill_mid_run_then_rerun_continues_to_the_same_final_step(
     data: Path, tmp_path: Path
 ) -> None:
-    folder = make_project(data, tmp_path, max_steps=16, save_steps=4)
+    folder = make_project(data, tmp_path, watchdog={}, max_steps=16, save_steps=4)
     marker = folder / "checkpoints/train/sft/checkpoint-4/tuneloop-complete.json"
     stage = subprocess.Popen(
         [sys.executable, "-m", "stages.train"],

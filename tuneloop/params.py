@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
 from pydantic import (
@@ -293,6 +294,62 @@ class ReleaseParams(_Group):
         return self
 
 
+class WatchdogParams(_Group):
+    """The power/heartbeat watchdog the train stage runs beside itself (``tuneloop.telemetry``).
+
+    Not a DVC param of any stage: it watches a run, it does not change what the run makes.
+    """
+
+    enabled: bool
+    deadlock_after_s: float = Field(
+        gt=0, description="no step (and low GPU power) this long outside a checkpoint = a hang"
+    )
+    window_s: float = Field(ge=5, description="classification window; NVML power is an average")
+    hz: float = Field(ge=1, le=10, description="GPU samples per second")
+    kill_grace_s: float = Field(ge=0, description="SIGTERM, then SIGKILL after this long")
+    section_max_factor: float = Field(
+        ge=1, description="a checkpoint/eval longer than this x deadlock_after_s is a hang too"
+    )
+    starvation_warn_s: float = Field(gt=0, description="sustained data-starvation before a warning")
+    calibration: Path | None = Field(
+        default=None, description="calibration JSON for these GPUs; null = matched by GPU name"
+    )
+
+
+class QueueParams(_Group):
+    priority: int = Field(ge=1, description="lower is served first")
+    concurrency: int | None = Field(ge=1, description="runs at once from this queue; null = any")
+
+
+class PoolParams(_Group):
+    concurrency: int | None = Field(ge=1, description="runs at once on the pool; null = any")
+    queues: dict[str, QueueParams] = Field(min_length=1)
+
+
+class ScheduleParams(_Group):
+    """Prefect: the monthly schedule and the work pools it runs on (``tuneloop deploy``)."""
+
+    cron: str = Field(description="retrain-monthly's cron, read in `timezone`")
+    timezone: str = Field(description="IANA time zone name, e.g. Asia/Shanghai")
+    pools: dict[str, PoolParams] = Field(min_length=1)
+
+    @field_validator("cron")
+    @classmethod
+    def _five_fields(cls, cron: str) -> str:
+        if len(cron.split()) != 5:
+            raise ValueError("a cron has five fields: minute hour day-of-month month day-of-week")
+        return cron
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, name: str) -> str:
+        try:
+            ZoneInfo(name)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError("not an IANA time zone name (e.g. Asia/Shanghai, UTC)") from None
+        return name
+
+
 class Params(_Group):
     model: ModelParams
     paths: PathsParams
@@ -309,6 +366,8 @@ class Params(_Group):
     gate: GateParams
     tracking: TrackingParams
     release: ReleaseParams
+    watchdog: WatchdogParams
+    schedule: ScheduleParams
 
 
 def _describe(error: ValidationError, source: Path) -> str:

@@ -13,6 +13,7 @@ whatever is still open (a save the "best model" rule cancelled).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,15 @@ class HeartbeatCallback(TrainerCallback):
             self.heartbeat.enter_section("eval")
         elif control.should_save:
             self.heartbeat.enter_section("checkpoint")
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # The run the job logs into, for a watcher that was not told it. Only when the job
+        # already uses MLflow: importing it here would cost every other job a second.
+        mlflow = sys.modules.get("mlflow")
+        if mlflow is not None and state.is_world_process_zero and (run := mlflow.active_run()):
+            self.heartbeat.set_run_id(run.info.run_id)
 
     def on_epoch_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -4,7 +4,7 @@ Each rank writes a small JSON file, atomically (write, then rename), after each
 step and whenever it enters or leaves a section::
 
     {"rank": 0, "pid": 4242, "step": 1200, "time": 1718000000.5,
-     "section": "checkpoint", "stack_signal": null}
+     "section": "checkpoint", "stack_signal": null, "run_id": "3f2a..."}
 
 Rank 0 (or a single process) writes the path it is given; rank ``r`` writes
 ``<stem>.rank<r><suffix>`` beside it, so ranks never race on one file. The path
@@ -61,6 +61,8 @@ class HeartbeatRecord:
     # The signal this process registered with faulthandler to print its stacks, if any;
     # the watchdog sends it when py-spy is not installed.
     stack_signal: int | None = None
+    # The MLflow run the job logs into, so a watcher started without one can mark it failed.
+    run_id: str | None = None
 
 
 def rank_path(path: Path, rank: int) -> Path:
@@ -92,6 +94,7 @@ class Heartbeat:
         self.step: int | None = None
         self.section_name: str | None = None
         self.stack_signal: int | None = None
+        self.run_id: str | None = None
         self._last_write = 0.0
 
     @property
@@ -105,7 +108,13 @@ class Heartbeat:
         if not force and now - self._last_write < self.min_interval_s:
             return
         record = HeartbeatRecord(
-            self.rank, os.getpid(), self.step, now, self.section_name, self.stack_signal
+            self.rank,
+            os.getpid(),
+            self.step,
+            now,
+            self.section_name,
+            self.stack_signal,
+            self.run_id,
         )
         write_text(self.path, json.dumps(asdict(record)) + "\n")
         self._last_write = now
@@ -114,6 +123,12 @@ class Heartbeat:
         """Record a finished training step."""
         self.step = step
         self._write(force=False)
+
+    def set_run_id(self, run_id: str) -> None:
+        """Name the MLflow run this job logs into (for the watcher's verdict)."""
+        if run_id != self.run_id:
+            self.run_id = run_id
+            self._write(force=True)
 
     def enter_section(self, name: str) -> None:
         if name != self.section_name:
@@ -195,6 +210,11 @@ def merge(records: Sequence[HeartbeatRecord]) -> HeartbeatView | None:
     sections = {r.section for r in records}
     section_name = None if None in sections else "+".join(sorted(s for s in sections if s))
     return HeartbeatView(max(steps) if steps else None, section_name)
+
+
+def job_run_id(records: Sequence[HeartbeatRecord]) -> str | None:
+    """The MLflow run a rank named (rank 0 first), if any did."""
+    return next((r.run_id for r in records if r.run_id), None)
 
 
 def clear_heartbeats(path: Path) -> None:

@@ -51,6 +51,7 @@ from tuneloop.telemetry.heartbeat import (
     HEARTBEAT_ENV,
     HeartbeatRecord,
     clear_heartbeats,
+    job_run_id,
     merge,
     read_heartbeats,
 )
@@ -132,6 +133,23 @@ def _forward_signals(proc: subprocess.Popen[bytes]) -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+def _die_with_watcher() -> None:
+    """In the job, before exec: SIGTERM when the watcher dies, however it dies.
+
+    The job runs in a session of its own (so it can be ended as a group without
+    touching the watcher), which also shields it from a kill of the watcher's group:
+    Prefect cancelling a flow run, or a SIGKILL of ``dvc repro``. An unwatched job
+    left holding the GPUs is the worst outcome, so Linux's parent-death signal ends
+    it. Elsewhere there is no such signal and this does nothing.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def _run_action(actions: dict[str, str], name: str, action: Any) -> None:
     # One failing action (MLflow down, webhook unreachable) must not stop the others:
     # the job still has to end and the humans still have to hear. Each outcome is
@@ -186,7 +204,9 @@ def watch(options: WatchOptions) -> WatchOutcome:
     writer = TraceWriter(options.trace_path, devices)
     env = {**os.environ, HEARTBEAT_ENV: str(heartbeat)}
     try:
-        proc = subprocess.Popen(list(options.command), env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            list(options.command), env=env, start_new_session=True, preexec_fn=_die_with_watcher
+        )
     except OSError as err:
         writer.close()
         sampler.close()
@@ -206,6 +226,7 @@ def watch(options: WatchOptions) -> WatchOutcome:
                 writer.write(Tick(t, tuple(samples), view))
                 alarm = watchdog.observe(t, samples, view)
                 if alarm is not None:
+                    run_id = run_id or job_run_id(records)
                     job_ended_at = _respond(
                         alarm, proc, records, watchdog, options, run_id, actions, sampler
                     )
@@ -228,6 +249,7 @@ def watch(options: WatchOptions) -> WatchOutcome:
     exit_code = WATCHDOG_EXIT_CODE if alarm is not None else command_code
     accounting = watchdog.accounting.to_dict()
     log.info("GPU time by state:\n%s", watchdog.accounting.table())
+    run_id = run_id or job_run_id(read_heartbeats(heartbeat))
     plot = out_dir / "timeline.png"
     if watchdog.windows and "plot" not in actions:
         _run_action(actions, "plot", lambda: _plot(options, watchdog, plot))
@@ -235,7 +257,9 @@ def watch(options: WatchOptions) -> WatchOutcome:
         _run_action(
             actions,
             "mlflow_summary",
-            lambda: log_mlflow_summary(run_id, accounting, [plot], _tracking_uri(options)),
+            lambda: log_mlflow_summary(
+                run_id, accounting, [plot, options.trace_path], _tracking_uri(options)
+            ),
         )
     manifest = out_dir / "watch.json"
     write_json(
