@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -126,6 +127,60 @@ def test_a_second_run_finds_every_stage_cached(
     assert len(latest) == len(STAGES)
     assert {r.data.tags["dvc.cached"] for r in latest} == {"true"}
     assert all(r.data.metrics for r in latest)
+
+
+def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
+    flow_result: tuple[Path, dict[str, Any]],
+) -> None:
+    from flows.experiment import experiment
+
+    repo, _ = flow_result
+    before = {name: (repo / name).read_text() for name in ("params.yaml", "dvc.lock")}
+    sets = [{"train.learning_rate": 1e-3}, {"train.learning_rate": 1e-2, "train.lora_r": 8}]
+    result = experiment(sets=sets, repo=repo, prefix="sweep")
+
+    assert list(result["experiments"]) == ["sweep-1", "sweep-2"]
+    for done, settings in zip(result["experiments"].values(), sets, strict=True):
+        assert done["error"] is None and done["rev"], done
+        assert done["set"] == settings
+        assert done["scores"]["eval_loss"] > 0
+    # Queued experiments ran in temporary copies: the workspace is as it was.
+    assert {name: (repo / name).read_text() for name in before} == before
+    assert "up to date" in dvc(repo, "status")
+    shown = {
+        exp["name"]: exp["revs"][0]["data"]
+        for baseline in json.loads(dvc(repo, "exp", "show", "--json"))
+        for exp in baseline.get("experiments") or []
+    }
+    ran = shown["sweep-2"]["params"]["params.yaml"]["data"]["train"]
+    assert (ran["learning_rate"], ran["lora_r"]) == (1e-2, 8)
+    assert "data" in shown["sweep-2"]["metrics"]["metrics/evaluate.json"]
+
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    parent = client.get_run(result["mlflow_run_id"])
+    experiment_id = parent.info.experiment_id
+
+    def children(run_id: str) -> dict[str, Run]:
+        found = client.search_runs(
+            [experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'"
+        )
+        return {r.info.run_name: r for r in found}
+
+    exps = children(parent.info.run_id)
+    assert set(exps) == {"sweep-1", "sweep-2"}
+    for name, run in exps.items():
+        assert run.info.status == "FINISHED"
+        assert run.data.params["train.learning_rate"] in {"0.001", "0.01"}
+        assert run.data.tags["dvc.exp.rev"] == result["experiments"][name]["rev"]
+        assert {"train.eval_loss", "evaluate.candidate.support_demo.accuracy"} <= set(
+            run.data.metrics
+        )
+        # Its stage runs hang below it; only the stages the set changes ran again.
+        stages = children(run.info.run_id)
+        assert set(stages) == {"preflight", "train", "merge", "export", "evaluate"}
+        assert {r.data.tags["dvc.exp.name"] for r in stages.values()} == {name}
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "experiment")}
+    assert artifacts == {"experiment/comparison.md", "experiment/experiment-comparison.png"}
 
 
 def test_changing_the_learning_rate_reruns_train_and_after_only(

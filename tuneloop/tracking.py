@@ -9,15 +9,17 @@ and out, and the Prefect flow-run id when there is one.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import mlflow
-from mlflow.entities import Run
+from mlflow.entities import Metric, Run
 from mlflow.tracking import MlflowClient
 
 from tuneloop import lineage
@@ -33,6 +35,17 @@ TAG_PARAMS_HASH = "params.hash"
 TAG_FLOW_RUN = "prefect.flow_run_id"
 TAG_CACHED = "dvc.cached"
 TAG_PARENT = "mlflow.parentRunId"
+TAG_EXP_NAME = "dvc.exp.name"
+TAG_EXP_BASELINE = "dvc.exp.baseline"
+
+# DVC sets these for the stages of a queued experiment (`dvc exp run --queue`), which run
+# in a temporary copy of the repo; DVC_ROOT then names the repo the experiment came from.
+EXP_NAME_ENV = "DVC_EXP_NAME"
+EXP_BASELINE_ENV = "DVC_EXP_BASELINE_REV"
+DVC_ROOT_ENV = "DVC_ROOT"
+# {experiment name: MLflow run id}, from flows/experiment.py: each experiment's stage runs
+# become children of its run, so a sweep reads as one tree in the MLflow UI.
+EXPERIMENT_RUNS_ENV = "TUNELOOP_EXPERIMENT_RUNS"
 
 
 # Read once: mlflow.set_tracking_uri() writes MLFLOW_TRACKING_URI into this
@@ -41,9 +54,18 @@ TAG_PARENT = "mlflow.parentRunId"
 _USER_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI")
 
 
+def project_root() -> Path:
+    """The project whose MLflow store a run belongs in.
+
+    DVC's repo root when DVC started this process (for a queued experiment, the repo it
+    was queued from, not its temporary copy), else the working directory.
+    """
+    return Path(os.environ.get(DVC_ROOT_ENV) or Path.cwd())
+
+
 def tracking_uri() -> str:
     """``MLFLOW_TRACKING_URI`` as the user set it, else the project's own SQLite store."""
-    return _USER_TRACKING_URI or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    return _USER_TRACKING_URI or f"sqlite:///{project_root() / 'mlflow.db'}"
 
 
 def setup(experiment: str) -> str:
@@ -57,7 +79,7 @@ def setup(experiment: str) -> str:
         # Artifacts beside the database, not in whatever folder a process happened to start in.
         location = None
         if tracking_uri().startswith("sqlite:"):
-            location = (Path.cwd() / "mlartifacts").resolve().as_uri()
+            location = (project_root() / "mlartifacts").resolve().as_uri()
         experiment_id = client.create_experiment(experiment, artifact_location=location)
     mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
@@ -73,7 +95,17 @@ def lineage_tags(stage: str, params: Params) -> dict[str, str]:
     }
     if flow_run := os.environ.get("TUNELOOP_FLOW_RUN_ID"):
         tags[TAG_FLOW_RUN] = flow_run
+    if exp_name := os.environ.get(EXP_NAME_ENV):
+        tags[TAG_EXP_NAME] = exp_name
+        tags[TAG_EXP_BASELINE] = os.environ.get(EXP_BASELINE_ENV, "")
     return tags
+
+
+def experiment_parent() -> dict[str, str]:
+    """The parent-run tag for a stage of a DVC experiment that flows/experiment.py started."""
+    runs = json.loads(os.environ.get(EXPERIMENT_RUNS_ENV) or "{}")
+    parent = runs.get(os.environ.get(EXP_NAME_ENV, ""))
+    return {TAG_PARENT: parent} if parent else {}
 
 
 def dvc_tags(stage: str) -> dict[str, str]:
@@ -109,8 +141,9 @@ def stage_run(stage: str, params: Params) -> Iterator[Run]:
     run_id = os.environ.pop("MLFLOW_RUN_ID", None)
     # Inside an active run (a notebook, a flow in-process), the stage is its child.
     nested = mlflow.active_run() is not None
+    tags = experiment_parent() if run_id is None and not nested else {}
     with mlflow.start_run(
-        run_id=run_id, run_name=stage, experiment_id=experiment_id, nested=nested
+        run_id=run_id, run_name=stage, experiment_id=experiment_id, nested=nested, tags=tags
     ) as run:
         mlflow.set_tags(lineage_tags(stage, params) | dvc_tags(stage))
         mlflow.log_params(flat_params(params, stage))
@@ -132,7 +165,10 @@ def log_metrics(metrics: Mapping[str, Any], prefix: str = "", run_id: str | None
     # MLflow allows only [A-Za-z0-9_\-. :/] in names; keep the rest readable.
     flat = {re.sub(r"[^\w\-. :/]", "_", key): value for key, value in flat.items()}
     if flat and run_id is not None:
-        for key, value in flat.items():
-            MlflowClient().log_metric(run_id, key, value)
+        now = int(time.time() * 1000)
+        batch = [Metric(key, value, now, 0) for key, value in flat.items()]
+        client = MlflowClient()
+        for start in range(0, len(batch), 1000):  # MLflow's limit per batch
+            client.log_batch(run_id, metrics=batch[start : start + 1000])
     elif flat:
         mlflow.log_metrics(flat)

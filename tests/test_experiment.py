@@ -1,0 +1,59 @@
+"""The experiment flow's checks that need no DVC run (the sweep itself is in test_flow.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.experiment import check_sets, experiment_sets, override_text
+from tests.conftest import ROOT
+
+PARAMS = ROOT / "params.yaml"
+
+
+def test_a_pilot_sets_the_fraction_in_every_set() -> None:
+    assert experiment_sets(None, 0.05) == [{"clean.pilot_fraction": 0.05}]
+    sets = [{"train.learning_rate": 1e-4}, {"train.lora_r": 32}]
+    assert experiment_sets(sets, 0.1) == [
+        {"train.learning_rate": 1e-4, "clean.pilot_fraction": 0.1},
+        {"train.lora_r": 32, "clean.pilot_fraction": 0.1},
+    ]
+    assert sets[0] == {"train.learning_rate": 1e-4}  # the caller's sets are left alone
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"train.learning_rte": 1e-4}, "'train.learning_rte' is not in params.yaml"),
+        ({"trian.learning_rate": 1e-4}, "'trian' is not a params.yaml group"),
+        ({"train.learning_rate": 5.0}, "train.learning_rate"),
+        ({"clean.pilot_fraction": 0}, "clean.pilot_fraction"),
+        ({"train.method": "lora-ish"}, "train.method"),
+    ],
+)
+def test_a_bad_set_is_refused_before_anything_is_queued(
+    settings: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match="set 2") as refused:
+        check_sets(PARAMS, [{"train.learning_rate": 1e-4}, settings])
+    assert message in str(refused.value)
+
+
+def test_good_sets_pass() -> None:
+    check_sets(PARAMS, [{}, {"train.learning_rate": 2e-4, "train.phases": ["sft", "dpo"]}])
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (1e-4, "0.0001"),
+        (32, "32"),
+        (True, "true"),
+        (None, "null"),
+        ("cosine", "cosine"),
+        ("Qwen/Qwen3-8B", "Qwen/Qwen3-8B"),
+        ("two words", '"two words"'),
+        (["sft", "dpo"], '["sft", "dpo"]'),
+    ],
+)
+def test_values_are_written_as_dvc_reads_them(value: object, text: str) -> None:
+    assert override_text(value) == text
