@@ -22,6 +22,7 @@ from typing import Any
 import mlflow
 from mlflow.tracking import MlflowClient
 from prefect import flow, get_run_logger, task
+from prefect.events import emit_event
 from prefect.runtime import flow_run
 
 from tuneloop import lineage, registry, tracking
@@ -33,6 +34,10 @@ STAGES = ("base", "ingest", "clean", "pack", "preflight", "train", "merge", "exp
 # Preflight and training are not retried: a refusal or a stop-loss needs a person,
 # not a rerun, and a second training attempt costs as much as the first.
 RETRIES = {stage: (0 if stage in {"preflight", "train"} else 1) for stage in STAGES}
+
+
+# Emitted when the gate passed and a challenger was registered; starts the release deployment.
+EVENT_REGISTERED = "tuneloop.challenger.registered"
 
 
 class StageFailed(RuntimeError):
@@ -81,6 +86,18 @@ def run_stage(stage: str, repo: Path, parent_run_id: str, experiment_id: str) ->
     return metrics
 
 
+def announce_challenger(name: str, version: str, payload: dict[str, Any]) -> None:
+    """Emit the event that starts the release deployment (prefect.yaml's trigger)."""
+    emit_event(
+        event=EVENT_REGISTERED,
+        resource={
+            "prefect.resource.id": f"tuneloop.model.{name}.{version}",
+            "prefect.resource.name": f"{name} v{version}",
+        },
+        payload=payload,
+    )
+
+
 @task(task_run_name="register", retries=1)
 def register(repo: Path, run_id: str) -> dict[str, Any]:
     """Register the candidate (alias challenger) if the evaluate gate passed; else say why not.
@@ -93,6 +110,7 @@ def register(repo: Path, run_id: str) -> dict[str, Any]:
     reasons = "\n".join(done.reasons)
     if done.registered:
         get_run_logger().info("%s v%s (%s):\n%s", done.name, done.version, done.alias, reasons)
+        announce_challenger(done.name, str(done.version), done.to_dict())
     else:
         get_run_logger().warning("nothing registered:\n%s", reasons)
     return done.to_dict()

@@ -1,62 +1,179 @@
-"""prefect.yaml's deployments register against a Prefect server with the monthly schedule."""
+"""`tuneloop deploy` on a Prefect server: the monthly schedule, the pools and queues, the trigger.
+
+The deployment runs once (module fixture) against the session's test server, exactly as a
+user runs it: pools and queues from params.yaml, then `prefect --no-prompt deploy --all`
+with prefect.yaml's build step templating the schedule from params.yaml.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import os
-import subprocess
-import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from zoneinfo import ZoneInfo
 
+import pytest
 import yaml
 
+from tuneloop.params import ParamsError, load_params
+from tuneloop.schedule import check_deployments, deploy, prefect_values
+
 ROOT = Path(__file__).resolve().parents[1]
+SPEC = yaml.safe_load((ROOT / "prefect.yaml").read_text())
 
 
-def test_prefect_yaml_deploys_the_monthly_retrain(prefect_harness: None, tmp_path: Path) -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.server.schemas.schedules import CronSchedule
+@pytest.fixture(scope="module")
+def deployed(prefect_harness: None) -> Iterator[None]:
     from prefect.settings import PREFECT_API_URL
 
-    api = PREFECT_API_URL.value()
-    env = os.environ | {"PREFECT_API_URL": api, "TUNELOOP_HOME": str(ROOT)}
-    prefect = [sys.executable, "-m", "prefect"]
-    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
-    pools = {d["work_pool"]["name"] for d in spec["deployments"]}
-    for pool in pools:
-        subprocess.run(
-            [*prefect, "work-pool", "create", pool, "--type", "process"],
-            cwd=ROOT,
-            env=env,
-            check=True,
-            capture_output=True,
-        )
-    deployed = subprocess.run(
-        [*prefect, "--no-prompt", "deploy", "--all"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREFECT_API_URL", str(PREFECT_API_URL.value()))
+        patch.setenv("TUNELOOP_HOME", str(ROOT))
+        assert deploy(ROOT, load_params(ROOT / "params.yaml")) == 0
+        yield
 
-    async def read() -> tuple[str, str, list[dt.datetime]]:
+
+def read(coroutine_fn: Any) -> Any:
+    async def run() -> Any:
+        from prefect.client.orchestration import get_client
+
         async with get_client() as client:
-            deployment = await client.read_deployment_by_name("retrain/retrain-monthly")
-            schedule = deployment.schedules[0].schedule
-            cron, timezone = schedule.cron, schedule.timezone  # type: ignore[union-attr]
-        start = dt.datetime(2026, 11, 29, tzinfo=ZoneInfo(timezone))
-        dates = await CronSchedule(cron=cron, timezone=timezone).get_dates(3, start=start)
-        return cron, timezone, dates
+            return await coroutine_fn(client)
 
-    cron, timezone, dates = asyncio.run(read())
-    assert cron == "0 2 1 * *"
-    assert timezone == "Asia/Shanghai"
+    return asyncio.run(run())
+
+
+def test_the_monthly_retrain_runs_at_2_on_the_1st_in_shanghai(deployed: None) -> None:
+    from prefect.server.schemas.schedules import CronSchedule
+
+    async def schedule(client: Any) -> tuple[str, str, str, str]:
+        deployment = await client.read_deployment_by_name("retrain/retrain-monthly")
+        cron = deployment.schedules[0].schedule
+        return cron.cron, cron.timezone, deployment.work_pool_name, deployment.work_queue_name
+
+    cron, timezone, pool, queue = read(schedule)
+    assert (cron, timezone) == ("0 2 1 * *", "Asia/Shanghai")  # params.yaml's schedule group
+    assert (pool, queue) == ("tuneloop-gpu", "night")
+    start = dt.datetime(2026, 11, 29, tzinfo=ZoneInfo(timezone))
+    dates = asyncio.run(CronSchedule(cron=cron, timezone=timezone).get_dates(3, start=start))
     local = [d.astimezone(ZoneInfo(timezone)).replace(tzinfo=None) for d in dates]
     assert local == [
         dt.datetime(2026, 12, 1, 2, 0),
         dt.datetime(2027, 1, 1, 2, 0),
         dt.datetime(2027, 2, 1, 2, 0),
     ]
+
+
+def test_pools_and_queues_carry_the_params_limits(deployed: None) -> None:
+    schedule = load_params(ROOT / "params.yaml").schedule
+
+    async def pools(client: Any) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for name in schedule.pools:
+            pool = await client.read_work_pool(name)
+            queues = await client.read_work_queues(work_pool_name=name)
+            found[name] = (pool, {q.name: q for q in queues})
+        return found
+
+    found = read(pools)
+    for name, wanted in schedule.pools.items():
+        pool, queues = found[name]
+        assert pool.type == "process" and pool.concurrency_limit == wanted.concurrency
+        for queue_name, queue in wanted.queues.items():
+            assert queues[queue_name].concurrency_limit == queue.concurrency
+            assert queues[queue_name].priority == queue.priority
+    # The night run is served before the day's experiments, and they never share the GPUs.
+    gpu, queues = found["tuneloop-gpu"]
+    assert gpu.concurrency_limit == 1
+    assert queues["night"].priority < queues["day"].priority
+
+
+def test_pilot_and_sweep_run_on_the_day_queue(deployed: None) -> None:
+    async def both(client: Any) -> dict[str, Any]:
+        return {
+            name: await client.read_deployment_by_name(f"experiment/{name}")
+            for name in ("pilot", "sweep")
+        }
+
+    found = read(both)
+    assert {d.work_queue_name for d in found.values()} == {"day"}
+    assert found["pilot"].parameters["pilot_fraction"] == 0.05
+    assert [set(s) for s in found["sweep"].parameters["sets"]] == [{"train.learning_rate"}] * 2
+    assert not found["pilot"].schedules and not found["sweep"].schedules
+
+
+def test_a_registered_challenger_starts_the_release(deployed: None) -> None:
+    """The retrain flow's event, emitted as its register task does, starts a release run."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    from flows.retrain import announce_challenger
+
+    async def release(client: Any) -> Any:
+        return await client.read_deployment_by_name("release/release")
+
+    deployment = read(release)
+    assert (deployment.work_pool_name, deployment.work_queue_name) == ("tuneloop-cpu", "release")
+
+    async def runs(client: Any) -> list[Any]:
+        return list(
+            await client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+            )
+        )
+
+    assert read(runs) == []
+    announce_challenger("tuneloop-support", "7", {"registered": True, "version": "7"})
+    deadline = time.monotonic() + 90
+    started: list[Any] = []
+    while not started and time.monotonic() < deadline:
+        time.sleep(1)
+        started = read(runs)
+    assert len(started) == 1, "no release run within 90 s of the event"
+    assert started[0].parameters == {"repo": "."}
+
+
+def test_the_schedule_values_come_from_params(tmp_path: Path) -> None:
+    data = yaml.safe_load((ROOT / "params.yaml").read_text())
+    data["schedule"] |= {"cron": "30 3 1 * *", "timezone": "Europe/Berlin"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    assert prefect_values(str(tmp_path / "params.yaml")) == {
+        "cron": "30 3 1 * *",
+        "timezone": "Europe/Berlin",
+    }
+    schedules = [d.get("schedules") for d in SPEC["deployments"]]
+    assert {"cron": "{{ params.cron }}", "timezone": "{{ params.timezone }}", "active": True} in [
+        s[0] for s in schedules if s
+    ]
+
+
+def test_a_queue_prefect_yaml_names_but_params_lacks_is_refused() -> None:
+    schedule = load_params(ROOT / "params.yaml").schedule
+    assert len(check_deployments(SPEC, schedule)) == len(SPEC["deployments"])
+    wrong = {
+        "deployments": [
+            {"name": "x", "work_pool": {"name": "tuneloop-gpu", "work_queue_name": "weekend"}}
+        ]
+    }
+    with pytest.raises(ParamsError, match=r"queue 'weekend' is not in schedule\.pools"):
+        check_deployments(wrong, schedule)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"timezone": "Asia/Shangai"}, "not an IANA time zone"),
+        ({"cron": "0 2 1 *"}, "five fields"),
+    ],
+)
+def test_a_bad_schedule_is_refused_naming_the_key(
+    tmp_path: Path, change: dict[str, str], message: str
+) -> None:
+    data = yaml.safe_load((ROOT / "params.yaml").read_text())
+    data["schedule"] |= change
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ParamsError, match=message) as refused:
+        load_params(tmp_path / "params.yaml")
+    assert f"schedule.{next(iter(change))}" in str(refused.value)

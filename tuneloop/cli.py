@@ -175,6 +175,10 @@ def _passthrough(name: str) -> Any:
         from tuneloop.telemetry.calibrate import calibrate_main
 
         return calibrate_main
+    if name == "deploy":
+        from tuneloop.schedule import deploy_main
+
+        return deploy_main
     from tuneloop.doctor import main as doctor_main
 
     return doctor_main
@@ -184,6 +188,7 @@ PASSTHROUGH = {
     "watch": "run a training command under the power/heartbeat watchdog: watch [opts] -- CMD",
     "calibrate": "measure this GPU model's power bands and write its calibration file",
     "doctor": "check a host before the first run: GPUs, NVLink, versions, storage, disk",
+    "deploy": "work pools and queues from params.yaml, then prefect.yaml's deployments",
 }
 
 
