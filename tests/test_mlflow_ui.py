@@ -27,6 +27,11 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium")
 
 
+class Echo(mlflow.pyfunc.PythonModel):
+    def predict(self, context: object, model_input: list[str]) -> list[str]:
+        return model_input
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -63,6 +68,13 @@ def ui(in_folder: Path) -> Iterator[tuple[str, str, str]]:
         for stage in ("ingest", "train"):
             with tracking.stage_run(stage, params):
                 mlflow.log_metric("records", 42)
+        # A registered version with the alias the flow sets (the real registration, with its
+        # pyfunc wrapper around a merged model, is test_registry's; this page only renders).
+        model = mlflow.pyfunc.log_model(name="model", python_model=Echo(), pip_requirements=[])
+    version = mlflow.register_model(model.model_uri, params.tracking.registered_model)
+    MlflowClient().set_registered_model_alias(
+        params.tracking.registered_model, "challenger", version.version
+    )
     port = free_port()
     env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     server = subprocess.Popen(
@@ -132,3 +144,10 @@ def test_run_page_shows_the_lineage_tags(ui: tuple[str, str, str], tmp_path: Pat
     )
     for tag in ("train", "params.hash", "git.commit", child.data.tags["params.hash"]):
         assert tag in dom, f"{tag!r} not rendered on the run page"
+
+
+def test_models_page_shows_the_challenger_alias(ui: tuple[str, str, str], tmp_path: Path) -> None:
+    base, _, _ = ui
+    name = load_params().tracking.registered_model
+    dom = chromium(f"{base}/#/models/{name}", tmp_path / "profile", "--dump-dom")
+    assert name in dom and "challenger" in dom, "the registered model's alias is not rendered"
