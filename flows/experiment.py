@@ -252,6 +252,12 @@ def experiment(
     check_sets(repo / "params.yaml", chosen)
     prefix = prefix or default_prefix()
     names = [f"{prefix}-{number}" for number in range(1, len(chosen) + 1)]
+    taken = set(dvc(repo, "exp", "list", "--name-only").split()) & set(names)
+    if taken:
+        raise ExperimentFailed(
+            f"experiment name(s) {sorted(taken)} exist already for this commit: pass another "
+            f"prefix, or `dvc exp remove {' '.join(sorted(taken))}`"
+        )
     with contextlib.chdir(repo):  # the project's MLflow store, as in the retrain flow
         experiment_id = tracking.setup(params.tracking.experiment)
         client = MlflowClient()
@@ -282,8 +288,19 @@ def experiment(
                 outcomes.append(Outcome(name, settings, child.info.run_id))
 
             copies = copy_paths(repo, params)
-            for outcome in outcomes:
-                queue(repo, outcome.name, outcome.settings, copies)
+            try:
+                for outcome in outcomes:
+                    queue(repo, outcome.name, outcome.settings, copies)
+            except Exception:
+                # Leave nothing half-queued for the next `--run-all` to pick up by surprise.
+                subprocess.run(
+                    [sys.executable, "-m", "dvc", "queue", "remove", *names],
+                    cwd=repo,
+                    capture_output=True,
+                )
+                for outcome in outcomes:
+                    client.set_terminated(outcome.run_id, status="FAILED")
+                raise
             env = os.environ | {
                 # dvc.yaml's `python -m stages.x` must find this environment's python.
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",

@@ -132,7 +132,7 @@ def test_a_second_run_finds_every_stage_cached(
 def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
     flow_result: tuple[Path, dict[str, Any]],
 ) -> None:
-    from flows.experiment import experiment
+    from flows.experiment import ExperimentFailed, experiment
 
     repo, _ = flow_result
     before = {name: (repo / name).read_text() for name in ("params.yaml", "dvc.lock")}
@@ -181,6 +181,10 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
         assert {r.data.tags["dvc.exp.name"] for r in stages.values()} == {name}
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "experiment")}
     assert artifacts == {"experiment/comparison.md", "experiment/experiment-comparison.png"}
+
+    # Names are the experiments' handles in DVC: a second sweep may not reuse them.
+    with pytest.raises(ExperimentFailed, match=r"\['sweep-1'\] exist already"):
+        experiment(sets=sets[:1], repo=repo, prefix="sweep")
 
 
 def test_changing_the_learning_rate_reruns_train_and_after_only(
