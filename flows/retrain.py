@@ -28,6 +28,7 @@ from prefect.runtime import flow_run
 from tuneloop import lineage, registry, tracking
 from tuneloop.io import read_json
 from tuneloop.params import load_params
+from tuneloop.telemetry.actions import TAG_REASON as TAG_WATCHDOG_REASON
 
 STAGES = ("base", "ingest", "clean", "pack", "preflight", "train", "merge", "export", "evaluate")
 # Safe to run again after a failure: outputs are replaced atomically, ingest deduplicates.
@@ -42,6 +43,14 @@ EVENT_REGISTERED = "tuneloop.challenger.registered"
 
 class StageFailed(RuntimeError):
     pass
+
+
+def failure_reason(tags: dict[str, str]) -> str | None:
+    """What a failed stage's run says ended it: the watchdog or a stop-loss rule."""
+    for key in (TAG_WATCHDOG_REASON, tracking.TAG_STOP_REASON):
+        if tags.get(key):
+            return f"{key}: {tags[key]}"
+    return None
 
 
 @task(task_run_name="{stage}", retries=0)
@@ -78,8 +87,10 @@ def run_stage(stage: str, repo: Path, parent_run_id: str, experiment_id: str) ->
     if cached and metrics:
         tracking.log_metrics(metrics, run_id=run_id)
     if result.returncode != 0:
+        why = failure_reason(client.get_run(run_id).data.tags)
         client.set_terminated(run_id, status="FAILED")
-        raise StageFailed(f"stage {stage!r} failed (dvc repro exit {result.returncode})")
+        said = f"stage {stage!r} failed (dvc repro exit {result.returncode})"
+        raise StageFailed(f"{said}: {why}" if why else said)
     if cached:
         client.set_terminated(run_id, status="FINISHED")
     logger.info("%s: %s", stage, "up to date" if cached else "ran")

@@ -1,4 +1,7 @@
-"""The experiment flow's checks that need no DVC run (the sweep itself is in test_flow.py)."""
+"""Flow logic that needs no DVC run: experiment sets, values, a failed stage's message.
+
+The flows end to end (retrain, and a sweep as DVC experiments) are in test_flow.py.
+"""
 
 from __future__ import annotations
 
@@ -57,3 +60,13 @@ def test_good_sets_pass() -> None:
 )
 def test_values_are_written_as_dvc_reads_them(value: object, text: str) -> None:
     assert override_text(value) == text
+
+
+def test_a_failed_stage_says_what_ended_it() -> None:
+    from flows.retrain import failure_reason
+
+    hung = {"tuneloop.watchdog.reason": "deadlock: no training step for 31 s", "x": "y"}
+    assert failure_reason(hung) == "tuneloop.watchdog.reason: deadlock: no training step for 31 s"
+    stopped = {"tuneloop.train.stop_rule": "max_wall_hours", "tuneloop.train.stop_reason": "12 h"}
+    assert failure_reason(stopped) == "tuneloop.train.stop_reason: 12 h"
+    assert failure_reason({"git.commit": "abc"}) is None

@@ -37,8 +37,6 @@ from tuneloop.training.plan import CHECKPOINTS, TrainPlan
 from tuneloop.training.stoploss import StepMeter, StopLossCallback, StopRules, TrainingStopped
 
 STAGE = "train"
-TAG_STOP_RULE = "tuneloop.train.stop_rule"
-TAG_STOP_REASON = "tuneloop.train.stop_reason"
 TAG_PHASE = "tuneloop.train.phase"  # on the nested run of a phase after the first
 log = logging.getLogger(__name__)
 
@@ -320,7 +318,9 @@ def report_stop(
     """
     event = stopped.event
     run = mlflow.active_run()
-    mlflow.set_tags({TAG_STOP_RULE: event.rule, TAG_STOP_REASON: str(stopped)[:5000]})
+    mlflow.set_tags(
+        {tracking.TAG_STOP_RULE: event.rule, tracking.TAG_STOP_REASON: str(stopped)[:5000]}
+    )
     gpus = plan.world_size if plan.cuda else 0
     tracking.log_metrics(
         {
