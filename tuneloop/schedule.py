@@ -181,7 +181,9 @@ def deploy_main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--project", type=Path, default=Path(), help="project folder")
     args, extra = parser.parse_known_args(argv)
-    if not os.environ.get("PREFECT_API_URL"):
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():  # the environment or the active Prefect profile
         print(
             "tuneloop deploy: set PREFECT_API_URL to your Prefect server, e.g. "
             "http://127.0.0.1:4200/api after `prefect server start`; deployments on a "
