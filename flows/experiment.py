@@ -119,13 +119,9 @@ def copy_paths(repo: Path, params: Params) -> list[str]:
     return [str(path) for path in wanted if (repo / path).exists()]
 
 
-def dvc(repo: Path, *args: str, env: dict[str, str] | None = None) -> str:
+def dvc(repo: Path, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "dvc", *args],
-        cwd=repo,
-        env=env,
-        capture_output=True,
-        text=True,
+        [sys.executable, "-m", "dvc", *args], cwd=repo, capture_output=True, text=True
     )
     if done.returncode != 0:
         raise ExperimentFailed(f"dvc {' '.join(args)} failed:\n{done.stdout}{done.stderr}")
