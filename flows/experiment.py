@@ -49,7 +49,6 @@ from tuneloop import lineage, tracking
 from tuneloop.params import Params, ParamsError, load_params, parse_params
 
 TAG_EXP_REV = "dvc.exp.rev"
-TAG_PIPELINE = "tuneloop.pipeline"
 
 
 class ExperimentFailed(RuntimeError):
@@ -262,7 +261,7 @@ def experiment(
             run_name=prefix,
             experiment_id=experiment_id,
             tags={
-                TAG_PIPELINE: "experiment",
+                tracking.TAG_PIPELINE: "experiment",
                 tracking.TAG_COMMIT: git.commit,
                 tracking.TAG_DIRTY: str(git.dirty).lower(),
                 tracking.TAG_FLOW_RUN: str(flow_run.id or ""),
@@ -276,7 +275,7 @@ def experiment(
                     tags={
                         tracking.TAG_PARENT: parent.info.run_id,
                         tracking.TAG_EXP_NAME: name,
-                        TAG_PIPELINE: "experiment",
+                        tracking.TAG_PIPELINE: "experiment",
                     },
                 )
                 for key, value in settings.items():

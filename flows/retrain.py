@@ -170,7 +170,7 @@ def retrain(repo: Path = Path()) -> dict[str, Any]:
                 tracking.TAG_COMMIT: git.commit,
                 tracking.TAG_DIRTY: str(git.dirty).lower(),
                 tracking.TAG_FLOW_RUN: str(flow_run.id or ""),
-                "tuneloop.pipeline": "retrain",
+                tracking.TAG_PIPELINE: "retrain",
             },
         ) as parent:
             metrics: dict[str, dict[str, Any]] = {}

@@ -30,6 +30,7 @@ from stages import base, clean, ingest, pack, train
 from tests.conftest import ROOT, write_params
 from tuneloop import demo
 from tuneloop.params import load_params
+from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE
 from tuneloop.training import methods
 from tuneloop.training import run as train_run
 from tuneloop.training.plan import Environment, resolve_plan
@@ -361,7 +362,7 @@ def test_a_hung_rank_is_ended_by_the_stage_watchdog_and_the_run_failed(
     started = time.monotonic()
     done = run_stage(folder)
     elapsed = time.monotonic() - started
-    assert done.returncode == 86, done.stderr[-3000:]  # the watchdog's exit code
+    assert done.returncode == WATCHDOG_EXIT_CODE, done.stderr[-3000:]
     (verdict,) = (folder / "checkpoints/train/watch").glob("*/watch.json")
     watched = json.loads(verdict.read_text())
     alarm = watched["alarm"]

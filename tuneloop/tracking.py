@@ -35,6 +35,7 @@ TAG_PARAMS_HASH = "params.hash"
 TAG_FLOW_RUN = "prefect.flow_run_id"
 TAG_CACHED = "dvc.cached"
 TAG_PARENT = "mlflow.parentRunId"
+TAG_PIPELINE = "tuneloop.pipeline"  # on a flow's own run: retrain, experiment
 # Why the train stage stopped early: the stop-loss rule and its message.
 TAG_STOP_RULE = "tuneloop.train.stop_rule"
 TAG_STOP_REASON = "tuneloop.train.stop_reason"

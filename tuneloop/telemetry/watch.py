@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -133,21 +133,30 @@ def _forward_signals(proc: subprocess.Popen[bytes]) -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def _die_with_watcher() -> None:
-    """In the job, before exec: SIGTERM when the watcher dies, however it dies.
+def _die_with_watcher() -> Callable[[], None] | None:
+    """For the job, before exec: SIGTERM when the watcher dies, however it dies.
 
     The job runs in a session of its own (so it can be ended as a group without
     touching the watcher), which also shields it from a kill of the watcher's group:
     Prefect cancelling a flow run, or a SIGKILL of ``dvc repro``. An unwatched job
     left holding the GPUs is the worst outcome, so Linux's parent-death signal ends
-    it. Elsewhere there is no such signal and this does nothing.
+    it. Elsewhere there is no such signal: None.
+
+    libc is loaded here, in the watcher: the returned function runs between fork and
+    exec, where importing or loading anything could deadlock on a lock another
+    thread held at the fork.
     """
     if not sys.platform.startswith("linux"):
-        return
+        return None
     import ctypes
 
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
     pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+    def set_parent_death_signal() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+    return set_parent_death_signal
 
 
 def _run_action(actions: dict[str, str], name: str, action: Any) -> None:
@@ -205,7 +214,7 @@ def watch(options: WatchOptions) -> WatchOutcome:
     env = {**os.environ, HEARTBEAT_ENV: str(heartbeat)}
     try:
         proc = subprocess.Popen(
-            list(options.command), env=env, start_new_session=True, preexec_fn=_die_with_watcher
+            list(options.command), env=env, start_new_session=True, preexec_fn=_die_with_watcher()
         )
     except OSError as err:
         writer.close()
