@@ -33,12 +33,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import yaml
 
-from stages import preflight
 from stages.pack import bins_table
 from tuneloop import demo, suites, tiny
 from tuneloop.chat import tokenize_chat
 from tuneloop.packing import balance_ranks, pack_samples
 from tuneloop.params import load_params
+from tuneloop.preflight import run as pf_run
 from tuneloop.shards import VAL_SHARD, shard_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,8 +179,8 @@ def main() -> None:
         log.info("built in %.1f s: %s", time.perf_counter() - started, built)
         with contextlib.chdir(folder):
             params = load_params()
-            preflight.run_preflight(params)  # warm-up: page cache, tokenizer files
-            reports = [preflight.run_preflight(params) for _ in range(args.repeats)]
+            pf_run.run_preflight(params)  # warm-up: page cache, tokenizer files
+            reports = [pf_run.run_preflight(params) for _ in range(args.repeats)]
     imports = import_seconds()
 
     totals = [r.seconds for r in reports]

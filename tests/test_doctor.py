@@ -159,7 +159,7 @@ def test_main_without_gpu_exits_0_and_lists_skipped(
     written = json.loads(report.read_text())
     assert written["ok"] is True
     by_name = {c["name"]: c for c in written["checks"]}
-    assert by_name["gpu"]["status"] == "skipped"
+    assert by_name["gpu"]["status"] == "skip"
     assert "NVML" in by_name["gpu"]["detail"]  # the reason, from the real pynvml error
     assert by_name["bandwidth_data"]["value"]["write_gbps"] > 0
     assert by_name["page_cache"]["value"]["corpus_bytes"] == len('{"text": "hi"}\n') * 100
@@ -170,7 +170,7 @@ def test_main_without_gpu_exits_0_and_lists_skipped(
 def test_real_nvml_reads_gpus() -> None:
     inv = read_gpus()
     assert inv.gpus and inv.driver
-    assert check_gpus(inv).status in ("ok", "warn")
+    assert check_gpus(inv).status in ("pass", "warn")
 
 
 def test_missing_data_dir_fails_the_run(tmp_path: Path) -> None:
@@ -178,7 +178,7 @@ def test_missing_data_dir_fails_the_run(tmp_path: Path) -> None:
     by_name = {c.name: c for c in checks}
     assert by_name["bandwidth_data"].status == "fail"
     assert "--data-dir" in by_name["bandwidth_data"].detail
-    assert by_name["same_device"].status == "skipped"
+    assert by_name["same_device"].status == "skip"
 
 
 # --- GPU inventory through the fake -----------------------------------------------
@@ -188,7 +188,7 @@ def test_nvml_error_on_init_is_skipped_with_the_reason() -> None:
     fake = FakeNvml(init_error=FakeNVMLError("NVML Shared Library Not Found"))
     inv = read_gpus(fake)
     for check in (check_gpus(inv), check_compute_capability(inv), check_nvlink(inv)):
-        assert check.status == "skipped"
+        assert check.status == "skip"
         assert "no GPU found" in check.detail
         assert "Shared Library Not Found" in check.detail
     assert fake.shutdowns == 0  # never started, nothing to shut down
@@ -200,7 +200,7 @@ def test_eight_h100_with_nvlink_are_ok() -> None:
     assert fake.shutdowns == 1
 
     gpu = check_gpus(inv)
-    assert gpu.status == "ok"
+    assert gpu.status == "pass"
     assert gpu.value["count"] == 8
     assert "8 x NVIDIA H100 80GB HBM3" in gpu.detail
     assert "700 W" in gpu.detail
@@ -208,16 +208,16 @@ def test_eight_h100_with_nvlink_are_ok() -> None:
     assert inv.cuda_driver == "12.4"
 
     cc = check_compute_capability(inv)
-    assert (cc.status, cc.value["bf16"], cc.value["fp8"]) == ("ok", True, True)
+    assert (cc.status, cc.value["bf16"], cc.value["fp8"]) == ("pass", True, True)
     link = check_nvlink(inv)
-    assert link.status == "ok"
+    assert link.status == "pass"
     assert link.value["active_links"] == dict.fromkeys(range(8), 18)
-    assert check_versions(inv, CUDA_TORCH).status == "ok"
+    assert check_versions(inv, CUDA_TORCH).status == "pass"
 
 
 def test_compute_capability_limits() -> None:
     a100 = check_compute_capability(_inventory(FakeGpu(name="A100", cc=(8, 0))))
-    assert (a100.status, a100.value["bf16"], a100.value["fp8"]) == ("ok", True, False)
+    assert (a100.status, a100.value["bf16"], a100.value["fp8"]) == ("pass", True, False)
     assert "FP8 needs sm 8.9+" in a100.detail
     l40s = check_compute_capability(_inventory(FakeGpu(name="L40S", cc=(8, 9))))
     assert l40s.value["fp8"] is True
@@ -231,7 +231,7 @@ def test_gpus_without_nvlink_warn_and_one_gpu_is_skipped() -> None:
     check = check_nvlink(pcie)
     assert check.status == "warn"
     assert "PCIe" in check.detail
-    assert check_nvlink(_inventory(FakeGpu())).status == "skipped"
+    assert check_nvlink(_inventory(FakeGpu())).status == "skip"
 
 
 def test_busy_or_mixed_gpus_warn() -> None:
@@ -251,7 +251,7 @@ def test_a_lost_gpu_fails() -> None:
     assert check.status == "fail"
     assert "GPU 1 of 2" in check.detail
     assert "dmesg" in check.detail
-    assert check_nvlink(inv).status == "skipped"
+    assert check_nvlink(inv).status == "skip"
 
 
 # --- versions ---------------------------------------------------------------------
@@ -261,7 +261,7 @@ def test_versions_without_gpu_are_skipped() -> None:
     inv = read_gpus(FakeNvml(init_error=FakeNVMLError("no driver")))
     cpu = TorchVersions(torch="2.13.0+cpu", cuda=None, nccl=None, cuda_available=False)
     check = check_versions(inv, cpu)
-    assert check.status == "skipped"
+    assert check.status == "skip"
     assert "CPU build" in check.detail
 
 
@@ -324,7 +324,7 @@ def test_nccl_tests_run_from_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     bin_dir = _fake_binary(tmp_path, f'echo "$@" > {tmp_path}/args\ncat {tmp_path}/out.txt\n')
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     check = check_nccl_tests(_inventory(FakeGpu(), FakeGpu()))
-    assert check.status == "ok"
+    assert check.status == "pass"
     assert check.value["busbw_gbps"] == pytest.approx(152.417)
     assert "-g 2" in (tmp_path / "args").read_text()
 
@@ -343,7 +343,7 @@ def test_nccl_tests_missing_says_how_to_install(
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     check = check_nccl_tests(_inventory(FakeGpu(), FakeGpu()))
-    assert check.status == "skipped"
+    assert check.status == "skip"
     assert "github.com/NVIDIA/nccl-tests" in check.detail
 
 
@@ -352,7 +352,7 @@ def test_nccl_tests_missing_says_how_to_install(
 
 def test_bandwidth_check_produces_numbers_and_leaves_nothing(tmp_path: Path) -> None:
     check = check_bandwidth("checkpoint", tmp_path, 2, must_write=True)
-    assert check.status in ("ok", "warn")
+    assert check.status in ("pass", "warn")
     assert check.value["write_gbps"] > 0
     assert check.value["read_gbps"] > 0
     assert check.value["probe_mb"] == 2
@@ -389,7 +389,7 @@ def test_different_devices_are_ok(tmp_path: Path) -> None:
     other = Path("/dev/shm")
     if not other.is_dir() or other.stat().st_dev == tmp_path.stat().st_dev:
         pytest.skip("no second device to compare with")
-    assert check_same_device(tmp_path, other).status == "ok"
+    assert check_same_device(tmp_path, other).status == "pass"
 
 
 def _meminfo(tmp_path: Path, available_kb: int) -> Path:
@@ -404,16 +404,16 @@ def test_page_cache_fit(tmp_path: Path) -> None:
     (data / "a.bin").write_bytes(b"x" * 3000)
     (data / "sub" / "b.bin").write_bytes(b"x" * 1000)
     fits = check_page_cache(data, _meminfo(tmp_path, 1000))  # 1 MB available
-    assert fits.status == "ok"
+    assert fits.status == "pass"
     assert fits.value["corpus_bytes"] == 4000
     assert "not the bottleneck" in fits.detail
     too_big = check_page_cache(data, _meminfo(tmp_path, 4))  # 4 KB available
     assert too_big.status == "warn"
-    assert check_page_cache(data, tmp_path / "no-meminfo").status == "skipped"
+    assert check_page_cache(data, tmp_path / "no-meminfo").status == "skip"
 
 
 def test_free_disk(tmp_path: Path) -> None:
-    assert check_free_disk("checkpoint", tmp_path, min_free_gb=0).status == "ok"
+    assert check_free_disk("checkpoint", tmp_path, min_free_gb=0).status == "pass"
     low = check_free_disk("checkpoint", tmp_path, min_free_gb=1e12)
     assert low.status == "warn"
     assert "--checkpoint-dir" in low.detail
@@ -427,4 +427,4 @@ def test_json_report_is_written(tmp_path: Path) -> None:
     written: dict[str, Any] = json.loads(path.read_text())
     assert [c["name"] for c in written["checks"]] == [c.name for c in checks]
     assert {"host", "created", "ok"} <= written.keys()
-    assert {c["status"] for c in written["checks"]} <= {"ok", "warn", "fail", "skipped"}
+    assert {c["status"] for c in written["checks"]} <= {"pass", "warn", "fail", "skip"}

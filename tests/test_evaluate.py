@@ -23,9 +23,9 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from stages import base, clean, evaluate, export, ingest, merge, pack, preflight, train
-from stages.evaluate import BASE, CANDIDATE, CHAMPION, FP8, GateError, Scores, decide
 from tests.conftest import ROOT, write_params
-from tuneloop import demo, registry
+from tuneloop import demo, gate, registry, scoring
+from tuneloop.gate import BASE, CANDIDATE, CHAMPION, FP8, GateError, Scores, decide
 from tuneloop.params import GateParams, load_params
 
 SUITE = "support_demo"
@@ -155,7 +155,7 @@ def test_report_shows_every_model_and_metric_with_deltas() -> None:
     )
     decision = decide(planted, DIRECTIONS, GATE)
     decision["champion"] = {"name": "m", "version": "3", "run_id": "", "source": ""}
-    text = evaluate.report(planted, decision)
+    text = gate.report(planted, decision)
     assert "Gate: **PASS**" in text and "Champion: m v3" in text
     header = next(line for line in text.splitlines() if line.startswith("| metric"))
     for column in (BASE, CHAMPION, CANDIDATE, FP8, "candidate - base", "candidate - champion"):
@@ -169,13 +169,13 @@ def test_backend_auto_is_hf_without_vllm_and_a_gpu() -> None:
     params = load_params(ROOT / "params.yaml")
     assert params.evaluate.backend == "auto"
     if not (importlib.util.find_spec("vllm") and torch.cuda.is_available()):
-        assert evaluate.backend(params) == "hf"
+        assert scoring.backend(params) == "hf"
     if importlib.util.find_spec("vllm") is None:
         vllm = params.model_copy(
             update={"evaluate": params.evaluate.model_copy(update={"backend": "vllm"})}
         )
         with pytest.raises(RuntimeError, match=r"evaluate.backend=vllm but vllm is not installed"):
-            evaluate.backend(vllm)
+            scoring.backend(vllm)
 
 
 # --- the real path ----------------------------------------------------------------------------

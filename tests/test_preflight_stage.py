@@ -30,6 +30,7 @@ from tests.conftest import ROOT, copy_project, write_params
 from tests.test_preflight import chat_messages
 from tuneloop import demo, suites, tiny
 from tuneloop.params import load_params
+from tuneloop.preflight import run as pf_run
 from tuneloop.shards import shard_name
 
 # Small enough that two ranks step through an epoch in well under a second.
@@ -227,7 +228,7 @@ class Torchrun:
 
 def test_unbalanced_shards_fail_preflight_and_really_hang_ddp(unbalanced: Path) -> None:
     with contextlib.chdir(unbalanced):
-        report = preflight.run_preflight(load_params())
+        report = pf_run.run_preflight(load_params())
     assert [c.name for c in report.failed] == ["ranks_balanced"]
 
     job = Torchrun(unbalanced)

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from stages import base, evaluate, export
+from stages import base, export
 from tests.conftest import ROOT, write_params
-from tuneloop import registry
+from tuneloop import gate, registry
 from tuneloop.io import write_json, write_text
 from tuneloop.params import Params, load_params
 
@@ -30,7 +30,7 @@ DIRECTIONS = {SUITE: {"accuracy": True, "format_compliance": True, "hallucinatio
 NAME = "tuneloop-support"
 
 
-def planted(candidate: float, champion: float | None = None) -> evaluate.Scores:
+def planted(candidate: float, champion: float | None = None) -> gate.Scores:
     models = {"base": 0.4, "candidate": candidate, "candidate-fp8": candidate}
     if champion is not None:
         models["champion"] = champion
@@ -40,15 +40,15 @@ def planted(candidate: float, champion: float | None = None) -> evaluate.Scores:
     }
 
 
-def write_evaluation(params: Params, scores: evaluate.Scores, champion: str | None) -> None:
+def write_evaluation(params: Params, scores: gate.Scores, champion: str | None) -> None:
     """What the evaluate stage leaves behind, for planted scores."""
-    decision = evaluate.decide(scores, DIRECTIONS, params.gate)
+    decision = gate.decide(scores, DIRECTIONS, params.gate)
     decision["champion"] = None if champion is None else {"name": NAME, "version": champion}
     decision["candidate_key"] = registry.candidate_key(params.paths.merged)
     write_json(params.paths.metrics / "decision.json", decision)
     write_json(params.paths.metrics / "evaluate.json", scores)
-    write_text(params.paths.reports / "eval.md", evaluate.report(scores, decision))
-    evaluate.plot(scores, DIRECTIONS, params.paths.reports / "eval.png")
+    write_text(params.paths.reports / "eval.md", gate.report(scores, decision))
+    gate.plot(scores, DIRECTIONS, params.paths.reports / "eval.png")
 
 
 def client(project: Path) -> MlflowClient:

@@ -1,9 +1,10 @@
 """``tuneloop doctor``: what to check on a new server before the first training run.
 
-Each check returns a ``Check`` whose detail says what was found and, when it
-is not ``ok``, what to do about it. ``fail`` means training will not work as
+Each check returns a ``Check`` (``tuneloop/preflight/check.py``, the type and
+statuses preflight uses too) whose detail says what was found and, unless it
+passed, what to do about it. ``fail`` means training will not work as
 configured; ``warn`` means it will work but slower or riskier than it should;
-``skipped`` means the check does not apply here (no GPU, tool not installed)
+``skip`` means the check does not apply here (no GPU, tool not installed)
 and says why. ``main`` prints a table, writes the same as JSON and exits 1
 only when something failed.
 
@@ -27,18 +28,18 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import pynvml
 import torch
 
 from tuneloop.io import write_json
+from tuneloop.preflight.check import Check, counts
 
 log = logging.getLogger(__name__)
 
-Status = Literal["ok", "warn", "fail", "skipped"]
 
 # bf16 arrived with Ampere (8.0), FP8 tensor cores with Ada/Hopper (8.9).
 BF16_MIN_CC = (8, 0)
@@ -62,16 +63,6 @@ NCCL_TESTS_INSTALL = (
     "make -C nccl-tests MPI=0 CUDA_HOME=/usr/local/cuda, then put nccl-tests/build on PATH"
 )
 _PROBE_CHUNK = 8 * 2**20
-
-
-@dataclass(frozen=True)
-class Check:
-    """One line of the report."""
-
-    name: str
-    status: Status
-    detail: str
-    value: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -228,8 +219,8 @@ def read_torch_versions() -> TorchVersions:
 
 def _no_gpu(name: str, inv: GpuInventory) -> Check:
     if inv.fault:
-        return Check(name, "skipped", "GPU inventory failed (see check 'gpu')")
-    return Check(name, "skipped", f"no GPU found ({inv.error})")
+        return Check(name, "skip", "GPU inventory failed (see check 'gpu')")
+    return Check(name, "skip", f"no GPU found ({inv.error})")
 
 
 def check_gpus(inv: GpuInventory) -> Check:
@@ -279,7 +270,7 @@ def check_gpus(inv: GpuInventory) -> Check:
         return Check(
             "gpu", "warn", f"{summary}; power caps differ: check `nvidia-smi -q -d POWER`", value
         )
-    return Check("gpu", "ok", summary, value)
+    return Check("gpu", "pass", summary, value)
 
 
 def check_compute_capability(inv: GpuInventory) -> Check:
@@ -289,10 +280,10 @@ def check_compute_capability(inv: GpuInventory) -> Check:
     cc = f"{lowest[0]}.{lowest[1]}"
     value = {"compute_capability": cc, "bf16": lowest >= BF16_MIN_CC, "fp8": lowest >= FP8_MIN_CC}
     if lowest >= FP8_MIN_CC:
-        return Check("compute_capability", "ok", f"sm {cc}: bf16 and FP8 available", value)
+        return Check("compute_capability", "pass", f"sm {cc}: bf16 and FP8 available", value)
     if lowest >= BF16_MIN_CC:
         return Check(
-            "compute_capability", "ok", f"sm {cc}: bf16 available; FP8 needs sm 8.9+", value
+            "compute_capability", "pass", f"sm {cc}: bf16 available; FP8 needs sm 8.9+", value
         )
     return Check(
         "compute_capability",
@@ -309,7 +300,7 @@ def check_nvlink(inv: GpuInventory) -> Check:
     links = {g.index: g.nvlinks_active for g in inv.gpus}
     value = {"active_links": links}
     if len(inv.gpus) == 1:
-        return Check("nvlink", "skipped", "one GPU: nothing to link", value)
+        return Check("nvlink", "skip", "one GPU: nothing to link", value)
     without = [i for i, n in links.items() if n == 0]
     if without:
         return Check(
@@ -320,7 +311,7 @@ def check_nvlink(inv: GpuInventory) -> Check:
             "(inactive links on an NVLink board: check fabric manager)",
             value,
         )
-    return Check("nvlink", "ok", f"active links per GPU: {links}", value)
+    return Check("nvlink", "pass", f"active links per GPU: {links}", value)
 
 
 def _major_minor(version: str) -> tuple[int, int]:
@@ -335,7 +326,7 @@ def check_versions(inv: GpuInventory, tv: TorchVersions) -> Check:
         kind = "a CPU build" if tv.cuda is None else f"built for CUDA {tv.cuda}"
         return Check(
             "versions",
-            "skipped",
+            "skip",
             f"no GPU found: torch {tv.torch} is {kind}; CUDA not checked",
             value,
         )
@@ -383,7 +374,9 @@ def check_versions(inv: GpuInventory, tv: TorchVersions) -> Check:
             "use it; install the official CUDA wheel",
             value,
         )
-    return Check("versions", "ok", f"{build}, driver {inv.driver} (CUDA {inv.cuda_driver})", value)
+    return Check(
+        "versions", "pass", f"{build}, driver {inv.driver} (CUDA {inv.cuda_driver})", value
+    )
 
 
 _BUSBW_RE = re.compile(r"#\s*Avg bus bandwidth\s*:\s*([0-9.]+)")
@@ -399,12 +392,12 @@ def check_nccl_tests(inv: GpuInventory) -> Check:
     binary = shutil.which("all_reduce_perf")
     if binary is None:
         return Check(
-            "nccl_all_reduce", "skipped", f"all_reduce_perf not on PATH: {NCCL_TESTS_INSTALL}"
+            "nccl_all_reduce", "skip", f"all_reduce_perf not on PATH: {NCCL_TESTS_INSTALL}"
         )
     if not inv.gpus:
         return _no_gpu("nccl_all_reduce", inv)
     if len(inv.gpus) == 1:
-        return Check("nccl_all_reduce", "skipped", "one GPU: nothing to all-reduce")
+        return Check("nccl_all_reduce", "skip", "one GPU: nothing to all-reduce")
     cmd = [binary, "-b", "8M", "-e", "1G", "-f", "2", "-g", str(len(inv.gpus))]
     log.info("running %s", " ".join(cmd))
     try:
@@ -432,7 +425,7 @@ def check_nccl_tests(inv: GpuInventory) -> Check:
         )
     return Check(
         "nccl_all_reduce",
-        "ok",
+        "pass",
         f"all-reduce bus bandwidth {busbw:.1f} GB/s over "
         f"{len(inv.gpus)} GPUs (8 MB to 1 GB messages)",
         value,
@@ -509,14 +502,14 @@ def check_bandwidth(role: str, folder: Path, size_mb: int, *, must_write: bool) 
             f"{RECOMMENDED_GBPS:g} GB/s: use local NVMe or a faster share",
             value,
         )
-    return Check(name, "ok", measured, value)
+    return Check(name, "pass", measured, value)
 
 
 def check_same_device(data_dir: Path, checkpoint_dir: Path) -> Check:
     try:
         data_dev, ckpt_dev = os.stat(data_dir).st_dev, os.stat(checkpoint_dir).st_dev
     except OSError as exc:
-        return Check("same_device", "skipped", f"cannot stat ({exc}); see the bandwidth checks")
+        return Check("same_device", "skip", f"cannot stat ({exc}); see the bandwidth checks")
     value = {"data_dev": data_dev, "checkpoint_dev": ckpt_dev}
     if data_dev == ckpt_dev:
         return Check(
@@ -527,7 +520,7 @@ def check_same_device(data_dir: Path, checkpoint_dir: Path) -> Check:
             "on another disk",
             value,
         )
-    return Check("same_device", "ok", "data and checkpoints are on different devices", value)
+    return Check("same_device", "pass", "data and checkpoints are on different devices", value)
 
 
 def folder_bytes(folder: Path) -> int:
@@ -555,16 +548,16 @@ def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 def check_page_cache(data_dir: Path, meminfo: Path = Path("/proc/meminfo")) -> Check:
     available = mem_available_bytes(meminfo)
     if available is None:
-        return Check("page_cache", "skipped", f"no MemAvailable in {meminfo} (not Linux?)")
+        return Check("page_cache", "skip", f"no MemAvailable in {meminfo} (not Linux?)")
     if not data_dir.is_dir():
-        return Check("page_cache", "skipped", f"{data_dir} is not a folder")
+        return Check("page_cache", "skip", f"{data_dir} is not a folder")
     corpus = folder_bytes(data_dir)
     value = {"corpus_bytes": corpus, "mem_available_bytes": available}
     sizes = f"corpus {corpus / 1e9:.2f} GB, {available / 1e9:.1f} GB RAM available"
     if corpus <= PAGE_CACHE_SHARE * available:
         return Check(
             "page_cache",
-            "ok",
+            "pass",
             f"{sizes}: the corpus fits in the page cache, so after the "
             "first epoch reads come from RAM and storage (NFS) is not the bottleneck",
             value,
@@ -585,7 +578,7 @@ def check_free_disk(role: str, folder: Path, min_free_gb: float | None = None) -
     try:
         usage = shutil.disk_usage(folder)
     except OSError as exc:
-        return Check(name, "skipped", f"cannot read disk usage ({exc}); see bandwidth_{role}")
+        return Check(name, "skip", f"cannot read disk usage ({exc}); see bandwidth_{role}")
     free_gb = usage.free / 1e9
     value = {
         "folder": str(folder),
@@ -601,7 +594,7 @@ def check_free_disk(role: str, folder: Path, min_free_gb: float | None = None) -
             "or point --" + role + "-dir elsewhere",
             value,
         )
-    return Check(name, "ok", f"{folder}: {free_gb:.0f} GB free", value)
+    return Check(name, "pass", f"{folder}: {free_gb:.0f} GB free", value)
 
 
 # --- the report -------------------------------------------------------------------
@@ -636,10 +629,9 @@ def format_table(checks: Sequence[Check]) -> str:
     header = f"{'check':<{width}}  {'status':<7}  detail"
     lines = [header, "-" * len(header)]
     lines += [f"{c.name:<{width}}  {c.status:<7}  {c.detail}" for c in checks]
-    counts = {s: sum(c.status == s for c in checks) for s in ("ok", "warn", "fail", "skipped")}
     lines.append("")
-    lines.append(", ".join(f"{n} {s}" for s, n in counts.items()))
-    skipped = [c.name for c in checks if c.status == "skipped"]
+    lines.append(", ".join(f"{n} {s}" for s, n in counts(checks).items()))
+    skipped = [c.name for c in checks if c.status == "skip"]
     if skipped:
         lines.append(f"skipped: {', '.join(skipped)}")
     return "\n".join(lines)
