@@ -450,19 +450,17 @@ def gpus(n: int, cc: tuple[int, int] = (9, 0), links: int = 18) -> doctor.GpuInv
 
 
 def test_precision() -> None:
-    assert pf_machine.check_precision("auto", "fp32", NO_GPU).status == "pass"
-    assert "train decided fp32" in pf_machine.check_precision("auto", "fp32", NO_GPU).detail
-    assert pf_machine.check_precision("bf16", "fp32", NO_GPU).status == "fail"
-    assert pf_machine.check_precision("auto", "bf16", gpus(8, (9, 0))).status == "pass"
-    assert pf_machine.check_precision("bf16", "bf16", gpus(8, (7, 0))).status == "fail"
-    assert pf_machine.check_precision("fp8", "bf16", gpus(8, (8, 0))).status == "fail"
-    assert pf_machine.check_precision("fp8", "bf16", gpus(8, (8, 9))).status == "pass"
-    assert pf_machine.check_precision("auto", "fp16", gpus(8, (7, 5))).status == "warn"
+    assert pf_machine.check_precision("fp32", NO_GPU).status == "pass"
+    assert "train decided fp32" in pf_machine.check_precision("fp32", NO_GPU).detail
+    assert pf_machine.check_precision("bf16", NO_GPU).status == "fail"
+    assert pf_machine.check_precision(None, NO_GPU).status == "pass"
+    assert pf_machine.check_precision("bf16", gpus(8, (9, 0))).status == "pass"
+    assert pf_machine.check_precision("bf16", gpus(8, (7, 0))).status == "fail"
+    assert pf_machine.check_precision("fp16", gpus(8, (7, 5))).status == "warn"
     # torch asks GPU 0 only; one older board on the node is found through NVML.
     mixed = doctor.GpuInventory(gpus=[*gpus(7).gpus, gpus(1, (7, 5)).gpus[0]], driver="580.0")
-    result = pf_machine.check_precision("auto", "bf16", mixed)
+    result = pf_machine.check_precision("bf16", mixed)
     assert result.status == "fail" and "lowest GPU is sm 7.5" in result.detail
-    assert pf_machine.check_precision("int3", None, NO_GPU).status == "fail"
 
 
 CPU = Environment(

@@ -7,7 +7,6 @@ through ``python -m stages.train`` as ``dvc repro`` would start it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -418,10 +417,6 @@ def test_sigkill_mid_run_then_rerun_continues_to_the_same_final_step(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None,
-    reason="DeepSpeed is not installed (pip install -e '.[gpu]')",
-)
 @pytest.mark.skipif(
     torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs"
 )

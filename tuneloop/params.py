@@ -93,7 +93,6 @@ class DemoParams(_Group):
     seed: int
     n_support: int = Field(gt=0, description="support-tool chats seeded into incoming/")
     n_badcases: int = Field(ge=0, description="router badcases (wrong answer + correction)")
-    n_eval: int = Field(gt=0, description="items of the demo business eval suite")
 
 
 class IngestParams(_Group):

@@ -26,24 +26,22 @@ from tuneloop.training.plan import Environment, TrainSetupError, resolve_plan
 # model's worth (the merge stage), so 1x the weights is its conservative bound.
 FULL_CHECKPOINT_FACTOR = 7
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16", "fp8")
 # The lowest compute capability each precision needs (bf16 arrived with Ampere, FP8 with Ada).
 MIN_CC = {"bf16": doctor.BF16_MIN_CC, "fp8": doctor.FP8_MIN_CC}
 
 
-def check_precision(requested: str, decided: str | None, inv: doctor.GpuInventory) -> Check:
-    """The precision asked for and the one train decided, against every GPU's capability.
+def check_precision(decided: str | None, inv: doctor.GpuInventory) -> Check:
+    """The precision train decided (it has no knob: bf16 where the GPUs have it), against every
+    GPU's capability.
 
     ``decided`` is None when train could not plan the run (see train_plan). torch answers
     "bf16?" for GPU 0 only; NVML sees every GPU, so a mixed node is caught here.
     """
     name = "precision"
-    if requested not in PRECISIONS:
-        return Check(name, "fail", f"unknown precision {requested!r}; one of {PRECISIONS}")
     if inv.fault:
         return Check(name, "fail", f"GPU inventory failed: {inv.fault}")
-    shown = f"requested {requested}, train decided {decided or '(no plan)'}"
-    wanted = requested if requested != "auto" else decided
+    shown = f"train decided {decided or '(no plan)'}"
+    wanted = decided
     if not inv.gpus:
         if wanted not in (None, "fp32"):
             return Check(name, "fail", f"{shown}, but there is no CUDA device ({inv.error})")

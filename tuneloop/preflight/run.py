@@ -156,8 +156,7 @@ def run_preflight(
         lambda: check_effective_batch(batch, plan),
         lambda: check_epochs(train.epochs, train.max_steps, plan),
         lambda: check_train_plan(params, machine),
-        # train has no precision knob: it decides (bf16 where the GPUs have it).
-        lambda: check_precision("auto", decided_precision(params, machine), inv),
+        lambda: check_precision(decided_precision(params, machine), inv),
         lambda: check_devices(batch.world_size, inv, visible, machine.cuda),
         lambda: check_interconnect(inv, env, multi_node=batch.world_size > max(visible, 1)),
         disk,
