@@ -30,7 +30,18 @@ from tuneloop.io import read_json
 from tuneloop.params import load_params
 from tuneloop.telemetry.actions import TAG_REASON as TAG_WATCHDOG_REASON
 
-STAGES = ("base", "ingest", "clean", "pack", "preflight", "train", "merge", "export", "evaluate")
+STAGES = (
+    "base",
+    "init",
+    "ingest",
+    "clean",
+    "pack",
+    "preflight",
+    "train",
+    "merge",
+    "export",
+    "evaluate",
+)
 # Safe to run again after a failure: outputs are replaced atomically, ingest deduplicates.
 # Preflight and training are not retried: a refusal or a stop-loss needs a person,
 # not a rerun, and a second training attempt costs as much as the first.

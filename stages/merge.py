@@ -1,6 +1,7 @@
 """Stage ``merge``: fold the LoRA adapter into the base weights, and prove nothing changed.
 
-Reads:  ``paths.adapter``; the base model; eval suite questions (the probe set).
+Reads:  ``paths.adapter``; the model training started from (``paths.init``: the champion or
+        the base); eval suite questions (the probe set).
 Writes: ``paths.merged`` (a standard Hugging Face folder with tokenizer and chat
         template, plus manifest.json); ``metrics/merge.json``.
 Params: ``merge``, ``model.base``, ``paths``.
@@ -30,9 +31,9 @@ from peft import PeftModel
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from tuneloop import lineage, suites
+from tuneloop import init_from, lineage, suites
 from tuneloop.io import atomic_dir, write_json
-from tuneloop.models import DTYPES, base_model_ref, load_causal_lm, load_tokenizer
+from tuneloop.models import DTYPES, load_causal_lm, load_tokenizer
 from tuneloop.params import Params, load_params
 from tuneloop.stage import setup_logging, write_metrics
 from tuneloop.tracking import stage_run
@@ -116,7 +117,7 @@ def load_adapter_model(params: Params) -> tuple[PeftModel, PreTrainedTokenizerBa
     # float32 whatever merge.dtype says: a bf16 weight cannot hold a LoRA delta below
     # its last bit, so a bf16 merge loses part of the update, and the check would
     # measure that rounding (greedy choices flip on near-ties) instead of the merge.
-    base = load_causal_lm(base_model_ref(params), "float32")
+    base = load_causal_lm(init_from.model_ref(params), "float32")
     model = PeftModel.from_pretrained(base, str(params.paths.adapter))
     model.eval()
     return model, tokenizer

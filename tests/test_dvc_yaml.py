@@ -92,6 +92,7 @@ def test_stage_param_groups_exist(stage: str) -> None:
 def test_stages_run_in_the_designed_order() -> None:
     assert list(DVC["stages"]) == [
         "base",
+        "init",
         "ingest",
         "clean",
         "pack",

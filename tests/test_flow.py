@@ -19,7 +19,18 @@ from tests.conftest import copy_project
 from tuneloop import demo
 from tuneloop.params import load_params
 
-STAGES = ["base", "ingest", "clean", "pack", "preflight", "train", "merge", "export", "evaluate"]
+STAGES = [
+    "base",
+    "init",
+    "ingest",
+    "clean",
+    "pack",
+    "preflight",
+    "train",
+    "merge",
+    "export",
+    "evaluate",
+]
 
 
 def dvc(repo: Path, *args: str) -> str:

@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 
 from stages import base, export
 from tests.conftest import ROOT, write_params
-from tuneloop import gate, registry
+from tuneloop import gate, init_from, registry
 from tuneloop.io import write_json, write_text
 from tuneloop.params import Params, load_params
 
@@ -160,6 +160,42 @@ def test_the_champion_is_found_and_downloaded(project: Path, tmp_path: Path) -> 
     fp8 = registry.download_folder(champion, registry.FP8, tmp_path / "f")
     config = json.loads((fp8 / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+
+
+def test_init_from_champion_fetches_the_champion_once(project: Path) -> None:
+    # The champion alias is on v1 (previous test); its merged folder is models/merged.
+    params = load_params()
+    assert params.train.init_from == "champion"
+    start = registry.resolve_start(params, params.paths.init)
+    assert (start.source, start.model, start.version) == ("champion", NAME, "1")
+    assert init_from.recorded(params) == start
+    assert init_from.model_ref(params) == str(params.paths.init / "model")
+    fetched = params.paths.init / "model" / "model.safetensors"
+    assert fetched.read_bytes() == (project / "models/merged/model.safetensors").read_bytes()
+    # The same champion again: nothing fetched, nothing rewritten (DVC sees the same out).
+    before = (params.paths.init / "init.json").stat().st_mtime_ns, fetched.stat().st_mtime_ns
+    assert registry.resolve_start(params, params.paths.init) == start
+    after = (params.paths.init / "init.json").stat().st_mtime_ns, fetched.stat().st_mtime_ns
+    assert before == after
+
+
+def test_init_from_base_ignores_the_champion(project: Path) -> None:
+    params = load_params()
+    from_base = params.model_copy(
+        update={"train": params.train.model_copy(update={"init_from": "base"})}
+    )
+    start = registry.resolve_start(from_base, from_base.paths.init)
+    assert start.source == "base" and start.version is None
+    assert not (from_base.paths.init / "model").exists()
+    assert init_from.model_ref(from_base) == str(from_base.paths.base_model)
+    # No champion yet (first month): the base, and the record says why.
+    store = client(project)
+    store.delete_registered_model_alias(NAME, registry.CHAMPION)
+    try:
+        first = registry.resolve_start(params, params.paths.init)
+        assert first.source == "base" and "no 'champion' alias yet" in first.reason
+    finally:
+        store.set_registered_model_alias(NAME, registry.CHAMPION, "1")
 
 
 def test_a_champion_that_moved_after_the_gate_blocks_registration(project: Path) -> None:

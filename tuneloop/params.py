@@ -79,6 +79,7 @@ class PathsParams(_Group):
     clean: Path
     packed: Path
     base_model: Path
+    init: Path
     adapter: Path
     merged: Path
     fp8: Path
@@ -157,6 +158,9 @@ class TrainParams(_Group):
     )
     phases: tuple[Literal["sft", "dpo"], ...] = Field(
         min_length=1, description="objectives in order: [sft], [dpo] or [sft, dpo]"
+    )
+    init_from: Literal["champion", "base"] = Field(
+        description="start from the registry's champion (the base in the first month) or the base"
     )
     distributed: Literal["none", "ddp", "zero2", "zero3", "fsdp"] = Field(
         description="how batch.world_size processes share the work; configs/ holds each config"

@@ -32,6 +32,7 @@ import hashlib
 import importlib.metadata
 import logging
 import os
+import shutil
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,8 +48,8 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.pyfunc import PythonModel, PythonModelContext
 from mlflow.tracking import MlflowClient
 
-from tuneloop import lineage, tracking
-from tuneloop.io import read_json
+from tuneloop import init_from, lineage, tracking
+from tuneloop.io import atomic_dir, read_json, write_json
 from tuneloop.params import Params
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,46 @@ def download_folder(version: ModelVersion, artifact: str, dst: Path) -> Path:
             f"{sorted(artifacts)}); it was not registered by tuneloop.registry"
         )
     return local / artifacts[artifact]["path"]
+
+
+def resolve_start(params: Params, folder: Path) -> init_from.Start:
+    """Fill ``folder`` (``paths.init``) with the starting point ``train.init_from`` asks for
+    (see ``tuneloop/init_from.py``).
+
+    A champion already fetched into ``folder`` is not downloaded again.
+    """
+    if params.train.init_from == "base":
+        start = init_from.Start("base", "train.init_from is base")
+        init_from.write_base(folder, start)
+        return start
+    name = params.tracking.registered_model
+    champion = find_alias(name, CHAMPION)
+    if champion is None:
+        start = init_from.Start(
+            "base",
+            f"train.init_from is champion, but {name!r} has no 'champion' alias yet "
+            "(the first month): starting from the base",
+        )
+        log.warning("init: %s", start.reason)
+        init_from.write_base(folder, start)
+        return start
+    start = init_from.Start(
+        "champion",
+        f"train.init_from is champion: {name} v{champion.version}",
+        name,
+        str(champion.version),
+        champion.run_id,
+    )
+    if init_from.read(folder) == start and (folder / init_from.MODEL_DIR).is_dir():
+        log.info("init: %s already in %s", start.describe(), folder)
+        return start
+    with atomic_dir(folder) as tmp:
+        fetched = download_folder(champion, MERGED, tmp / "download")
+        fetched.rename(tmp / init_from.MODEL_DIR)
+        shutil.rmtree(tmp / "download")
+        write_json(tmp / init_from.INIT_FILE, asdict(start))
+    log.info("init: fetched %s into %s", start.describe(), folder / init_from.MODEL_DIR)
+    return start
 
 
 # --- the logged model -------------------------------------------------------------------------
@@ -201,6 +242,8 @@ def lineage_tags(params: Params, flow_run_id: str | None) -> dict[str, str]:
         # Every group: the version depends on the whole pipeline, not one stage.
         tracking.TAG_PARAMS_HASH: lineage.params_hash(params, list(type(params).model_fields)),
         TAG_CANDIDATE: candidate_key(params.paths.merged),
+        # Month over month: the champion this version's training continued from.
+        init_from.TAG: init_from.recorded(params).describe(),
     }
     if flow_run_id:
         tags[tracking.TAG_FLOW_RUN] = flow_run_id

@@ -25,9 +25,9 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from transformers import EarlyStoppingCallback, TrainerCallback, TrainingArguments
 
-from tuneloop import lineage, tracking
+from tuneloop import init_from, lineage, tracking
 from tuneloop.io import atomic_dir, write_json
-from tuneloop.models import base_model_ref, load_tokenizer
+from tuneloop.models import load_tokenizer
 from tuneloop.params import Params
 from tuneloop.stage import write_metrics
 from tuneloop.telemetry.actions import AlertHook, send_alert
@@ -157,8 +157,8 @@ def build_trainer(
     rank: int,
     started_at: float,
 ) -> PhaseTrainer:
-    """The phase's model and trainer, from the base or the previous phase's result."""
-    base = base_model_ref(params)
+    """The phase's model and trainer, from the starting model or the previous phase's result."""
+    base = init_from.model_ref(params)
     tokenizer = load_tokenizer(previous or base)
     if plan.uses_lora:
         model = methods.load_model(base, plan, adapter=previous)
@@ -391,6 +391,7 @@ def train(params: Params, plan: TrainPlan, started_at: float) -> None:
                 CHECKPOINTS, checkpoints.RunRecord(record.fingerprint, params_hash, run.info.run_id)
             )
             mlflow.log_params({f"plan.{key}": str(value) for key, value in plan.describe().items()})
+            mlflow.set_tag(init_from.TAG, init_from.recorded(params).describe())
             for config in (plan.deepspeed_config, plan.fsdp_config):
                 if config is not None:  # not a DVC dep: it changes speed and memory, not the result
                     mlflow.log_artifact(str(config), "configs")

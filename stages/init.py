@@ -1,0 +1,36 @@
+"""Stage ``init``: resolve what training starts from (``train.init_from``).
+
+Reads:  the registry's ``champion`` alias of ``tracking.registered_model`` (when
+        ``train.init_from`` is ``champion``).
+Writes: ``paths.init``: ``init.json`` (base or champion, version, why) and, for a champion,
+        its merged folder under ``model/``; ``metrics/init.json``.
+Params: ``train.init_from``, ``tracking.registered_model``, ``paths.init``.
+
+``always_changed`` in dvc.yaml: the alias can move without any file changing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from tuneloop import init_from, registry
+from tuneloop.params import load_params
+from tuneloop.stage import setup_logging, write_metrics
+from tuneloop.tracking import stage_run
+
+STAGE = "init"
+
+
+def main() -> None:
+    setup_logging()
+    params = load_params()
+    with stage_run(STAGE, params) as run:
+        start = registry.resolve_start(params, params.paths.init)
+        from mlflow import MlflowClient
+
+        MlflowClient().set_tag(run.info.run_id, init_from.TAG, start.describe())
+        write_metrics(params, STAGE, asdict(start))
+
+
+if __name__ == "__main__":
+    main()

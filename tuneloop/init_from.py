@@ -1,0 +1,76 @@
+"""Where training starts: the base model, or the champion released last month.
+
+``train.init_from: champion`` makes month N+1 continue from what month N released: the
+registry's ``champion`` alias is resolved and its merged folder fetched into ``paths.init``,
+with ``init.json`` naming the version. A LoRA run trains a new adapter on the champion's
+weights, and ``merge`` folds it into those same weights; a full fine-tune continues from them.
+With no champion yet (the first month) training starts from the base, and ``init.json`` says
+why. ``init_from: base`` always starts from the base (a retrain from scratch).
+
+Resolving the alias and fetching the champion is ``tuneloop.registry.resolve_start``; this
+module only records and reads the result, so training and merging import no registry code.
+The ``init`` stage is ``always_changed`` in dvc.yaml, since DVC cannot see an alias move: it
+resolves the alias on every ``dvc repro``, but its out changes (and so ``train`` reruns) only
+when the champion changed. ``init.json`` holds no timestamp for that reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tuneloop.io import atomic_dir, read_json, write_json
+from tuneloop.params import Params
+
+log = logging.getLogger(__name__)
+
+INIT_FILE = "init.json"
+MODEL_DIR = "model"
+# On the init and train runs and on the registered version: what training started from.
+TAG = "tuneloop.init_from"
+
+
+@dataclass(frozen=True)
+class Start:
+    """What training starts from, as ``init.json`` records it."""
+
+    source: str  # "base" or "champion"
+    reason: str
+    model: str | None = None  # registered model name, for a champion
+    version: str | None = None
+    run_id: str | None = None
+
+    def describe(self) -> str:
+        if self.source == "champion":
+            return f"champion {self.model} v{self.version}"
+        return "base"
+
+
+def write_base(folder: Path, start: Start) -> None:
+    """Record a start from the base (no weights to fetch), leaving an identical record be."""
+    if read(folder) == start and not (folder / MODEL_DIR).exists():
+        return
+    with atomic_dir(folder) as tmp:
+        write_json(tmp / INIT_FILE, asdict(start))
+
+
+def read(folder: Path) -> Start | None:
+    path = folder / INIT_FILE
+    if not path.exists():
+        return None
+    return Start(**read_json(path))
+
+
+def recorded(params: Params) -> Start:
+    """The starting point the ``init`` stage recorded (base when it has not run)."""
+    return read(params.paths.init) or Start("base", "the init stage has not run")
+
+
+def model_ref(params: Params) -> str:
+    """The folder (or hub id) training starts from and ``merge`` folds the adapter into."""
+    from tuneloop.models import base_model_ref
+
+    if recorded(params).source == "champion":
+        return str(params.paths.init / MODEL_DIR)
+    return base_model_ref(params)
