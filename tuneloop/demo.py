@@ -13,6 +13,11 @@ that did not:
 
 The eval suite uses customer names, order numbers and unknown products that the
 training generator never produces, so the two are disjoint by construction.
+
+The shop changes month by month (``LAUNCHES``): in month 2 it starts selling a new product,
+which last month's champion refuses as unknown. Month 2's exports talk about it, and the
+demo's customers ask about it while month 1's model is being released, so the router's
+feedback carries corrections for it: the loop has something real to learn.
 """
 
 from __future__ import annotations
@@ -55,6 +60,28 @@ CATALOGUE: tuple[Product, ...] = (
     Product("Cedar chair", "雪松椅子", 30, 60, 10),
     Product("Breeze purifier", "清风净化器", 15, 36, 3),
 )
+
+# What the shop starts selling in a month (month 1 sells CATALOGUE).
+LAUNCHES: dict[int, tuple[Product, ...]] = {
+    2: (Product("Nova earbuds", "新星耳机", 30, 12, 2),),
+}
+# The months the demo's data is dated in (month 1 is the first the loop runs).
+MONTH_LABELS = {1: "2026-10", 2: "2026-11", 3: "2026-12", 4: "2027-01"}
+# In its launch month, a new product draws this share of the questions about products.
+LAUNCH_SHARE = 0.3
+
+
+def catalogue(month: int = 1) -> tuple[Product, ...]:
+    """What the shop sells in ``month``."""
+    launched = [p for m, products in sorted(LAUNCHES.items()) if m <= month for p in products]
+    return (*CATALOGUE, *launched)
+
+
+def month_label(month: int) -> str:
+    if month not in MONTH_LABELS:
+        raise ValueError(f"the demo has data for months {sorted(MONTH_LABELS)}, not {month}")
+    return MONTH_LABELS[month]
+
 
 # Products the shop does not sell: the model must refuse rather than invent.
 UNKNOWN_TRAIN = ("Quasar drone", "Velvet sofa", "Tundra boots", "Falcon bike", "Meadow rug")
@@ -158,9 +185,14 @@ class Item:
     intent: str
 
 
-class _Generator:
-    def __init__(self, seed: int, split: Literal["train", "eval"]) -> None:
-        self.rng = random.Random(f"{seed}/{split}")
+class Generator:
+    """Questions of the demo domain with their one right answer, from a seed."""
+
+    def __init__(self, seed: int, split: Literal["train", "eval"], month: int = 1) -> None:
+        # Month 1 keeps the seed string it always had, so its data is what it always was.
+        self.rng = random.Random(f"{seed}/{split}" if month == 1 else f"{seed}/{split}/{month}")
+        self.catalogue = catalogue(month)
+        self.launched = LAUNCHES.get(month, ())
         self.names = NAMES_TRAIN if split == "train" else NAMES_EVAL
         self.orders = ORDERS_TRAIN if split == "train" else ORDERS_EVAL
         self.unknown = {
@@ -181,15 +213,18 @@ class _Generator:
         if rng.random() < unknown_rate:
             name = rng.choice(self.unknown[lang])
             return Item(prefix + template.format(p=name), REFUSAL[lang], False, lang, "unknown")
-        product = rng.choice(CATALOGUE)
+        if self.launched and rng.random() < LAUNCH_SHARE:
+            product = rng.choice(self.launched)
+        else:
+            product = rng.choice(self.catalogue)
         shown = product.en if lang == "en" else product.zh
         question = prefix + template.format(p=shown)
         return Item(question, answer(product, intent, lang), True, lang, intent)
 
 
-def support_records(seed: int, n: int) -> Iterator[dict[str, object]]:
+def support_records(seed: int, n: int, month: int = 1) -> Iterator[dict[str, object]]:
     """Chats as a support tool exports them: prompt/response pairs and multi-turn chats."""
-    gen = _Generator(seed, "train")
+    gen = Generator(seed, "train", month)
     for _ in range(n):
         item = gen.item()
         if gen.rng.random() < 0.25:
@@ -231,9 +266,10 @@ PII_SNIPPETS = (
 )
 
 
-def badcase_records(seed: int, n: int) -> Iterator[dict[str, object]]:
+def badcase_records(seed: int, n: int, month: int = 1) -> Iterator[dict[str, object]]:
     """Router feedback: the conversation, the bad response, the correction."""
-    gen = _Generator(seed + 1, "train")
+    gen = Generator(seed + 1, "train", month)
+    day = month_label(month)
     for index in range(n):
         item = gen.item(unknown_rate=0.3)
         question = item.question
@@ -246,7 +282,7 @@ def badcase_records(seed: int, n: int) -> Iterator[dict[str, object]]:
             "source": "router-feedback",
             "model_version": "1",
             "arm": "champion",
-            "created_at": f"2026-10-{1 + index % 28:02d}T12:00:00Z",
+            "created_at": f"{day}-{1 + index % 28:02d}T12:00:00Z",
             "tags": ["demo"],
         }
 
@@ -261,7 +297,7 @@ MALFORMED_LINES = (
 
 
 def eval_items(seed: int, n: int) -> list[Item]:
-    gen = _Generator(seed, "eval")
+    gen = Generator(seed, "eval")
     items: list[Item] = []
     seen: set[str] = set()
     while len(items) < n:
@@ -284,7 +320,8 @@ def tokenizer_corpus(seed: int) -> Iterator[str]:
     for lang in ("en", "zh"):
         for name in (*UNKNOWN_EVAL, *UNKNOWN_EVAL_ZH, *NAMES_EVAL):
             yield f"{name} {REFUSAL[lang]}"
-        for product in CATALOGUE:
+        # Every month's products: the base model's tokenizer is fixed before month 1.
+        for product in catalogue(max(MONTH_LABELS)):
             for intent in INTENTS:
                 yield answer(product, intent, lang)
 
@@ -306,15 +343,20 @@ def _write_jsonl(
     return count
 
 
-def seed_incoming(incoming: Path, seed: int, n_support: int, n_badcases: int) -> list[Path]:
-    """Write the demo's month of incoming data, unless it is already there.
+def seed_incoming(
+    incoming: Path, seed: int, n_support: int, n_badcases: int, month: int = 1
+) -> list[Path]:
+    """Write the demo's ``month`` of incoming data, unless it is already there.
 
     Existing files are never overwritten: incoming/ is where real exports and
     the router's feedback land, and ingest deduplicates what it has seen.
     """
+    label = month_label(month)
     files = {
-        incoming / "support-export-2026-10.jsonl": lambda: support_records(seed, n_support),
-        incoming / "router-feedback-2026-10.jsonl": lambda: badcase_records(seed, n_badcases),
+        incoming / f"support-export-{label}.jsonl": lambda: support_records(seed, n_support, month),
+        incoming / f"router-feedback-{label}.jsonl": lambda: badcase_records(
+            seed, n_badcases, month
+        ),
     }
     written = []
     for path, make in files.items():

@@ -1,0 +1,146 @@
+"""Demo customers for trying a release: sticky users asking the demo domain's questions.
+
+Each user has a stable id (``X-User-Id``), so the router's bucketing keeps them on one arm,
+as real users are. Every answer is checked against the one right answer the demo catalogue
+gives; a wrong one is flagged through the router's ``/v1/feedback`` with the correction, as a
+support tool would, so the router records it as a badcase attributed to the arm and model
+version that answered. Those lines are next month's training data.
+
+Used by ``tuneloop demo`` during each release, and by hand (``tuneloop traffic``) to try a
+release on one machine (README, "Try a release on one machine").
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from tuneloop import demo
+
+log = logging.getLogger(__name__)
+
+ARM_HEADER = "X-Tuneloop-Arm"
+REQUEST_ID_HEADER = "X-Request-Id"
+USER_HEADER = "X-User-Id"
+
+
+@dataclass
+class ArmTally:
+    requests: int = 0
+    wrong: int = 0
+    flagged: int = 0
+    errors: int = 0
+
+
+@dataclass
+class TrafficReport:
+    """What the demo's customers saw, per arm."""
+
+    arms: dict[str, ArmTally] = field(default_factory=dict)
+    seconds: float = 0.0
+    feedback_refused: Counter[int] = field(default_factory=Counter)
+
+    def tally(self, arm: str) -> ArmTally:
+        return self.arms.setdefault(arm, ArmTally())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "seconds": round(self.seconds, 2),
+            "arms": {arm: vars(t) for arm, t in sorted(self.arms.items())},
+            "feedback_refused": {str(k): v for k, v in self.feedback_refused.items()},
+        }
+
+
+def normalise_answer(text: str) -> str:
+    return " ".join(text.split())
+
+
+def run(
+    router_url: str,
+    *,
+    requests: int,
+    users: int = 200,
+    seed: int = 0,
+    month: int = 1,
+    model: str = "tuneloop",
+    feedback_token: str | None = None,
+    concurrency: int = 2,
+    max_tokens: int = 48,
+    timeout_s: float = 60.0,
+    stop: threading.Event | None = None,
+) -> TrafficReport:
+    """Send ``requests`` chat requests from ``users`` sticky demo users; flag wrong answers.
+
+    Without ``feedback_token`` nothing is flagged (traffic only). ``stop`` ends it early.
+    """
+    rng = random.Random(f"traffic/{seed}/{month}")
+    gen = demo.Generator(seed + 11, "train", month)
+    plan = [
+        (f"demo-user-{rng.randrange(users):04d}", gen.item(unknown_rate=0.1))
+        for _ in range(requests)
+    ]
+    report = TrafficReport()
+    lock = threading.Lock()
+    started = time.monotonic()
+    headers = {"Authorization": f"Bearer {feedback_token}"} if feedback_token else {}
+
+    def one(client: httpx.Client, user: str, item: demo.Item) -> None:
+        if stop is not None and stop.is_set():
+            return
+        messages = [{"role": "user", "content": item.question}]
+        body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        try:
+            response = client.post(
+                f"{router_url}/v1/chat/completions", json=body, headers={USER_HEADER: user}
+            )
+        except httpx.HTTPError as exc:
+            with lock:
+                report.tally("unknown").errors += 1
+            log.debug("traffic: %s: %s", user, exc)
+            return
+        arm = response.headers.get(ARM_HEADER, "unknown")
+        if response.status_code != 200:
+            with lock:
+                t = report.tally(arm)
+                t.requests += 1
+                t.errors += 1
+            return
+        said = str(response.json()["choices"][0]["message"]["content"] or "")
+        wrong = normalise_answer(said) != normalise_answer(item.answer)
+        flagged = False
+        if wrong and feedback_token:
+            flag = {
+                "messages": messages,
+                "bad_response": said.strip() or "(empty answer)",
+                "corrected_response": item.answer,
+                "user": user,
+                "request_id": response.headers.get(REQUEST_ID_HEADER),
+                "tags": ["demo-support-tool"],
+            }
+            answer = client.post(f"{router_url}/v1/feedback", json=flag, headers=headers)
+            flagged = answer.status_code in (200, 201, 202)
+            if not flagged:
+                with lock:
+                    report.feedback_refused[answer.status_code] += 1
+        with lock:
+            t = report.tally(arm)
+            t.requests += 1
+            t.wrong += wrong
+            t.flagged += flagged
+
+    with (
+        httpx.Client(timeout=timeout_s) as client,
+        ThreadPoolExecutor(max_workers=concurrency) as pool,
+    ):
+        for done in pool.map(lambda job: one(client, *job), plan):
+            del done
+    report.seconds = time.monotonic() - started
+    return report
