@@ -70,7 +70,11 @@ from prefect.input import RunInput
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from serving.controller import (
+from tuneloop import tracking
+from tuneloop.params import Params, ReleaseParams, load_params
+from tuneloop.registry import CHALLENGER, CHAMPION, PREVIOUS, find_alias, promote
+from tuneloop.release.admin import AdminError, RouterAdmin
+from tuneloop.release.analysis import (
     Approval,
     Check,
     InvalidAnswer,
@@ -86,10 +90,7 @@ from serving.controller import (
     parse_stats,
     validate_answer,
 )
-from serving.launch import AdminError, RouterAdmin, load_test
-from tuneloop import tracking
-from tuneloop.params import Params, ReleaseParams, load_params
-from tuneloop.registry import CHALLENGER, CHAMPION, PREVIOUS, find_alias
+from tuneloop.release.loadtest import load_test
 
 # The approver name the flow answers its own pause with when analysis rolls back.
 CONTROLLER = "tuneloop-release-controller"
@@ -102,8 +103,8 @@ class ReleaseRefused(RuntimeError):
 
 
 # --- registry ----------------------------------------------------------------------------------
-# tuneloop.registry sets `challenger` when a candidate passes the gate; the
-# release flow is the one place that moves `champion` and `previous-champion`.
+# tuneloop.registry sets `challenger` when a candidate passes the gate and moves
+# `champion` and `previous-champion` when the release flow promotes.
 
 
 def registry_pair(client: MlflowClient, name: str) -> tuple[ModelVersion, ModelVersion]:
@@ -125,13 +126,6 @@ def registry_pair(client: MlflowClient, name: str) -> tuple[ModelVersion, ModelV
             f"{name} v{candidate.version} is both champion and challenger; nothing to release"
         )
     return candidate, champion
-
-
-def promote(client: MlflowClient, name: str, candidate: str, champion: str) -> None:
-    # `previous-champion` keeps the old version one alias-move away from serving again.
-    client.set_registered_model_alias(name, CHAMPION, candidate)
-    client.set_registered_model_alias(name, PREVIOUS, champion)
-    client.delete_registered_model_alias(name, CHALLENGER)
 
 
 # --- the record on the candidate's MLflow run ----------------------------------------------------

@@ -1,1 +1,1 @@
-"""Serving: backend launch commands, the canary router and its release-facing endpoints."""
+"""Serving: the canary router server, its config, state, metrics and feedback endpoint."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-ARMS = ("champion", "challenger")
+from tuneloop.release import ARMS
 
 
 class RouterConfigError(ValueError):

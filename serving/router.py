@@ -49,7 +49,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.config import ARMS, RouterConfig, load_router_config
+from serving.config import RouterConfig, load_router_config
 from serving.feedback import FeedbackRequest, FeedbackWriter, badcase_record
 from serving.metrics import ArmStats, ErrorKind, new_stats, render_prometheus
 from serving.state import (
@@ -61,6 +61,7 @@ from serving.state import (
     save_weight,
 )
 from tuneloop.records import InvalidRecord
+from tuneloop.release import ARMS
 
 logger = logging.getLogger(__name__)
 

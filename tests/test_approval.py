@@ -15,9 +15,9 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from tests.conftest import write_params
 from tests.test_router import TOKEN, StreamGate, fake_backend, make_config, running_router, serve
-from tuneloop import approval
 from tuneloop.cli import build_parser
 from tuneloop.cli import main as cli
+from tuneloop.release import approval
 
 
 def test_the_cli_takes_approve_reject_and_status() -> None:

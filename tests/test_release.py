@@ -21,7 +21,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from prefect.input import RunInput
 
-from serving.controller import (
+from serving.metrics import new_stats
+from tests.test_router import TOKEN, StreamGate, fake_backend, make_config, running_router, serve
+from tuneloop.params import ParamsError, ReleaseParams, load_params, parse_params
+from tuneloop.release.admin import AdminError, RouterAdmin
+from tuneloop.release.analysis import (
     Approval,
     ArmFigures,
     InvalidAnswer,
@@ -37,10 +41,7 @@ from serving.controller import (
     parse_stats,
     validate_answer,
 )
-from serving.launch import AdminError, RouterAdmin, load_test
-from serving.metrics import new_stats
-from tests.test_router import TOKEN, StreamGate, fake_backend, make_config, running_router, serve
-from tuneloop.params import ParamsError, ReleaseParams, load_params, parse_params
+from tuneloop.release.loadtest import load_test
 
 ROOT = Path(__file__).resolve().parents[1]
 

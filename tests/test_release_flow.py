@@ -30,12 +30,12 @@ from mlflow.tracking import MlflowClient
 from prefect.states import State
 
 from serving.config import RouterConfig
-from serving.launch import Backend, start_transformers_serve
 from serving.router import create_app
 from tests.conftest import write_params
 from tests.test_router import serve
-from tuneloop import approval
 from tuneloop.cli import main as cli
+from tuneloop.release import approval
+from tuneloop.release.backends import Backend, start_transformers_serve
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.backends import (
+from tuneloop.release.backends import (
     LoraModule,
     transformers_serve_command,
     transformers_served_model,

@@ -82,7 +82,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _approve(args: argparse.Namespace) -> int:
-    from tuneloop import approval
+    from tuneloop.release import approval
 
     try:
         done = approval.approve(args.flow_run, args.approver, args.percent, args.comment)
@@ -94,7 +94,7 @@ def _approve(args: argparse.Namespace) -> int:
 
 
 def _reject(args: argparse.Namespace) -> int:
-    from tuneloop import approval
+    from tuneloop.release import approval
 
     try:
         done = approval.reject(args.flow_run, args.approver, args.comment)
@@ -106,8 +106,8 @@ def _reject(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from tuneloop import approval
     from tuneloop.params import load_params
+    from tuneloop.release import approval
 
     result = approval.status(load_params())
     if args.json:

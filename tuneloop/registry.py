@@ -5,8 +5,9 @@ per candidate that passed the evaluate gate. Each version is a logged pyfunc
 model whose artifacts are the merged folder (what ``mlflow.pyfunc.load_model``
 serves) and the FP8 folder (what vLLM serves); its tags carry the lineage (git
 commit, params hash, DVC md5s, Prefect flow run) and its description the eval
-report. Aliases: ``challenger`` is set here; ``champion`` and
-``previous-champion`` are moved by the release flow when a person promotes.
+report. Aliases live here only: ``challenger`` is set when a candidate is
+registered; ``champion`` and ``previous-champion`` move in :func:`promote`, which
+the release flow calls when a release reaches 100 % and passes.
 
 Registration runs in the retrain flow after the ``evaluate`` stage, not inside
 it: a DVC stage must be a function of its declared inputs, and writing to the
@@ -388,3 +389,14 @@ def _point_challenger(
         return None
     client.set_registered_model_alias(name, CHALLENGER, version)
     return CHALLENGER
+
+
+# --- promoting --------------------------------------------------------------------------------
+
+
+def promote(client: MlflowClient, name: str, candidate: str, champion: str) -> None:
+    """``champion`` to the candidate; ``previous-champion`` to the old one; no ``challenger``."""
+    # `previous-champion` keeps the old version one alias-move away from serving again.
+    client.set_registered_model_alias(name, CHAMPION, candidate)
+    client.set_registered_model_alias(name, PREVIOUS, champion)
+    client.delete_registered_model_alias(name, CHALLENGER)

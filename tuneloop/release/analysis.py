@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from serving.config import ARMS
 from tuneloop.params import LoadTestParams, ReleaseParams
+from tuneloop.release import ARMS
 
 WEIGHT_CHECK = "challenger_percent"
 

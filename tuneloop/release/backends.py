@@ -1,4 +1,4 @@
-"""Command lines that launch an OpenAI-compatible backend, and a wait until one answers.
+"""OpenAI-compatible backends: their command lines, a wait until one answers, a local launch.
 
 Two kinds, one per hardware:
 
@@ -15,12 +15,18 @@ Measured on a 2-core CPU machine with the tiny Qwen3 model (hidden size 64,
 (nearly all of it importing torch and transformers), and the first completion
 takes about 0.7 s. Its ``/v1/models`` fails (500) when no Hugging Face cache
 folder exists, which is why ``wait_healthy`` asks ``/health`` first.
+
+``start_transformers_serve`` launches a CPU backend as a child process and
+stops it again; tests and local demos use it, production runs backends under
+its own supervisor (systemd, Kubernetes).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -160,3 +166,49 @@ def wait_healthy(
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{base} not healthy after {timeout:.1f} s (last: {last})")
             time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+
+
+# --- backends as child processes ---------------------------------------------------------------
+
+
+@dataclass
+class Backend:
+    """A launched OpenAI-compatible backend: where it listens and the model name it accepts."""
+
+    url: str
+    model: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def wait_healthy(self, timeout: float) -> float:
+        return wait_healthy(self.url, timeout=timeout, process=self.process)
+
+    def stop(self, grace: float = 20.0) -> None:
+        """Terminate, then kill if it has not exited within ``grace`` seconds."""
+        if self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            logger.warning("backend %s ignored SIGTERM for %.0f s; killing it", self.url, grace)
+            self.process.kill()
+            self.process.wait()
+
+
+def start_transformers_serve(model_dir: Path, port: int, log: Path) -> Backend:
+    """``transformers serve`` on 127.0.0.1 for one model folder; returns before it is healthy.
+
+    Starting returns at once so that two backends can load side by side; call
+    ``wait_healthy`` on each before sending traffic.
+    """
+    # The `transformers` script of this interpreter's environment, not whatever is first on PATH.
+    executable = str(Path(sys.executable).with_name("transformers"))
+    command = transformers_serve_command(model_dir, port, executable=executable)
+    # Nothing to download: the folder is local, and a hub lookup would hang offline.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    logger.info("started %s (pid %d), log %s", " ".join(command), process.pid, log)
+    return Backend(f"http://127.0.0.1:{port}", transformers_served_model(model_dir), process, log)

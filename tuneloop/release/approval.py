@@ -33,9 +33,9 @@ from prefect.exceptions import FlowPauseTimeout, ObjectNotFound
 from prefect.flow_runs import resume_flow_run
 from prefect.settings import get_current_settings
 
-from serving.controller import Approval, merge, parse_stats
-from serving.launch import AdminError, RouterAdmin
 from tuneloop.params import Params
+from tuneloop.release.admin import AdminError, RouterAdmin
+from tuneloop.release.analysis import Approval, merge, parse_stats
 
 RELEASE_FLOW = "release"
 ALIASES = ("champion", "challenger", "previous-champion")

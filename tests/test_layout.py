@@ -1,0 +1,37 @@
+"""The layout's one rule of direction: the library never imports an entry point.
+
+``tuneloop/`` is what stages, flows, the router and the tests share; the
+``stages/``, ``flows/`` and ``serving/`` packages sit on top of it. Only the CLI,
+the top of everything, may reach into them (to start a flow).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRY_POINTS = ("stages", "flows", "serving")
+ALLOWED = {ROOT / "tuneloop" / "cli.py"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_no_library_module_imports_stages_flows_or_serving() -> None:
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(
+            name for name in imported_modules(path) if name.split(".")[0] in ENTRY_POINTS
+        )
+        for path in sorted((ROOT / "tuneloop").rglob("*.py"))
+        if path not in ALLOWED
+    }
+    offenders = {path: names for path, names in offenders.items() if names}
+    assert not offenders, f"tuneloop/ modules import entry-point packages: {offenders}"

@@ -1,0 +1,132 @@
+"""The release's hands on the router replicas: their admin API, called together.
+
+``RouterAdmin`` drives the admin API of every router replica at once: status,
+stats, weights, rollback. Each replica holds its own weight in memory, so every
+change goes to all of them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+# --- the routers' admin API --------------------------------------------------------------------
+
+
+class AdminError(RuntimeError):
+    """A router replica refused or failed an admin call; the message names it and the fix."""
+
+
+class RouterAdmin:
+    """The admin API of every router replica, called together.
+
+    Each replica holds its own weight in memory, so every change goes to all of
+    them; a change that fails on any replica raises, naming the replicas.
+    """
+
+    def __init__(self, urls: Sequence[str], token: str, timeout: float = 5.0) -> None:
+        if not urls:
+            raise AdminError("no router URLs given (params: release.routers)")
+        self.urls = tuple(u.rstrip("/") for u in urls)
+        self._client = httpx.Client(
+            timeout=timeout,
+            headers={"Authorization": f"Bearer {token}"},
+            trust_env=False,
+        )
+
+    @classmethod
+    def from_env(cls, urls: Sequence[str], token_env: str, timeout: float = 5.0) -> RouterAdmin:
+        token = os.environ.get(token_env, "")
+        if not token:
+            raise AdminError(
+                f"${token_env} is not set; the routers' admin API needs it "
+                "(the same value the routers were started with)"
+            )
+        return cls(urls, token, timeout)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> RouterAdmin:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _call(self, url: str, method: str, path: str, body: Mapping[str, Any] | None) -> Any:
+        try:
+            response = self._client.request(method, url + path, json=body)
+        except httpx.HTTPError as error:
+            raise AdminError(f"{method} {url}{path}: {type(error).__name__}: {error}") from None
+        if response.status_code == 401:
+            raise AdminError(
+                f"{url} refused the admin token (401): the token in the environment is not "
+                "the router's"
+            )
+        if response.status_code != 200:
+            raise AdminError(
+                f"{method} {url}{path}: HTTP {response.status_code}: {response.text[:300]}"
+            )
+        return response.json()
+
+    def _each(
+        self, method: str, path: str, body: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Call every replica at once; raise with all failures if any failed."""
+        if len(self.urls) == 1:
+            return {self.urls[0]: self._call(self.urls[0], method, path, body)}
+        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            futures = {url: pool.submit(self._call, url, method, path, body) for url in self.urls}
+        results: dict[str, Any] = {}
+        failures: list[str] = []
+        for url, future in futures.items():
+            error = future.exception()
+            if error is None:
+                results[url] = future.result()
+            else:
+                failures.append(str(error))
+        if failures:
+            raise AdminError("; ".join(failures))
+        return results
+
+    def status(self) -> dict[str, Any]:
+        return self._each("GET", "/admin/status")
+
+    def stats(self) -> dict[str, Any]:
+        return self._each("GET", "/admin/stats")
+
+    def set_weight(self, percent: int, reason: str) -> None:
+        """Move every replica to ``percent``. Not retried: a person or the flow decides again."""
+        self._each("POST", "/admin/weights", {"challenger_percent": percent, "reason": reason})
+
+    def rollback(self, reason: str, attempts: int = 3) -> float:
+        """Challenger to 0 on every replica; returns the seconds it took.
+
+        Retried (a rollback is idempotent and must land); replicas that already
+        took it are not called again.
+        """
+        start = time.perf_counter()
+        body = {"reason": reason}
+        pending = list(self.urls)
+        errors: list[str] = []
+        for _ in range(attempts):
+            # All replicas at once: one slow or dead replica must not delay the others.
+            with ThreadPoolExecutor(max_workers=len(pending)) as pool:
+                futures = {
+                    url: pool.submit(self._call, url, "POST", "/admin/rollback", body)
+                    for url in pending
+                }
+            errors = [str(f.exception()) for f in futures.values() if f.exception()]
+            pending = [url for url, f in futures.items() if f.exception()]
+            if not pending:
+                return time.perf_counter() - start
+        raise AdminError(
+            f"ROLLBACK DID NOT LAND on {pending}: {'; '.join(errors)}. Roll back by hand: "
+            "curl -X POST -H 'Authorization: Bearer $TOKEN' -H 'content-type: application/json' "
+            '-d \'{"reason": "manual"}\' <router>/admin/rollback'
+        )
