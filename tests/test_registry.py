@@ -232,3 +232,24 @@ def test_a_candidate_worse_than_the_champion_is_not_registered(project: Path) ->
     store = client(project)
     assert len(store.search_model_versions(f"name = '{NAME}'")) == 1
     assert str(store.get_model_version_by_alias(NAME, "challenger").version) == "1"
+
+
+def test_the_base_is_registered_as_the_first_champion_once(project: Path, tmp_path: Path) -> None:
+    params = load_params()
+    store = client(project)
+    # A champion exists (v1): nothing is registered.
+    kept = registry.register_base(params)
+    assert not kept.registered and kept.version == "1"
+    before = len(store.search_model_versions(f"name = '{NAME}'"))
+    store.delete_registered_model_alias(NAME, registry.CHAMPION)
+    done = registry.register_base(params)
+    assert done.registered and done.alias == registry.CHAMPION
+    assert len(store.search_model_versions(f"name = '{NAME}'")) == before + 1
+    champion = store.get_model_version_by_alias(NAME, registry.CHAMPION)
+    assert str(champion.version) == done.version
+    assert champion.tags[registry.TAG_BASE] == params.model.base
+    served = registry.download_folder(champion, registry.MERGED, tmp_path)
+    assert (served / "model.safetensors").read_bytes() == (
+        params.paths.base_model / "model.safetensors"
+    ).read_bytes()
+    assert not registry.register_base(params).registered

@@ -391,6 +391,82 @@ def _point_challenger(
     return CHALLENGER
 
 
+# --- the first champion ----------------------------------------------------------------------
+
+
+TAG_BASE = "tuneloop.base_model"
+
+
+class NoLocalBase(RuntimeError):
+    """``model.base`` is a hub id: the registry logs folders, so it needs a local copy."""
+
+
+def register_base(params: Params) -> Registration:
+    """Register the base model as the first ``champion``, once.
+
+    A release compares a challenger with the model that serves now; before the first release
+    that is the base. Registered as an ordinary version (its merged artifact is the base
+    folder; it has no FP8 export) tagged ``tuneloop.base_model``, so the release flow, ``tuneloop
+    serve champion`` and the gate treat it like any champion. Does nothing when the registered
+    model already has a champion.
+    """
+    from tuneloop.models import base_model_ref
+
+    name = params.tracking.registered_model
+    experiment_id = tracking.setup(params.tracking.experiment)
+    client = MlflowClient()
+    current = find_alias(name, CHAMPION, client)
+    if current is not None:
+        return Registration(
+            False,
+            name,
+            version=str(current.version),
+            alias=CHAMPION,
+            reasons=[f"{name} already has a champion (v{current.version}); nothing registered"],
+        )
+    folder = Path(base_model_ref(params))
+    if not (folder / "config.json").exists():
+        raise NoLocalBase(
+            f"model.base is {params.model.base!r}, not a local model folder: download it "
+            "(`huggingface-cli download <id> --local-dir /models/<name>`), point model.base "
+            "at the folder, and run this again"
+        )
+    git = lineage.git_state()
+    tags = {
+        TAG_BASE: params.model.base,
+        tracking.TAG_COMMIT: git.commit,
+        tracking.TAG_DIRTY: str(git.dirty).lower(),
+    }
+    with mlflow.start_run(run_name="register-base", experiment_id=experiment_id) as run:
+        info = mlflow.pyfunc.log_model(
+            name=MODEL_NAME,
+            python_model=CandidateModel(),
+            artifacts={MERGED: str(folder)},
+            pip_requirements=_requirements(),
+            tags=tags,
+        )
+        registered = mlflow.register_model(info.model_uri, name, tags=tags)
+        version = str(registered.version)
+        client.update_model_version(
+            name,
+            version,
+            description=f"The base model ({params.model.base}), registered as the first "
+            "champion: the model a first release is compared with.",
+        )
+        client.set_registered_model_alias(name, CHAMPION, version)
+        mlflow.set_tags({"registry.version": version, "registry.name": name})
+    log.info("registered the base model as %s v%s, alias %s", name, version, CHAMPION)
+    return Registration(
+        True,
+        name,
+        version=version,
+        alias=CHAMPION,
+        model_uri=f"models:/{name}/{version}",
+        run_id=run.info.run_id,
+        reasons=[f"registered the base model as {name} v{version} with alias {CHAMPION}"],
+    )
+
+
 # --- promoting --------------------------------------------------------------------------------
 
 
