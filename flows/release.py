@@ -71,7 +71,7 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
 from tuneloop import tracking
-from tuneloop.params import Params, ReleaseParams, load_params
+from tuneloop.params import Params, ReleaseParams, load_params, with_overrides
 from tuneloop.registry import CHALLENGER, CHAMPION, PREVIOUS, find_alias, promote
 from tuneloop.release.admin import AdminError, RouterAdmin
 from tuneloop.release.analysis import (
@@ -533,11 +533,20 @@ def _end(
 
 
 @flow(name="release")
-def release(repo: Path = Path()) -> dict[str, Any] | State[Any]:
-    """Canary the registry's challenger, ramp it with a person's approval, promote or roll back."""
+def release(
+    repo: Path = Path(), overrides: dict[str, Any] | None = None
+) -> dict[str, Any] | State[Any]:
+    """Canary the registry's challenger, ramp it with a person's approval, promote or roll back.
+
+    ``overrides``: params.yaml values to use instead for this release (``{"release": {...}}``,
+    validated the same way), e.g. the demo's short intervals (configs/demo.yaml).
+    """
     logger = get_run_logger()
     repo = repo.resolve()
     params = load_params(repo / "params.yaml")
+    if overrides:
+        params = with_overrides(params, overrides, "the release flow's overrides")
+        logger.info("params.yaml overridden for this release: %s", overrides)
     rp = params.release
     name = params.tracking.registered_model
     flow_run_id = str(flow_run.id or "local")

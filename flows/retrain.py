@@ -25,7 +25,7 @@ from prefect import flow, get_run_logger, task
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
-from tuneloop import lineage, registry, tracking
+from tuneloop import init_from, lineage, registry, tracking
 from tuneloop.io import read_json
 from tuneloop.params import load_params
 from tuneloop.telemetry.actions import TAG_REASON as TAG_WATCHDOG_REASON
@@ -147,6 +147,7 @@ def summary(metrics: dict[str, dict[str, Any]], decision: dict[str, Any]) -> dic
             "accepted": ingest["accepted"],
             "quarantined": ingest["quarantined"],
             "duplicates": ingest["duplicates"],
+            "by_source": ingest.get("accepted_by_source", {}),
             "pool": ingest["pool_records"],
             "train": clean["train"],
             "val": clean["val"],
@@ -158,6 +159,7 @@ def summary(metrics: dict[str, dict[str, Any]], decision: dict[str, Any]) -> dic
             "eval_loss": train["eval_loss"],
             "steps": train["global_steps"],
             "tokens_per_second": train["tokens_per_second"],
+            "init_from": init_from.Start(**metrics["init"]).describe(),
         },
         "eval": evaluation,
         "decision": decision,

@@ -211,6 +211,9 @@ def main() -> None:
         metrics = {
             "lines": result.lines,
             "accepted": len(result.accepted),
+            "accepted_by_source": dict(
+                Counter(str(r.meta.get("source") or "unknown") for r in result.accepted)
+            ),
             "quarantined": len(result.quarantined),
             "duplicates": result.duplicates,
             "blank_lines": result.blank,

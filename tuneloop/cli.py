@@ -77,8 +77,23 @@ def _retrain(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    _seed_demo(args)
-    return _retrain(args)
+    from flows import demo
+    from tuneloop.loop_report import format_loop
+
+    history = demo.run(Path(args.repo), args.months, args.approval_wait)
+    print(format_loop(history))
+    if args.json:
+        print(json.dumps(history, indent=2, ensure_ascii=False, default=str))
+    return 0
+
+
+def _register_base(args: argparse.Namespace) -> int:
+    from tuneloop import registry
+    from tuneloop.params import load_params
+
+    done = registry.register_base(load_params())
+    print(done.reasons[0])
+    return 0
 
 
 def _approve(args: argparse.Namespace) -> int:
@@ -128,14 +143,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     seed.set_defaults(run=_seed_demo)
 
-    for name, run, text in (
-        ("retrain", _retrain, "run the retrain flow (ingest -> evaluate) once, now"),
-        ("demo", _demo, "seed the demo data, then run the retrain flow"),
-    ):
-        command = commands.add_parser(name, help=text)
+    retrain = commands.add_parser(
+        "retrain", help="run the retrain flow (ingest -> evaluate) once, now: one month"
+    )
+    demo = commands.add_parser(
+        "demo",
+        help="the loop on the embedded model: N months of seed -> retrain -> release -> feedback",
+    )
+    for command in (retrain, demo):
         command.add_argument("--repo", default=".", help="the tuneloop project folder")
         command.add_argument("--json", action="store_true", help="also print the full result")
-        command.set_defaults(run=run)
+    retrain.set_defaults(run=_retrain)
+    demo.add_argument("--months", type=int, default=2, help="monthly cycles to run (default 2)")
+    demo.add_argument(
+        "--approval-wait",
+        type=float,
+        default=20.0,
+        help="seconds a release waits for your `tuneloop approve` before the demo approves as "
+        "demo-operator (default 20)",
+    )
+    demo.set_defaults(run=_demo)
+
+    base = commands.add_parser(
+        "register-base",
+        help="register the base model as the first champion (once), for the first release",
+    )
+    base.set_defaults(run=_register_base)
 
     approve = commands.add_parser(
         "approve", help="approve the next traffic step of a release waiting for approval"

@@ -9,8 +9,9 @@ here and nowhere else.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
@@ -403,3 +404,20 @@ def load_params(path: Path | None = None) -> Params:
     except yaml.YAMLError as error:
         raise ParamsError(f"{source} is not valid YAML: {error}") from None
     return parse_params(data, source)
+
+
+def with_overrides(params: Params, overrides: Mapping[str, Any], source: str) -> Params:
+    """``params`` with ``overrides`` (``{group: {key: value}}``, nested) merged in, validated
+    again like params.yaml (an unknown key or a wrong value names itself and ``source``).
+
+    For a run that must differ from params.yaml in a few knobs and say so (the demo's short
+    release intervals): the overrides are the flow's own parameters, shown in its run.
+    """
+
+    def merge(base: Any, extra: Any) -> Any:
+        if isinstance(base, dict) and isinstance(extra, Mapping):
+            return {**base, **{k: merge(base.get(k), v) for k, v in extra.items()}}
+        return extra
+
+    data = merge(params.model_dump(mode="json"), overrides)
+    return parse_params(data, Path(source))

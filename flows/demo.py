@@ -1,0 +1,330 @@
+"""The loop, end to end on one machine: N monthly cycles of retrain -> release -> feedback.
+
+``tuneloop demo --months 2`` (what ``make demo`` runs). Each month:
+
+1. the month's exports are seeded into ``incoming/`` (``tuneloop.demo``: month 2 launches a
+   product the champion does not know);
+2. the ``retrain`` flow runs ingest -> evaluate on everything in ``incoming/``, the router's
+   feedback from last month's release included; training starts from the champion
+   (``train.init_from``), and the gate compares with it;
+3. a candidate that passed is released by the ``release`` flow, for real: the champion and the
+   challenger are served by ``transformers serve``, behind the canary router, while demo
+   customers (``tuneloop.traffic``) ask questions and flag wrong answers through the router's
+   feedback API, as a support tool does; those flags land in ``incoming/``, attributed to the
+   arm and model version that answered, for next month;
+4. at each approval pause the demo prints the ``tuneloop approve`` command for a person in
+   another terminal; when nobody answers within ``--approval-wait`` seconds it approves as
+   ``demo-operator``, and the release records that name like any approver's.
+
+Before the first month the base model is registered as the first champion (the model a first
+release is compared with). The release runs with ``configs/demo.yaml``'s short intervals,
+passed as the flow's ``overrides`` parameter: the same code path as a real release.
+
+Flows orchestrate: this module starts services and calls the two flows; every decision is the
+flows' own. It needs a Prefect server that another terminal can reach (for ``tuneloop
+approve``): ``PREFECT_API_URL`` if set, else it starts ``prefect server start`` on
+127.0.0.1:4200 for the length of the demo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from mlflow.tracking import MlflowClient
+
+from tuneloop import demo, registry, tracking, traffic
+from tuneloop.params import Params, load_params
+from tuneloop.release import approval
+from tuneloop.release.backends import Backend, start_transformers_serve, wait_healthy
+
+log = logging.getLogger("tuneloop.demo")
+
+DEMO_OVERRIDES = Path("configs/demo.yaml")
+DEMO_APPROVER = "demo-operator"
+PREFECT_PORT = 4200
+# Demo customers: ids the router buckets by, and how many requests a burst sends.
+USERS = 300
+BURST = 24
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def prefect_server(logs: Path) -> Iterator[str]:
+    """A Prefect API other terminals can reach: ``PREFECT_API_URL``, or one started here."""
+    url = os.environ.get("PREFECT_API_URL")
+    if url:
+        yield url
+        return
+    url = f"http://127.0.0.1:{PREFECT_PORT}/api"
+    if _healthy(f"{url}/health"):  # the user's own `prefect server start`
+        os.environ["PREFECT_API_URL"] = url
+        yield url
+        return
+    logs.mkdir(parents=True, exist_ok=True)
+    command = [
+        str(Path(sys.executable).with_name("prefect")),
+        *("server", "start", "--host", "127.0.0.1", "--port", str(PREFECT_PORT)),
+    ]
+    with (logs / "prefect-server.log").open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(f"{url}/health"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"prefect server did not start (see {logs / 'prefect-server.log'}); start "
+                    "one yourself and set PREFECT_API_URL"
+                )
+            time.sleep(1)
+        os.environ["PREFECT_API_URL"] = url
+        yield url
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+        process.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=20)
+        if process.poll() is None:
+            process.kill()
+
+
+@dataclass
+class Stack:
+    """The two backends and the router of one release."""
+
+    router_url: str
+    feedback_token: str
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    backends: list[Backend] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=20)
+            if process.poll() is None:
+                process.kill()
+        for backend in self.backends:
+            backend.stop()
+
+
+def serve_release(params: Params, repo: Path, month: int) -> Stack:
+    """Champion and challenger from the registry, each behind ``transformers serve``, and the
+    canary router in front of them, with the admin and feedback tokens in this process's env."""
+    client = MlflowClient(tracking.tracking_uri())
+    name = params.tracking.registered_model
+    served = repo / "run" / f"month-{month}"
+    arms: dict[str, dict[str, Any]] = {}
+    backends: list[Backend] = []
+    for arm in (registry.CHAMPION, registry.CHALLENGER):
+        version = registry.find_alias(name, arm, client)
+        if version is None:
+            raise RuntimeError(f"{name} has no {arm!r} version to serve")
+        folder = registry.download_folder(version, registry.MERGED, served / arm)
+        backend = start_transformers_serve(folder, _free_port(), served / f"{arm}.log")
+        backends.append(backend)
+        arms[arm] = {
+            "base_url": backend.url,
+            "model": backend.model,
+            "model_version": str(version.version),
+        }
+    os.environ.setdefault(params.release.admin_token_env, secrets.token_hex(16))
+    feedback_token = secrets.token_hex(16)
+    os.environ["TUNELOOP_DEMO_FEEDBACK_TOKEN"] = feedback_token
+    config = {
+        "arms": arms,
+        "feedback_dir": str(repo / params.paths.incoming),
+        "state_file": str(served / "router-state.json"),
+        "admin_token_env": params.release.admin_token_env,
+    }
+    config_file = served / "router.yaml"
+    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+    port = _free_port()
+    stack = Stack(f"http://127.0.0.1:{port}", feedback_token, backends=backends)
+    listen = ("--host", "127.0.0.1", "--port", str(port))
+    with (served / "router.log").open("wb") as out:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "serving.router", "--config", str(config_file), *listen],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=repo,
+        )
+    stack.processes.append(router)
+    try:
+        for backend in backends:
+            waited = backend.wait_healthy(timeout=300)
+            log.info("backend %s healthy after %.0f s", backend.url, waited)
+        wait_healthy(stack.router_url, timeout=60, process=router)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def keep_customers_coming(stack: Stack, month: int, stop: threading.Event) -> traffic.TrafficReport:
+    """Demo traffic in bursts until ``stop``; the sum of what every burst saw."""
+    total = traffic.TrafficReport()
+    burst = 0
+    while not stop.is_set():
+        seen = traffic.run(
+            stack.router_url,
+            requests=BURST,
+            users=USERS,
+            seed=burst,
+            month=month + 1,  # customers ask about what the shop sells now, next month's world
+            feedback_token=stack.feedback_token,
+            stop=stop,
+        )
+        for arm, tally in seen.arms.items():
+            mine = total.tally(arm)
+            for key, value in vars(tally).items():
+                setattr(mine, key, getattr(mine, key) + value)
+        total.feedback_refused.update(seen.feedback_refused)
+        total.seconds += seen.seconds
+        burst += 1
+    return total
+
+
+def answer_for_nobody(wait_s: float, stop: threading.Event, answered: list[dict[str, Any]]) -> None:
+    """Print how to approve each paused release; approve as ``demo-operator`` after ``wait_s``."""
+    seen: dict[str, float] = {}
+    while not stop.wait(1.0):
+        try:
+            waiting = approval.waiting_releases()
+        except Exception as error:  # the server restarting: try again next second
+            log.debug("waiting_releases: %s", error)
+            continue
+        for run in waiting:
+            key = f"{run['id']}@{run['since']}"
+            if key not in seen:
+                seen[key] = time.monotonic()
+                print(
+                    f"\n>>> The release {run['name']} waits for a person. From another terminal:\n"
+                    f"      PREFECT_API_URL={os.environ.get('PREFECT_API_URL')} "
+                    f".venv/bin/tuneloop approve {run['id']} --approver YOUR_NAME\n"
+                    f"    (or reject it with --comment WHY; the Prefect UI at "
+                    f"http://127.0.0.1:{PREFECT_PORT} shows the form). The demo answers as "
+                    f"{DEMO_APPROVER!r} in {wait_s:.0f} s.\n",
+                    flush=True,
+                )
+            elif time.monotonic() - seen[key] >= wait_s:
+                try:
+                    done = approval.approve(
+                        run["id"],
+                        DEMO_APPROVER,
+                        comment=f"nobody answered within {wait_s:.0f} s; the demo approved",
+                    )
+                except approval.ApprovalError as error:  # a person answered meanwhile
+                    log.info("demo approval not needed: %s", error)
+                else:
+                    answered.append(done)
+                    print(f">>> {DEMO_APPROVER} approved {run['name']}", flush=True)
+                seen[key] = float("inf")
+
+
+def demo_overrides(repo: Path, router_url: str) -> dict[str, Any]:
+    overrides: dict[str, Any] = yaml.safe_load((repo / DEMO_OVERRIDES).read_text())
+    overrides.setdefault("release", {})["routers"] = [router_url]
+    return overrides
+
+
+def release_month(repo: Path, params: Params, month: int, approval_wait_s: float) -> dict[str, Any]:
+    """Serve, release (with demo traffic and feedback), tear down; what happened."""
+    from flows.release import release
+
+    stack = serve_release(params, repo, month)
+    stop = threading.Event()
+    answered: list[dict[str, Any]] = []
+    seen: list[traffic.TrafficReport] = []
+    customers = threading.Thread(
+        target=lambda: seen.append(keep_customers_coming(stack, month, stop)), daemon=True
+    )
+    operator = threading.Thread(
+        target=answer_for_nobody, args=(approval_wait_s, stop, answered), daemon=True
+    )
+    customers.start()
+    operator.start()
+    try:
+        state = release(
+            repo=repo, overrides=demo_overrides(repo, stack.router_url), return_state=True
+        )
+    finally:
+        stop.set()
+        customers.join(timeout=120)
+        operator.join(timeout=10)
+        stack.stop()
+    result = state.result(raise_on_failure=False)
+    outcome: dict[str, Any] = (
+        result if isinstance(result, dict) else {"outcome": "failed", "reason": str(result)}
+    )
+    outcome["state"] = state.name
+    outcome["message"] = state.message
+    outcome["demo_approvals"] = answered
+    outcome["traffic"] = seen[0].as_dict() if seen else {}
+    return outcome
+
+
+def run(repo: Path, months: int, approval_wait_s: float) -> list[dict[str, Any]]:
+    """``months`` cycles of the loop; the summary of each."""
+    from flows.retrain import retrain
+
+    repo = repo.resolve()
+    params = load_params(repo / "params.yaml")
+    history: list[dict[str, Any]] = []
+    with prefect_server(repo / "logs") as api, contextlib.chdir(repo):
+        print(f"Prefect API {api} (UI: http://127.0.0.1:{PREFECT_PORT})", flush=True)
+        tracking.setup(params.tracking.experiment)
+        first = registry.register_base(params)
+        print(f"registry: {first.reasons[0]}", flush=True)
+        for month in range(1, months + 1):
+            started = time.monotonic()
+            label = demo.month_label(month)
+            written = demo.seed_incoming(
+                params.paths.incoming,
+                params.demo.seed,
+                params.demo.n_support,
+                params.demo.n_badcases,
+                month,
+            )
+            print(f"\n=== month {month} ({label}): {len(written)} export file(s) seeded ===")
+            summary: dict[str, Any] = {"month": month, "label": label}
+            summary["retrain"] = retrain(repo=repo)
+            registration = summary["retrain"]["registration"]
+            if registration.get("registered") and registration.get("alias") == "challenger":
+                summary["release"] = release_month(repo, params, month, approval_wait_s)
+            else:
+                summary["release"] = {"outcome": "not released", "reason": registration}
+            summary["seconds"] = round(time.monotonic() - started, 1)
+            history.append(summary)
+            (repo / "reports").mkdir(exist_ok=True)
+            (repo / "reports" / "demo.json").write_text(
+                json.dumps(history, indent=2, ensure_ascii=False, default=str)
+            )
+    return history

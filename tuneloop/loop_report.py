@@ -1,0 +1,96 @@
+"""The month-by-month summary ``tuneloop demo`` prints at the end of the loop.
+
+What a person wants to see after N monthly cycles: the data each month brought (by source),
+how each candidate scored against the base and the champion, what its release did (the
+split, the analyses, who approved, the outcome), and where to look next.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+WHERE_TO_LOOK = """
+Where to look:
+  MLflow   .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000
+           -> http://127.0.0.1:5000: experiment 'tuneloop', tick the two `retrain-...` runs and
+              press Compare (one month each); Models -> {model}: every version, its aliases
+              (champion, previous-champion) and the lineage tags (tuneloop.init_from: what
+              each month started from)
+  DVC      .venv/bin/dvc metrics show; after `git add dvc.lock metrics && git commit` each month
+           (or schedule.commit_results), `dvc metrics diff <month-1> <month-2>`
+  Prefect  PREFECT_API_URL=http://127.0.0.1:4200/api .venv/bin/prefect server start
+           -> http://127.0.0.1:4200: the retrain and release flow runs of every month
+"""
+
+
+def _scores(evaluation: dict[str, Any], model: str) -> str:
+    suites = evaluation.get(model)
+    if not suites:
+        return "-"
+    return "; ".join(
+        f"{suite}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items()))
+        for suite, metrics in suites.items()
+    )
+
+
+def _release_lines(release: dict[str, Any]) -> list[str]:
+    lines = [f"  release  {release.get('outcome', '?')}: {release.get('reason', '')}"]
+    for event in release.get("history", []):
+        kind = event.get("kind")
+        if kind == "shift":
+            lines.append(f"           challenger -> {event['percent']} %")
+        elif kind == "analysis":
+            share = event.get("challenger_share")
+            shown = "n/a" if share is None else f"{share:.0%} of requests to the challenger"
+            verdict = "pass" if event.get("passed") else "FAIL"
+            lines.append(f"           analysis at {event['percent']} %: {verdict} ({shown})")
+        elif kind == "approval":
+            lines.append(
+                f"           {event['decision']} by {event['approver']} at {event['percent']} %"
+            )
+        elif kind == "rollback":
+            lines.append(
+                f"           rollback in {event['seconds'] * 1000:.0f} ms: {event['reason']}"
+            )
+    seen = release.get("traffic", {}).get("arms", {})
+    for arm, tally in seen.items():
+        lines.append(
+            f"           customers on {arm}: {tally['requests']} requests, {tally['wrong']} wrong "
+            f"answers, {tally['flagged']} flagged as badcases"
+        )
+    return lines
+
+
+def format_loop(history: list[dict[str, Any]], model: str = "tuneloop-support") -> str:
+    out = ["", "=== tuneloop: the loop, month by month ==="]
+    for month in history:
+        retrain = month["retrain"]
+        data, decision = retrain["data"], retrain["decision"]
+        out.append(f"\nmonth {month['month']} ({month['label']}), {month['seconds']:.0f} s")
+        by_source = data.get("by_source") or {}
+        sources = ", ".join(f"{n} {s}" for s, n in sorted(by_source.items()))
+        out.append(
+            f"  data     {data['lines']} lines -> {data['accepted']} new records"
+            + (f" ({sources})" if sources else "")
+            + f"; pool {data['pool']}; train {data['train']} / val {data['val']}"
+        )
+        train = retrain["train"]
+        out.append(
+            f"  train    from {train.get('init_from', 'base')}: loss {train['loss_first']:.3f} "
+            f"-> {train['loss_last']:.3f} in {train['steps']} steps"
+        )
+        evaluation = retrain["eval"]
+        for name in ("base", "champion", "candidate"):
+            if name in evaluation:
+                out.append(f"  eval     {name:<10} {_scores(evaluation, name)}")
+        out.append(f"  gate     {'PASS' if decision['passed'] else 'FAIL'}")
+        out.extend(f"           {reason}" for reason in decision.get("reasons", []))
+        registration = retrain.get("registration") or {}
+        if registration.get("registered"):
+            out.append(
+                f"  registry {registration['name']} v{registration['version']} "
+                f"({registration['alias']})"
+            )
+        out.extend(_release_lines(month.get("release") or {}))
+    out.append(WHERE_TO_LOOK.format(model=model))
+    return "\n".join(out)
