@@ -25,7 +25,7 @@ from prefect import flow, get_run_logger, task
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
-from tuneloop import init_from, lineage, registry, tracking
+from tuneloop import init_from, lineage, registry, results, tracking
 from tuneloop.io import read_json
 from tuneloop.params import load_params
 from tuneloop.telemetry.actions import TAG_REASON as TAG_WATCHDOG_REASON
@@ -201,6 +201,15 @@ def retrain(repo: Path = Path()) -> dict[str, Any]:
             # The flow ends with the verdict: a registered version, or the gate's reasons.
             result["registration"] = register(repo, parent.info.run_id)
             result["mlflow_run_id"] = parent.info.run_id
+            if params.schedule.commit_results:
+                done = results.commit_results(
+                    repo,
+                    [Path("dvc.lock"), params.paths.metrics],
+                    f"retrain {flow_run.name or 'local'}: gate "
+                    f"{'passed' if decision['passed'] else 'failed'}",
+                )
+                mlflow.set_tags({"results.commit": done.commit, "results.tag": done.tag})
+                result["results"] = {"commit": done.commit, "tag": done.tag, "branch": done.branch}
             return result
     finally:
         os.chdir(previous)

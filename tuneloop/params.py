@@ -336,6 +336,10 @@ class ScheduleParams(_Group):
     cron: str = Field(description="retrain-monthly's cron, read in `timezone`")
     timezone: str = Field(description="IANA time zone name, e.g. Asia/Shanghai")
     pools: dict[str, PoolParams] = Field(min_length=1)
+    commit_results: bool = Field(
+        description="commit dvc.lock and metrics/ after each retrain to branch tuneloop/results "
+        "(tag retrain-<time>), so `dvc metrics diff` compares months; the checkout is untouched"
+    )
 
     @field_validator("cron")
     @classmethod
