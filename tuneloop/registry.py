@@ -425,6 +425,10 @@ def register_base(params: Params) -> Registration:
             reasons=[f"{name} already has a champion (v{current.version}); nothing registered"],
         )
     folder = Path(base_model_ref(params))
+    if params.model.is_builtin and not (folder / "config.json").exists():
+        raise NoLocalBase(
+            f"{folder} holds no model yet: build {params.model.base} first (`dvc repro base`)"
+        )
     if not (folder / "config.json").exists():
         raise NoLocalBase(
             f"model.base is {params.model.base!r}, not a local model folder: download it "
