@@ -29,6 +29,7 @@ approve``): ``PREFECT_API_URL`` if set, else it starts ``prefect server start`` 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import logging
 import os
@@ -76,6 +77,24 @@ def _healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
+def _use_api(url: str) -> Iterator[str]:
+    """This process's Prefect client (settings are read once, so not through os.environ alone)
+    and its children (``os.environ``) talk to ``url``."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    previous = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = url
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            yield url
+    finally:
+        if previous is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = previous
+
+
+@contextlib.contextmanager
 def prefect_server(logs: Path) -> Iterator[str]:
     """A Prefect API other terminals can reach: ``PREFECT_API_URL``, or one started here."""
     url = os.environ.get("PREFECT_API_URL")
@@ -84,8 +103,8 @@ def prefect_server(logs: Path) -> Iterator[str]:
         return
     url = f"http://127.0.0.1:{PREFECT_PORT}/api"
     if _healthy(f"{url}/health"):  # the user's own `prefect server start`
-        os.environ["PREFECT_API_URL"] = url
-        yield url
+        with _use_api(url):
+            yield url
         return
     logs.mkdir(parents=True, exist_ok=True)
     command = [
@@ -103,10 +122,9 @@ def prefect_server(logs: Path) -> Iterator[str]:
                     "one yourself and set PREFECT_API_URL"
                 )
             time.sleep(1)
-        os.environ["PREFECT_API_URL"] = url
-        yield url
+        with _use_api(url):
+            yield url
     finally:
-        os.environ.pop("PREFECT_API_URL", None)
         process.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=20)
@@ -266,8 +284,11 @@ def release_month(repo: Path, params: Params, month: int, approval_wait_s: float
     customers = threading.Thread(
         target=lambda: seen.append(keep_customers_coming(stack, month, stop)), daemon=True
     )
+    # The operator talks to Prefect: it needs this thread's settings, which live in contextvars.
     operator = threading.Thread(
-        target=answer_for_nobody, args=(approval_wait_s, stop, answered), daemon=True
+        target=contextvars.copy_context().run,
+        args=(answer_for_nobody, approval_wait_s, stop, answered),
+        daemon=True,
     )
     customers.start()
     operator.start()
