@@ -50,7 +50,7 @@ from tuneloop.params import BatchParams, Params, TrainParams, load_params
 from tuneloop.shards import shard_name
 from tuneloop.stage import setup_logging, write_metrics
 from tuneloop.tracking import stage_run
-from tuneloop.training.plan import CHECKPOINTS, Environment, TrainSetupError, resolve_plan
+from tuneloop.training.plan import Environment, TrainSetupError, resolve_plan
 
 STAGE = "preflight"
 log = logging.getLogger(__name__)
@@ -1181,9 +1181,9 @@ def run_preflight(
         )
 
     def disk() -> CheckResult:
-        free = shutil.disk_usage(existing_parent(CHECKPOINTS)).free
+        free = shutil.disk_usage(existing_parent(paths.checkpoints)).free
         return check_checkpoint_disk(
-            CHECKPOINTS,
+            paths.checkpoints,
             train.method,
             model_weight_bytes(ref),
             train.save_total_limit,
@@ -1214,7 +1214,7 @@ def run_preflight(
         lambda: check_devices(batch.world_size, inv, visible, machine.cuda),
         lambda: check_interconnect(inv, env, multi_node=batch.world_size > max(visible, 1)),
         disk,
-        lambda: check_checkpoint_dir(CHECKPOINTS, dvc_out_folders(params), paths.packed),
+        lambda: check_checkpoint_dir(paths.checkpoints, dvc_out_folders(params), paths.packed),
         lambda: check_stop_loss(train.max_wall_hours, batch.world_size, bool(inv.gpus)),
     ]
     results = run_checks(checks)
