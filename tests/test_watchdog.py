@@ -648,6 +648,10 @@ def test_gpu_hours_add_up(tmp_path: Path) -> None:
         [s for t in trace.ticks for s in t.samples], result.windows, tmp_path / "t.png"
     )
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    beats = [(t.t, t.heartbeat) for t in trace.ticks if t.heartbeat is not None]
+    with_steps = plot_timeline([], result.windows, tmp_path / "s.png", heartbeats=beats)
+    steps_only = plot_timeline([], [], tmp_path / "h.png", heartbeats=beats)  # no GPU data
+    assert with_steps.read_bytes()[:4] == steps_only.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_accounting_uses_power_without_an_energy_counter() -> None:
@@ -727,6 +731,7 @@ def test_watch_returns_the_commands_exit_code(tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / "watch.json").read_text())
     assert manifest["alarm"] is None and manifest["command_exit_code"] == 3
     assert manifest["calibration_source"] == "none"  # no GPU sampled, no power bands used
+    assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"  # the step timeline
     assert read_heartbeats(tmp_path / "heartbeat.json")[0].step == 0  # throttled after one
     assert WATCHDOG_EXIT_CODE == 86
 

@@ -286,7 +286,7 @@ def watch(options: WatchOptions) -> WatchOutcome:
     log.info("GPU time by state (power bands: %s):\n%s", bands, watchdog.accounting.table())
     run_id = run_id or job_run_id(read_heartbeats(heartbeat))
     plot = out_dir / "timeline.png"
-    if watchdog.windows and "plot" not in actions:
+    if (watchdog.windows or watchdog.heartbeats) and "plot" not in actions:
         _run_action(actions, "plot", lambda: _plot(options, watchdog, plot))
     if run_id and alarm is None:
         _run_action(
@@ -333,7 +333,9 @@ def _plot(options: WatchOptions, watchdog: Watchdog, out: Path) -> str:
     from tuneloop.telemetry.plot import plot_timeline
 
     title = f"tuneloop watch: {' '.join(options.command)[:80]}"
-    plot_timeline([], list(watchdog.windows), out, title, watchdog.alarms)
+    plot_timeline(
+        [], list(watchdog.windows), out, title, watchdog.alarms, list(watchdog.heartbeats)
+    )
     return str(out)
 
 
@@ -378,15 +380,20 @@ def _respond(
     _run_action(actions, "end_job", end)
     timeline = watchdog.timeline_text(options.config.timeline_tail_s)
     (out_dir / "timeline.tsv").write_text(timeline, encoding="utf-8")
-    if watchdog.windows:
+    if watchdog.windows or watchdog.heartbeats:
         tail_start = alarm.t - options.config.timeline_tail_s
         windows = [w for w in watchdog.windows if w.t1 >= tail_start]
+        earlier = [(t, v) for t, v in watchdog.heartbeats if t < tail_start]
+        # The step the tail starts at, then every change within it.
+        beats = [(tail_start, earlier[-1][1])] if earlier else []
+        beats += [(t, v) for t, v in watchdog.heartbeats if t >= tail_start]
 
         def draw() -> str:
             from tuneloop.telemetry.plot import plot_timeline
 
             title = f"watchdog: {alarm.kind} at step {alarm.last_step}"
-            return str(plot_timeline(sampler.recent(tail_start), windows, plot, title, [alarm]))
+            samples = sampler.recent(tail_start)
+            return str(plot_timeline(samples, windows, plot, title, [alarm], beats))
 
         _run_action(actions, "plot", draw)
     if run_id:
