@@ -315,8 +315,8 @@ def test_a_hung_rank_is_ended_then_a_rerun_trains_on_two_shards_and_keeps_the_ev
     """Rank 1 one micro-batch short, a whole epoch: rank 0's extra step waits forever.
 
     gloo would wait 30 minutes; the watchdog the stage started beside itself ends it. The
-    rerun (other params: it starts afresh and clears its checkpoints) trains two gloo
-    processes each on its own shard, and leaves the hung run's evidence as it was.
+    rerun (shards fixed, other params: it starts afresh and clears its checkpoints) trains
+    two gloo processes each on its own shard, and leaves the hung run's evidence as it was.
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -366,6 +366,7 @@ def test_a_hung_rank_is_ended_then_a_rerun_trains_on_two_shards_and_keeps_the_ev
     assert not (folder / "models/adapter").exists()
     evidence = {p.name: p.read_bytes() for p in hung.iterdir()}
 
+    pq.write_table(table, shard)  # the packing fixed, as after a real hang
     batch = {"world_size": 2, "micro_batch_size": 1, "effective_batch": 2}
     write_params(
         folder,

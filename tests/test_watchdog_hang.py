@@ -131,7 +131,10 @@ def test_hang_is_caught_stacks_dumped_run_failed(tmp_path: Path, mlflow_run: Any
         "watchdog/timeline.tsv",
         "watchdog/stacks.txt",
         "watchdog/accounting.json",
+        "watchdog/trace.csv",
+        "watchdog/timeline.png",
     } <= logged
+    assert run.data.tags["tuneloop.watchdog.calibration_source"] == "none"  # heartbeat only
 
 
 def test_balanced_job_runs_to_the_end_untouched(tmp_path: Path, mlflow_run: Any) -> None:
