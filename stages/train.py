@@ -4,14 +4,16 @@ Reads:  ``paths.packed``: this rank's ``rank-NNNNN.parquet`` and ``val.parquet``
         ``paths.clean``/dpo.jsonl when ``train.phases`` holds dpo; the base model.
 Writes: ``paths.adapter``: the adapter (lora, qlora) or the whole model (full), with the
         tokenizer and manifest.json (``artifact`` says which); ``metrics/train.json``;
-        checkpoints under ``checkpoints/train`` (outside DVC's outs).
-Params: ``train``, ``batch``, ``pack.seq_len``, ``model.base``, ``paths``; ``watchdog`` too, which
-is not a DVC param: it watches the run, it does not change what the run makes.
+        checkpoints under ``paths.checkpoints``, the watchdog's evidence under ``paths.watch``
+        (both outside DVC's outs).
+Params: ``train``, ``batch``, ``pack.seq_len``, ``model.base``, ``paths``; ``watchdog`` and
+``paths.watch`` too, which are not DVC params: they watch the run, they do not change what the
+run makes.
 
 Phases: ``train.phases`` lists the objectives in order. ``sft`` trains on the packed shards;
 ``dpo`` on clean's preference pairs, starting from the SFT result and using it as DPO's
 reference (LoRA: a frozen copy of the SFT adapter; full: the SFT weights). Each phase's result
-is saved under ``checkpoints/train/<phase>/final`` and the last one is the stage's output.
+is saved under ``<paths.checkpoints>/<phase>/final`` and the last one is the stage's output.
 
 Data: the shards arrive packed and rank-balanced by ``pack`` and checked by ``preflight``.
 Each rank reads its own shard, ``rank-{RANK:05d}.parquet``, through TRL's padding-free
@@ -22,7 +24,8 @@ Processes: one entry point. Started by ``dvc repro`` (or ``python -m stages.trai
 ``watchdog.enabled``, it becomes the watcher: it runs itself again as the job, in a process
 group of its own, beside the power watchdog (``tuneloop.telemetry.watch``), and exits with the
 job's code, or 86 when the watchdog ended a hung job (stacks dumped, MLflow run marked FAILED,
-alert sent; trace, timeline and verdict under ``checkpoints/train/watch/<time>``). The job,
+alert sent; trace, stacks, timeline and verdict under ``<paths.watch>/<time>``, which no run
+clears, and the trace and timeline on the MLflow run under ``watchdog/``). The job,
 with ``train.distributed: none``, trains in its own process; with ddp, zero2, zero3 or fsdp it
 re-execs itself under torchrun with ``batch.world_size`` processes. Under torchrun,
 ``accelerate launch`` or ``deepspeed`` (several nodes) it trains as the rank it was given and
@@ -45,12 +48,13 @@ MLflow: the stage's params and the run's plan; loss, learning-rate and grad-norm
 the transformers integration (the first phase into the stage's run, a later phase into a nested
 run ``train/<phase>``); tokens/s and GPU-hours (GPUs x wall time) in ``metrics/train.json`` and
 the run, stopped runs included; from the watcher, GPU-hours per power state
-(``gpu_hours.<state>``), the timeline plot and the telemetry trace under ``watchdog/``.
+(``gpu_hours.<state>``), the timeline plot and the telemetry trace under ``watchdog/``, and the
+tag ``tuneloop.watchdog.calibration_source`` (``estimate`` while the power bands are the
+shipped estimates, ``none`` without a GPU).
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import os
 import sys
@@ -59,15 +63,9 @@ import time
 from tuneloop.params import Params, load_params
 from tuneloop.telemetry.actions import AlertHook
 from tuneloop.telemetry.heartbeat import HEARTBEAT_ENV
-from tuneloop.telemetry.watch import WatchOptions, watch
+from tuneloop.telemetry.watch import WatchOptions, new_out_dir, watch
 from tuneloop.telemetry.watchdog import WatchConfig
-from tuneloop.training.plan import (
-    CHECKPOINTS,
-    Environment,
-    TrainSetupError,
-    exec_under_torchrun,
-    resolve_plan,
-)
+from tuneloop.training.plan import Environment, TrainSetupError, exec_under_torchrun, resolve_plan
 
 log = logging.getLogger("stages.train")
 
@@ -84,10 +82,9 @@ def needs_watcher(params: Params) -> bool:
 
 def watch_options(params: Params) -> WatchOptions:
     wd = params.watchdog
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     return WatchOptions(
         command=(sys.executable, "-m", "stages.train"),
-        out_dir=CHECKPOINTS / "watch" / stamp,
+        out_dir=new_out_dir(params.paths.watch),
         # The params group names its knobs as WatchConfig does; WatchConfig checks them again.
         config=WatchConfig(**wd.model_dump(exclude={"enabled", "calibration"})),
         calibration=wd.calibration,

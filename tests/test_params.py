@@ -64,6 +64,19 @@ def test_batch_must_divide() -> None:
         parse_params(data)
 
 
+@pytest.mark.parametrize(
+    ("watch", "inside"),
+    [("checkpoints/train/watch", "checkpoints"), ("models/adapter/w", "adapter")],
+)
+def test_watchdog_evidence_stays_out_of_what_runs_replace(watch: str, inside: str) -> None:
+    data = shipped()
+    data["paths"]["watch"] = watch
+    with pytest.raises(ParamsError, match=rf"paths\.watch .*inside paths\.{inside}"):
+        parse_params(data)
+    data["paths"]["watch"] = "reports/watch"
+    assert parse_params(data).paths.watch == Path("reports/watch")
+
+
 def test_unknown_builtin_model() -> None:
     data = shipped()
     data["model"]["base"] = "builtin:huge"

@@ -29,8 +29,9 @@ from stages import base, clean, ingest, pack, train
 from tests.conftest import ROOT, write_params
 from tuneloop import demo
 from tuneloop.params import load_params
+from tuneloop.telemetry.trace import read_trace
 from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE
-from tuneloop.training import methods
+from tuneloop.training import checkpoints, methods
 from tuneloop.training import run as train_run
 from tuneloop.training.plan import Environment, resolve_plan
 
@@ -307,42 +308,18 @@ def test_loss_spike_on_a_planted_bad_batch_stops_marks_and_alerts(
     assert not (folder / "models/adapter").exists()  # no output for DVC to record
 
 
-def test_two_gloo_processes_train_each_on_its_own_shard(data: Path, tmp_path: Path) -> None:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    folder = make_project(data, tmp_path, world_size=2, watchdog={}, distributed="ddp")
-    done = run_stage(folder)  # no launcher around it: the stage re-execs under torchrun
-    assert done.returncode == 0, done.stderr[-3000:]
-    m = metrics(folder)
-    assert m["world_size"] == 2 and m["global_steps"] == 6
-    shard_rows = pq.read_metadata(folder / "data/packed/rank-00001.parquet").num_rows
-    # Six steps of one micro-batch each out of this rank's own shard; a re-split loader
-    # would have halved the shard and doubled the epoch fraction.
-    assert m["epochs"] == round(6 / shard_rows, 4)
-    out = folder / "models/adapter"
-    assert {p.name for p in out.iterdir()} >= ADAPTER_FILES
-    model = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(folder / "models/base"), out
-    )
-    assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
-    (run,) = train_runs(folder)  # rank 0 alone logs
-    assert run.info.status == "FINISHED"
-    # The stage ran beside its watchdog, which let it be and left its verdict.
-    (verdict,) = (folder / "checkpoints/train/watch").glob("*/watch.json")
-    watched = json.loads(verdict.read_text())
-    assert watched["alarm"] is None and watched["exit_code"] == 0
-    assert watched["command"][-2:] == ["-m", "stages.train"]
-    assert watched["mlflow_run_id"] == run.info.run_id  # named by the job's heartbeat
-
-
-def test_a_hung_rank_is_ended_by_the_stage_watchdog_and_the_run_failed(
+def test_a_hung_rank_is_ended_then_a_rerun_trains_on_two_shards_and_keeps_the_evidence(
     data: Path, tmp_path: Path
 ) -> None:
     """Rank 1 one micro-batch short, a whole epoch: rank 0's extra step waits forever.
 
-    gloo would wait 30 minutes; the watchdog the stage started beside itself ends it.
+    gloo would wait 30 minutes; the watchdog the stage started beside itself ends it. The
+    rerun (shards fixed, other params: it starts afresh and clears its checkpoints) trains
+    two gloo processes each on its own shard, and leaves the hung run's evidence as it was.
     """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
     deadlock_after_s = 10.0
     folder = make_project(
         data,
@@ -357,30 +334,78 @@ def test_a_hung_rank_is_ended_by_the_stage_watchdog_and_the_run_failed(
     shard = folder / "data/packed/rank-00001.parquet"
     table = pq.read_table(shard)
     pq.write_table(table.slice(0, table.num_rows - 1), shard)
+    paths = load_params(folder / "params.yaml").paths
+    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
 
     started = time.monotonic()
     done = run_stage(folder)
     elapsed = time.monotonic() - started
     assert done.returncode == WATCHDOG_EXIT_CODE, done.stderr[-3000:]
-    (verdict,) = (folder / "checkpoints/train/watch").glob("*/watch.json")
+    (verdict,) = (folder / paths.watch).glob("*/watch.json")
+    hung = verdict.parent
     watched = json.loads(verdict.read_text())
     alarm = watched["alarm"]
     assert alarm["kind"] == "deadlock"
     last_sign_of_life = alarm["t"] - alarm["quiet_s"]
     assert watched["job_ended_at"] - last_sign_of_life < deadlock_after_s + 15
-    assert (verdict.parent / "stacks.txt").stat().st_size > 0
+    # The shipped bands are estimates; without a GPU no bands are in use at all.
+    bands = "estimate" if watched["devices"] else "none"
+    assert watched["calibration_source"] == bands
+    assert (hung / "stacks.txt").stat().st_size > 0
+    # The trace the watcher wrote while the job set up its checkpoints is still there, whole.
+    trace = read_trace(hung / "trace.csv")
+    assert max(t.heartbeat.step or 0 for t in trace.ticks if t.heartbeat) == alarm["last_step"]
     assert elapsed < 600
-    (run,) = train_runs(folder)
-    assert run.info.status == "FAILED"
-    assert "no training step" in run.data.tags["tuneloop.watchdog.reason"]
+    (failed,) = train_runs(folder)
+    assert failed.info.status == "FAILED"
+    assert "no training step" in failed.data.tags["tuneloop.watchdog.reason"]
+    assert failed.data.tags["tuneloop.watchdog.calibration_source"] == bands
+    logged = {a.path for a in client.list_artifacts(failed.info.run_id, "watchdog")}
+    assert {"watchdog/trace.csv", "watchdog/timeline.png", "watchdog/stacks.txt"} <= logged
     assert not (folder / "models/adapter").exists()
+    evidence = {p.name: p.read_bytes() for p in hung.iterdir()}
+
+    pq.write_table(table, shard)  # the packing fixed, as after a real hang
+    batch = {"world_size": 2, "micro_batch_size": 1, "effective_batch": 2}
+    write_params(
+        folder,
+        {"batch": batch, "train": {**FAST, "distributed": "ddp"}, "watchdog": {"enabled": True}},
+    )
+    done = run_stage(folder)  # no launcher around it: the stage re-execs under torchrun
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "starting afresh" in done.stderr
+    m = metrics(folder)
+    assert m["world_size"] == 2 and m["global_steps"] == 6
+    shard_rows = pq.read_metadata(folder / "data/packed/rank-00001.parquet").num_rows
+    # Six steps of one micro-batch each out of this rank's own shard; a re-split loader
+    # would have halved the shard and doubled the epoch fraction.
+    assert m["epochs"] == round(6 / shard_rows, 4)
+    out = folder / "models/adapter"
+    assert {p.name for p in out.iterdir()} >= ADAPTER_FILES
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(folder / "models/base"), out
+    )
+    assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
+    (run,) = [r for r in train_runs(folder) if r.info.run_id != failed.info.run_id]
+    assert run.info.status == "FINISHED"  # rank 0 alone logs
+    # The stage ran beside its watchdog, which let it be and left its verdict beside the first.
+    assert {p.name: p.read_bytes() for p in hung.iterdir()} == evidence
+    (verdict,) = [v for v in (folder / paths.watch).glob("*/watch.json") if v.parent != hung]
+    watched = json.loads(verdict.read_text())
+    assert watched["alarm"] is None and watched["exit_code"] == 0
+    assert watched["command"][-2:] == ["-m", "stages.train"]
+    assert watched["mlflow_run_id"] == run.info.run_id  # named by the job's heartbeat
+    logged = {a.path for a in client.list_artifacts(run.info.run_id, "watchdog")}
+    assert {"watchdog/trace.csv", "watchdog/timeline.png", "watchdog/accounting.json"} <= logged
 
 
 def test_sigkill_mid_run_then_rerun_continues_to_the_same_final_step(
     data: Path, tmp_path: Path
 ) -> None:
     folder = make_project(data, tmp_path, watchdog={}, max_steps=16, save_steps=4)
-    marker = folder / "checkpoints/train/sft/checkpoint-4/tuneloop-complete.json"
+    paths = load_params(folder / "params.yaml").paths
+    sft_dir = checkpoints.phase_folder(folder / paths.checkpoints, "sft")
+    marker = checkpoints.checkpoint_dir(sft_dir, 4) / checkpoints.MARKER
     stage = subprocess.Popen(
         [sys.executable, "-m", "stages.train"],
         cwd=folder,
@@ -392,14 +417,20 @@ def test_sigkill_mid_run_then_rerun_continues_to_the_same_final_step(
         deadline = time.monotonic() + 240
         while not marker.exists() and stage.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
+        # The watcher's live trace, written beside a job that has set up its checkpoints.
+        (live,) = (folder / paths.watch).glob("*/trace.csv")
         stage.kill()  # SIGKILL: no handler runs, no clean-up
     finally:
         stage.wait(timeout=60)
     assert stage.returncode == -9, "the run ended before it could be killed"
     assert not (folder / "models/adapter").exists()
+    killed_trace = live.read_bytes()
+    assert read_trace(live).ticks  # rows, not only the header
 
     done = run_stage(folder)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert live.read_bytes() == killed_trace  # the rerun's watcher writes a folder of its own
+    assert len(list((folder / paths.watch).glob("*/trace.csv"))) == 2
     sft = metrics(folder)["phases"]["sft"]
     assert sft["global_steps"] == 16 and sft["resumed_from_step"] >= 4
     # One run in MLflow, its loss curve whole: the rerun continued the run the kill cut off.

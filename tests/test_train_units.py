@@ -260,7 +260,7 @@ def test_meter_sums_a_steps_micro_batches_and_counts_tokens() -> None:
 
 
 def make_checkpoint(phase_dir: Path, step: int, complete: bool) -> Path:
-    folder = phase_dir / f"checkpoint-{step}"
+    folder = checkpoints.checkpoint_dir(phase_dir, step)
     folder.mkdir(parents=True)
     (folder / "optimizer.pt").write_bytes(b"x")
     if complete:
@@ -277,6 +277,14 @@ def test_newest_complete_checkpoint_skips_a_save_cut_short(tmp_path: Path) -> No
     assert [step for step, _ in checkpoints.checkpoints(tmp_path)] == [50, 100]
 
 
+def test_checkpoint_names_are_the_trainers_and_parse_back() -> None:
+    folder = checkpoints.checkpoint_dir(Path("sft"), 1200)
+    assert folder == Path("sft/checkpoint-1200")
+    assert checkpoints.checkpoint_step(folder) == 1200
+    for other in ("final", "checkpoint-", "checkpoint-12a", "checkpoint-12.tmp", "xcheckpoint-1"):
+        assert checkpoints.checkpoint_step(Path(other)) is None
+
+
 def test_prepare_keeps_the_same_run_and_clears_another(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     record = checkpoints.RunRecord("fp-1", "hash-1")
@@ -288,9 +296,17 @@ def test_prepare_keeps_the_same_run_and_clears_another(tmp_path: Path) -> None:
     assert not (root / "sft/checkpoint-20").exists()
     assert not checkpoints.prepare(root, record, resume=False).resumed
     make_checkpoint(root / "sft", 10, complete=True)
+    make_checkpoint(root / "dpo", 5, complete=True)
+    # Not the run's to clear: what someone else keeps beside the checkpoints.
+    (root / "watch/20260101-000000").mkdir(parents=True)
+    (root / "watch/20260101-000000/stacks.txt").write_text("=== pid 1\n")
+    (root / "notes.txt").write_text("kept")
     other = checkpoints.prepare(root, checkpoints.RunRecord("fp-2", "hash-1"), resume=True)
     assert not other.resumed and "other params or data" in other.detail
-    assert not (root / "sft").exists()
+    assert not (root / "sft").exists() and not (root / "dpo").exists()
+    assert checkpoints.read_record(root) == checkpoints.RunRecord("fp-2", "hash-1")
+    assert (root / "watch/20260101-000000/stacks.txt").read_text() == "=== pid 1\n"
+    assert (root / "notes.txt").read_text() == "kept"
 
 
 def test_fingerprint_ignores_how_a_run_is_watched_not_what_it_trains(tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ from tuneloop.telemetry.calibration import (
     CalibrationError,
     builtin_calibration,
     calibration_for,
+    calibration_source,
     parse,
 )
 from tuneloop.telemetry.classify import GpuClassifier, WindowFeatures
@@ -355,6 +356,10 @@ def test_calibration_from_measurements_separates_the_states() -> None:
     assert cal.idle_context_w is not None and 100 < cal.idle_context_w < 130
     assert 0.0 < cal.stall_below < cal.compute_above < 1.0
     assert parse(cal.to_json(), "measured").stall_below == cal.stall_below
+    shipped = builtin_calibration("h100")
+    assert calibration_source([cal, cal]) == "measured"
+    assert calibration_source([cal, shipped]) == "estimate"  # one estimated card is enough
+    assert calibration_source([]) == "none"
     overlapping = {**measurements, "checkpoint": measurements["communication"]}
     with pytest.raises(CalibrationError, match="overlaps"):
         calibration_from_measurements("bad", [], 700.0, 700.0, overlapping, "test")
@@ -643,6 +648,10 @@ def test_gpu_hours_add_up(tmp_path: Path) -> None:
         [s for t in trace.ticks for s in t.samples], result.windows, tmp_path / "t.png"
     )
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    beats = [(t.t, t.heartbeat) for t in trace.ticks if t.heartbeat is not None]
+    with_steps = plot_timeline([], result.windows, tmp_path / "s.png", heartbeats=beats)
+    steps_only = plot_timeline([], [], tmp_path / "h.png", heartbeats=beats)  # no GPU data
+    assert with_steps.read_bytes()[:4] == steps_only.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_accounting_uses_power_without_an_energy_counter() -> None:
@@ -721,6 +730,7 @@ def test_watch_returns_the_commands_exit_code(tmp_path: Path) -> None:
     assert code == 3
     manifest = json.loads((tmp_path / "watch.json").read_text())
     assert manifest["alarm"] is None and manifest["command_exit_code"] == 3
+    assert manifest["calibration_source"] == "none"  # no GPU sampled, no power bands used
     assert read_heartbeats(tmp_path / "heartbeat.json")[0].step == 0  # throttled after one
     assert WATCHDOG_EXIT_CODE == 86
 
@@ -751,6 +761,7 @@ def test_watch_samples_a_replayed_trace_live(tmp_path: Path) -> None:
     assert recorded.ticks[-1].heartbeat is not None and recorded.ticks[-1].heartbeat.step
     manifest = json.loads((tmp_path / "watch.json").read_text())
     assert manifest["calibrations"]["0"] == {"gpu_model": "H100", "estimated": True}
+    assert manifest["calibration_source"] == "estimate"
     assert manifest["accounting"]["total_gpu_hours"] > 0
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -766,3 +777,38 @@ def test_watch_says_when_the_command_does_not_start(
 def test_watch_needs_a_command() -> None:
     with pytest.raises(SystemExit):
         watch_main(["--deadlock-after", "5"])
+
+
+HEAVY = ("torch", "transformers", "mlflow", "matplotlib", "numpy", "pandas", "pynvml")
+
+
+@pytest.mark.parametrize(
+    ("statement", "loaded"),
+    [
+        # The package roots import no submodule, so a stage depends only on what it imports.
+        (
+            "import tuneloop, tuneloop.telemetry, tuneloop.training",
+            {"tuneloop", "tuneloop.telemetry", "tuneloop.training"},
+        ),
+        # A training script that only beats pays for the heartbeat, not the watcher.
+        (
+            "from tuneloop.telemetry.heartbeat import beat",
+            {
+                "tuneloop",
+                "tuneloop.io",
+                "tuneloop.telemetry",
+                "tuneloop.telemetry.heartbeat",
+                "tuneloop.telemetry.trace",
+            },
+        ),
+    ],
+    ids=["package-roots", "heartbeat"],
+)
+def test_imports_are_cheap(statement: str, loaded: set[str]) -> None:
+    probe = f"{statement}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))\n"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    modules = set(json.loads(done.stdout))
+    assert {m for m in modules if m.split(".")[0] == "tuneloop"} == loaded
+    assert not modules & set(HEAVY)

@@ -5,12 +5,19 @@ rank 0 waits in the gradient all-reduce of its extra batch; gloo's timeout is
 300 s, so nothing ends it but the watchdog. On this machine there is no GPU, so
 the watchdog runs on the heartbeat alone (``--heartbeat-only`` keeps it so on a
 GPU node too). The balanced job must run to its end untouched.
+
+A rank that leaves the job's session (``setsid()``) must not outlive the job,
+whether the watchdog ends it or its root exits on its own.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +29,7 @@ from tuneloop.telemetry.heartbeat import read_heartbeats
 from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE, watch_main
 
 DDP_HANG = Path(__file__).parent / "fixtures" / "ddp_hang.py"
+SETSID_RANK = Path(__file__).parent / "fixtures" / "setsid_rank.py"
 DEADLOCK_AFTER_S = 10.0
 ENDED_WITHIN_S = DEADLOCK_AFTER_S + 15.0
 
@@ -123,7 +131,10 @@ def test_hang_is_caught_stacks_dumped_run_failed(tmp_path: Path, mlflow_run: Any
         "watchdog/timeline.tsv",
         "watchdog/stacks.txt",
         "watchdog/accounting.json",
+        "watchdog/trace.csv",
+        "watchdog/timeline.png",
     } <= logged
+    assert run.data.tags["tuneloop.watchdog.calibration_source"] == "none"  # heartbeat only
 
 
 def test_balanced_job_runs_to_the_end_untouched(tmp_path: Path, mlflow_run: Any) -> None:
@@ -141,3 +152,74 @@ def test_balanced_job_runs_to_the_end_untouched(tmp_path: Path, mlflow_run: Any)
     run = client.get_run(run_id)
     assert run.info.status == "RUNNING"  # the job's own business, not the watchdog's
     assert "gpu_hours.compute" in run.data.metrics
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or one that has finished and only waits for its reaper."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture
+def rank_pid_file(tmp_path: Path) -> Iterator[Path]:
+    """Where the setsid rank writes its pid; a rank the test left running is ended after it."""
+    pid_file = tmp_path / "rank.pid"
+    yield pid_file
+    if pid_file.exists() and not _gone(pid := int(pid_file.read_text())):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _watch_setsid_job(out: Path, *job_args: str) -> int:
+    return watch_main(
+        [
+            "--heartbeat-only",
+            "--hz",
+            "4",
+            "--deadlock-after",
+            "2",
+            "--kill-grace",
+            "1",
+            "--out-dir",
+            str(out),
+            "--",
+            sys.executable,
+            str(SETSID_RANK),
+            *job_args,
+        ]
+    )
+
+
+def test_a_setsid_rank_is_ended_with_the_hung_job(tmp_path: Path, rank_pid_file: Path) -> None:
+    # Orphaned at once and stripped of the job's token: only its heartbeat shows it.
+    out = tmp_path / "watch"
+    code = _watch_setsid_job(out, "hang", str(rank_pid_file), "--scrub", "--beat")
+
+    assert code == WATCHDOG_EXIT_CODE
+    rank_pid = int(rank_pid_file.read_text())
+    assert _gone(rank_pid), "the setsid rank outlived the watchdog"
+    manifest = json.loads((out / "watch.json").read_text())
+    assert str(rank_pid) in manifest["actions"]["end_job"]
+    assert "leftovers" not in manifest["actions"]  # nothing was left for the final sweep
+
+
+@pytest.mark.parametrize(
+    "how_seen",
+    [["--scrub", "--beat"], []],
+    ids=["heartbeat-without-token", "token-without-heartbeat"],
+)
+def test_a_setsid_rank_is_ended_when_the_root_exits(
+    tmp_path: Path, rank_pid_file: Path, how_seen: list[str]
+) -> None:
+    out = tmp_path / "watch"
+    started = time.monotonic()
+    code = _watch_setsid_job(out, "exit", str(rank_pid_file), *how_seen)
+
+    assert code == 0  # the command's own code: ending its leftovers is not a failure
+    rank_pid = int(rank_pid_file.read_text())
+    assert _gone(rank_pid), "the setsid rank outlived its root"
+    manifest = json.loads((out / "watch.json").read_text())
+    assert manifest["alarm"] is None
+    assert str(rank_pid) in manifest["actions"]["leftovers"]
+    assert time.monotonic() - started < 60  # the rank sleeps 600 s: it did not end by itself

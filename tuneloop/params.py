@@ -87,6 +87,35 @@ class PathsParams(_Group):
     metrics: Path
     reports: Path
     eval_suites: Path
+    checkpoints: Path = Field(
+        description="the train stage's checkpoints and resume state; a fresh run clears its own"
+    )
+    watch: Path = Field(
+        description="the watchdog's evidence (trace, stacks, timeline, verdict), one folder per run"
+    )
+
+    @model_validator(mode="after")
+    def _evidence_outside_what_is_replaced(self) -> PathsParams:
+        # A DVC out is replaced whole by its stage, and the checkpoint folder is cleared by a
+        # run that starts afresh: evidence kept there would vanish with the next run.
+        replaced = {
+            "checkpoints": self.checkpoints,
+            "pool": self.pool,
+            "clean": self.clean,
+            "packed": self.packed,
+            "base_model": self.base_model,
+            "adapter": self.adapter,
+            "merged": self.merged,
+            "fp8": self.fp8,
+        }
+        watch = self.watch.resolve()
+        for name, folder in replaced.items():
+            if watch.is_relative_to(folder.resolve()):
+                raise ValueError(
+                    f"paths.watch ({self.watch}) lies inside paths.{name} ({folder}), which the "
+                    "pipeline replaces or clears; put it elsewhere, e.g. reports/watch"
+                )
+        return self
 
 
 class DemoParams(_Group):

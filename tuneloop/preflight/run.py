@@ -54,7 +54,6 @@ from tuneloop.preflight.machine import (
     training_environment,
     visible_gpus,
 )
-from tuneloop.training.plan import CHECKPOINTS
 
 
 @dataclass(frozen=True)
@@ -128,9 +127,9 @@ def run_preflight(
         )
 
     def disk() -> Check:
-        free = shutil.disk_usage(existing_parent(CHECKPOINTS)).free
+        free = shutil.disk_usage(existing_parent(paths.checkpoints)).free
         return check_checkpoint_disk(
-            CHECKPOINTS,
+            paths.checkpoints,
             train.method,
             model_weight_bytes(ref),
             train.save_total_limit,
@@ -160,7 +159,7 @@ def run_preflight(
         lambda: check_devices(batch.world_size, inv, visible, machine.cuda),
         lambda: check_interconnect(inv, env, multi_node=batch.world_size > max(visible, 1)),
         disk,
-        lambda: check_checkpoint_dir(CHECKPOINTS, dvc_out_folders(params), paths.packed),
+        lambda: check_checkpoint_dir(paths.checkpoints, dvc_out_folders(params), paths.packed),
         lambda: check_stop_loss(train.max_wall_hours, batch.world_size, bool(inv.gpus)),
     ]
     results = run_timed(checks)

@@ -11,67 +11,21 @@ Modules, one concern each:
 
 - ``trace``: samples, the CSV trace format, ``TraceSource`` and ``ReplaySource``
 - ``sampler``: ``NvmlSource`` (nvidia-ml-py) and the ring buffer
-- ``calibration``: per-GPU-model files (``calibrations/*.json``)
+- ``calibration``: per-GPU-model files (``calibrations/*.json``; the shipped ones are estimates)
 - ``calibrate``: ``tuneloop calibrate``, measuring a new card (GPU only)
 - ``classify``: window features and the per-GPU classifier
 - ``heartbeat``: the training side: ``beat``, ``section``, per-rank files
 - ``callback``: ``HeartbeatCallback`` for the Hugging Face Trainer
 - ``watchdog``: the deadlock detector, the watchdog, offline ``replay``
-- ``actions``: stacks, ending the job, MLflow, alerts
+- ``processes``: every process of a watched job, and ending them all
+- ``actions``: stacks, MLflow, alerts
 - ``accounting``: GPU-hours and energy per state
 - ``watch``: ``tuneloop watch -- <command>``
 - ``synth``: synthetic traces with ground truth
 - ``plot``: the timeline PNG
 
-The Trainer callback is not imported here, so that a training script that only
-beats does not pay for importing transformers.
+This file imports nothing: import the module you use (``from tuneloop.telemetry.heartbeat
+import beat``). A training script that only beats then loads two small modules, not
+transformers or matplotlib, and the train stage's DVC deps list only the modules it imports,
+so editing ``calibrate`` or ``synth`` does not make ``dvc repro`` retrain.
 """
-
-from tuneloop.telemetry.calibrate import calibrate_main
-from tuneloop.telemetry.calibration import Calibration, calibration_for, load_calibration
-from tuneloop.telemetry.heartbeat import HEARTBEAT_ENV, Heartbeat, beat, section
-from tuneloop.telemetry.sampler import NvmlSource, Sampler, TelemetryUnavailable
-from tuneloop.telemetry.trace import (
-    STATES,
-    DeviceInfo,
-    ReplaySource,
-    Sample,
-    State,
-    Trace,
-    TraceSource,
-    read_trace,
-    write_trace,
-)
-from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE, WatchOptions, watch, watch_main
-from tuneloop.telemetry.watchdog import Alarm, WatchConfig, Watchdog, replay
-
-__all__ = [
-    "HEARTBEAT_ENV",
-    "STATES",
-    "WATCHDOG_EXIT_CODE",
-    "Alarm",
-    "Calibration",
-    "DeviceInfo",
-    "Heartbeat",
-    "NvmlSource",
-    "ReplaySource",
-    "Sample",
-    "Sampler",
-    "State",
-    "TelemetryUnavailable",
-    "Trace",
-    "TraceSource",
-    "WatchConfig",
-    "WatchOptions",
-    "Watchdog",
-    "beat",
-    "calibrate_main",
-    "calibration_for",
-    "load_calibration",
-    "read_trace",
-    "replay",
-    "section",
-    "watch",
-    "watch_main",
-    "write_trace",
-]

@@ -1,4 +1,4 @@
-"""What the watchdog does about a deadlock: stacks, ending the job, MLflow, an alert.
+"""What the watchdog does about a deadlock: stacks, MLflow, an alert (``processes`` ends the job).
 
 Stacks come from ``py-spy dump --pid`` for every process of the job when py-spy
 is installed (``pip install py-spy``; it needs ptrace rights over the job: same
@@ -7,11 +7,6 @@ Without py-spy the watchdog sends SIGUSR1 to the ranks whose heartbeat says
 they called ``Heartbeat.register_faulthandler()``, and their stacks go to their
 own stderr (the job's log). It never sends SIGUSR1 elsewhere: its default
 action kills the process.
-
-The job is every process in the command's process group plus every descendant
-of the command: torchrun starts its workers in sessions of their own, so the
-group alone would miss them. SIGTERM first (torchrun forwards it and the
-ranks can flush logs), SIGKILL after a grace period.
 """
 
 from __future__ import annotations
@@ -20,7 +15,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -40,37 +34,7 @@ log = logging.getLogger(__name__)
 PY_SPY_TIMEOUT_S = 30.0
 ALERT_TIMEOUT_S = 10.0
 TAG_REASON = "tuneloop.watchdog.reason"
-TAG_STATE = "tuneloop.watchdog.state"
-
-
-def job_processes(root_pid: int) -> list[psutil.Process]:
-    """The command's process, its process group, and all their descendants, parents first."""
-    found: dict[int, psutil.Process] = {}
-    try:
-        root = psutil.Process(root_pid)
-    except psutil.NoSuchProcess:
-        return []
-    try:
-        group = os.getpgid(root_pid)
-    except ProcessLookupError:
-        group = None
-    members = [root]
-    if group is not None:
-        for proc in psutil.process_iter():
-            try:
-                if os.getpgid(proc.pid) == group:
-                    members.append(proc)
-            except (ProcessLookupError, PermissionError):
-                continue
-    for proc in members:
-        found.setdefault(proc.pid, proc)
-        try:
-            for child in proc.children(recursive=True):
-                found.setdefault(child.pid, child)
-        except psutil.NoSuchProcess:
-            continue
-    found.pop(os.getpid(), None)  # never the watcher itself
-    return list(found.values())
+TAG_CALIBRATION = "tuneloop.watchdog.calibration_source"
 
 
 def find_py_spy() -> str | None:
@@ -145,68 +109,53 @@ def dump_stacks(
     )
 
 
-def _signal_all(processes: Sequence[psutil.Process], signum: int) -> None:
-    for proc in processes:
-        try:
-            proc.send_signal(signum)
-        except psutil.NoSuchProcess:
-            continue
-
-
-def end_job(root_pid: int, grace_s: float) -> list[int]:
-    """SIGTERM every process of the job, SIGKILL what is left after ``grace_s``.
-
-    Returns the pids that needed SIGKILL.
-    """
-    processes = job_processes(root_pid)
-    _signal_all(processes, signal.SIGTERM)
-    _, alive = psutil.wait_procs(processes, timeout=grace_s)
-    # Processes started during the grace period (torchrun restarting a worker) too.
-    alive = list({p.pid: p for p in [*alive, *job_processes(root_pid)]}.values())
-    _signal_all(alive, signal.SIGKILL)
-    psutil.wait_procs(alive, timeout=5.0)
-    return [p.pid for p in alive]
+def _log_watch(
+    client: Any, run_id: str, summary: Mapping[str, Any], artifacts: Sequence[Path]
+) -> None:
+    # The bands behind the per-state figures are estimates unless a calibration measured them;
+    # the tag says which beside the figures.
+    client.set_tag(run_id, TAG_CALIBRATION, str(summary["calibration_source"]))
+    client.log_dict(run_id, dict(summary), "watchdog/accounting.json")
+    for path in artifacts:
+        if path.exists():
+            client.log_artifact(run_id, str(path), "watchdog")
 
 
 def mark_mlflow_failed(
     run_id: str,
     reason: str,
     timeline: str,
+    summary: Mapping[str, Any],
     artifacts: Sequence[Path],
     tracking_uri: str | None = None,
-    accounting: Mapping[str, Any] | None = None,
 ) -> None:
-    """Tag the run with the reason, attach the timeline and artifacts, end it FAILED."""
+    """Tag the run with the reason, attach the timeline, summary and artifacts, end it FAILED.
+
+    ``summary``: GPU-hours per state (``Accounting.to_dict``) and ``calibration_source``.
+    """
     from mlflow.tracking import MlflowClient  # heavy; only when a run is given
 
     client = MlflowClient(tracking_uri)
     client.set_tag(run_id, TAG_REASON, reason[:5000])
     client.log_text(run_id, reason + "\n", "watchdog/reason.txt")
     client.log_text(run_id, timeline, "watchdog/timeline.tsv")
-    if accounting is not None:
-        client.log_dict(run_id, dict(accounting), "watchdog/accounting.json")
-    for path in artifacts:
-        if path.exists():
-            client.log_artifact(run_id, str(path), "watchdog")
+    _log_watch(client, run_id, summary, artifacts)
     client.set_terminated(run_id, "FAILED")
 
 
 def log_mlflow_summary(
     run_id: str,
-    accounting: Mapping[str, Any],
+    summary: Mapping[str, Any],
     artifacts: Sequence[Path],
     tracking_uri: str | None = None,
 ) -> None:
-    """GPU-hours per state and the timeline plot, for a run that ended on its own."""
+    """GPU-hours per state, the trace and the timeline plot, for a run that ended on its own."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
-    client.log_dict(run_id, dict(accounting), "watchdog/accounting.json")
-    for state, hours in accounting["gpu_hours"].items():
+    for state, hours in summary["gpu_hours"].items():
         client.log_metric(run_id, f"gpu_hours.{state}", hours)
-    for path in artifacts:
-        if path.exists():
-            client.log_artifact(run_id, str(path), "watchdog")
+    _log_watch(client, run_id, summary, artifacts)
 
 
 @dataclass(frozen=True)

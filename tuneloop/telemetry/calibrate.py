@@ -20,6 +20,10 @@ checkpoint         a 4 GiB state dict copied to the host and saved, repeatedly
 (pure, so it is tested without a GPU); it refuses when the low band overlaps the
 middle ones, because then power cannot tell a checkpoint from a slow job.
 Run it on an otherwise idle card: other processes' draw lands in the figures.
+
+Not yet run on a GPU: the workloads and the NVML sampling have only been
+exercised without one (the refusal, and a stand-in for NVML), so the first run on
+a card should be checked against ``nvidia-smi``.
 """
 
 from __future__ import annotations
@@ -306,7 +310,13 @@ def calibrate_main(argv: Sequence[str] | None = None) -> int:
         prog="tuneloop calibrate",
         description="Measure this GPU model's power in each state (matmul burn, all-reduce "
         "loop, idle with a context, starved loader, checkpoint save) and write its "
-        "calibration file. Needs a CUDA GPU; run it on an otherwise idle card.",
+        "calibration file. Needs a CUDA GPU; run it on an otherwise idle card. The bands "
+        "shipped for H100, H200, B200 and B300 are estimates from public figures, not "
+        "measurements; a file written here is marked measured (estimated: false), and the "
+        "watchdog reports calibration_source 'measured' only when every GPU has one. This "
+        "command and the NVML sampling it uses have not yet run on a GPU (the arithmetic is "
+        "tested on synthetic samples): compare the bands it writes with nvidia-smi readings "
+        "before trusting them.",
     )
     parser.add_argument("--gpu", type=int, default=0, help="NVML index of the card (default 0)")
     parser.add_argument(

@@ -16,7 +16,10 @@ that ``tuneloop calibrate`` measured) holds:
   of data otherwise.
 
 Shipped files for H100, H200, B200 and B300 are estimates from public figures
-and say so (``estimated: true`` and their ``source``).
+and say so (``estimated: true`` and their ``source``): no shipped band has been
+measured on a card, and the NVML sampling path (``sampler.NvmlSource``) has so
+far run only against a stand-in for NVML, never on a GPU. Every report of
+per-state figures says where its bands came from (``calibration_source``).
 """
 
 from __future__ import annotations
@@ -25,11 +28,11 @@ import functools
 import json
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from tuneloop.io import write_json
 from tuneloop.telemetry.trace import STATES, State
@@ -190,6 +193,21 @@ def load_calibration(path: Path) -> Calibration:
 
 def save_calibration(path: Path, calibration: Calibration) -> None:
     write_json(path, calibration.to_json())
+
+
+CalibrationSource = Literal["measured", "estimate", "none"]
+
+
+def calibration_source(calibrations: Iterable[Calibration]) -> CalibrationSource:
+    """Where the power bands in use came from, for every report of per-state figures.
+
+    "measured": every GPU's file came from ``tuneloop calibrate``; "estimate": at least one
+    did not (the shipped files); "none": no GPU was sampled (heartbeat only), so no bands.
+    """
+    chosen = list(calibrations)
+    if not chosen:
+        return "none"
+    return "estimate" if any(c.estimated for c in chosen) else "measured"
 
 
 @functools.cache

@@ -1,7 +1,9 @@
-"""The run's timeline as a PNG: per GPU, power over time on a band per state.
+"""The run's timeline as a PNG: the training step, and per GPU, power over time on a band per state.
 
 Power is drawn from the raw samples when given (the minutes before an alarm),
-else from each window's median (a whole run).
+else from each window's median (a whole run). The step panel comes from the
+heartbeat (sections shaded): without a GPU it is the whole timeline, and it is
+what a heartbeat-only watchdog decided on.
 
 Drawn with matplotlib's Agg canvas directly (no pyplot), so it works headless and
 leaves the process's matplotlib backend alone.
@@ -11,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from tuneloop.telemetry.trace import STATES, Sample, State
+from tuneloop.telemetry.trace import STATES, HeartbeatView, Sample, State
 from tuneloop.telemetry.watchdog import Alarm, JobWindow
 
+SECTION_COLOUR = "#6a1b9a"
 COLOURS: dict[str, str] = {
     "compute": "#2e7d32",
     "communication": "#1565c0",
@@ -40,25 +44,50 @@ def _spans(windows: Sequence[JobWindow], gpu: int) -> list[tuple[float, float, S
     return spans
 
 
+def _draw_steps(
+    ax: Any, heartbeats: Sequence[tuple[float, HeartbeatView]], t_zero: float, t_end: float
+) -> None:
+    """The highest step over time, held flat between changes; sections shaded."""
+    points = [(t - t_zero, view.step) for t, view in heartbeats if view.step is not None]
+    if points:
+        xs, ys = zip(*points, strict=True)
+        ax.step([*xs, t_end - t_zero], [*ys, ys[-1]], where="post", color="black", lw=0.9)
+    ends = [t for t, _ in heartbeats[1:]] + [t_end]
+    for (t0, view), t1 in zip(heartbeats, ends, strict=True):
+        if view.section is not None:
+            ax.axvspan(t0 - t_zero, t1 - t_zero, color=SECTION_COLOUR, alpha=0.15, lw=0)
+    ax.set_ylabel("step")
+
+
 def plot_timeline(
     samples: Sequence[Sample],
     windows: Sequence[JobWindow],
     out: Path,
     title: str = "GPU timeline",
     alarms: Sequence[Alarm] = (),
+    heartbeats: Sequence[tuple[float, HeartbeatView]] = (),
 ) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     gpus = sorted({s.gpu for s in samples} | {f.gpu for w in windows for f in w.gpus})
-    if not gpus:
+    if not gpus and not heartbeats:
         gpus = [0]
-    t_zero = min([s.t for s in samples] + [w.t0 for w in windows] or [0.0])
-    figure = Figure(figsize=(12, 1.9 * len(gpus) + 1.0), layout="constrained")
+    times = [s.t for s in samples] + [w.t0 for w in windows] + [t for t, _ in heartbeats]
+    t_zero = min(times or [0.0])
+    t_end = max(times + [w.t1 for w in windows] + [a.t for a in alarms] or [0.0])
+    panels = len(gpus) + (1 if heartbeats else 0)
+    figure = Figure(figsize=(12, 1.9 * panels + 1.0), layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.subplots(len(gpus), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, gpu in zip(axes, gpus, strict=True):
+    axes = list(figure.subplots(panels, 1, sharex=True, squeeze=False)[:, 0])
+    if heartbeats:
+        _draw_steps(axes[0], heartbeats, t_zero, t_end)
+    for ax in axes:
+        for alarm in alarms:
+            ax.axvline(alarm.t - t_zero, color=COLOURS["checkpoint-or-deadlock"], lw=1.5, ls="--")
+        ax.grid(alpha=0.3)
+    for ax, gpu in zip(axes[len(axes) - len(gpus) :], gpus, strict=True):
         for t0, t1, state in _spans(windows, gpu):
             ax.axvspan(t0 - t_zero, t1 - t_zero, color=COLOURS[state], alpha=0.25, lw=0)
         points = [
@@ -76,17 +105,13 @@ def plot_timeline(
         if points:
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, color="black", lw=0.7)
-        for alarm in alarms:
-            ax.axvline(alarm.t - t_zero, color=COLOURS["checkpoint-or-deadlock"], lw=1.5, ls="--")
         ax.set_ylabel(f"GPU {gpu} W")
-        ax.grid(alpha=0.3)
     axes[-1].set_xlabel("seconds since start")
     axes[0].set_title(title)
-    figure.legend(
-        handles=[Patch(color=COLOURS[s], alpha=0.4, label=s) for s in STATES],
-        loc="outside lower center",
-        ncols=len(STATES),
-    )
+    handles = [Patch(color=COLOURS[s], alpha=0.4, label=s) for s in STATES] if gpus else []
+    if heartbeats:
+        handles.append(Patch(color=SECTION_COLOUR, alpha=0.3, label="checkpoint/eval section"))
+    figure.legend(handles=handles, loc="outside lower center", ncols=len(handles))
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=90)
     return out

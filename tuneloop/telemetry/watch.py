@@ -6,16 +6,20 @@
 The command runs in a session (process group) of its own, with
 ``TUNELOOP_HEARTBEAT`` pointing at the heartbeat file. Each tick the watcher
 samples the GPUs (or a replayed trace), reads the heartbeat, appends both to
-the CSV trace and asks the watchdog. On a deadlock it dumps every process's
-stacks, ends the job (SIGTERM, then SIGKILL), marks the MLflow run FAILED with
-the reason and the timeline, and calls the alert hook; it then exits with
-``WATCHDOG_EXIT_CODE`` (86). Otherwise it exits with the command's own code
-(128 + N when a signal N ended it). Signals sent to the watcher (Ctrl-C) are
-passed on to the job.
+the CSV trace, remembers the job's processes (``processes``) and asks the
+watchdog. On a deadlock it dumps every process's stacks, ends the job (SIGTERM,
+then SIGKILL), marks the MLflow run FAILED with the reason, the trace and the
+timeline, and calls the alert hook; it then exits with ``WATCHDOG_EXIT_CODE``
+(86). Otherwise it exits with the command's own code (128 + N when a signal N
+ended it), after ending any process the job left behind (a rank that called
+``setsid()`` included). Signals sent to the watcher (Ctrl-C) are passed on to
+the job.
 
-Everything lands in ``--out-dir``: trace.csv, heartbeat.json (one per rank),
-stacks.txt, timeline.png and watch.json (what ran, the config, the verdict,
-GPU-hours per state).
+Everything lands in ``--out-dir`` (a folder of its own per run: the job must not
+write or clear there): trace.csv, heartbeat.json (one per rank), stacks.txt,
+timeline.png and watch.json (what ran, the config, the verdict, GPU-hours per
+state and ``calibration_source``: whether the power bands behind those figures
+were measured or are the shipped estimates).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,13 +45,11 @@ from tuneloop.io import write_json
 from tuneloop.telemetry.actions import (
     AlertHook,
     dump_stacks,
-    end_job,
-    job_processes,
     log_mlflow_summary,
     mark_mlflow_failed,
     send_alert,
 )
-from tuneloop.telemetry.calibration import Calibration, load_calibration
+from tuneloop.telemetry.calibration import Calibration, calibration_source, load_calibration
 from tuneloop.telemetry.heartbeat import (
     HEARTBEAT_ENV,
     HeartbeatRecord,
@@ -55,6 +58,7 @@ from tuneloop.telemetry.heartbeat import (
     merge,
     read_heartbeats,
 )
+from tuneloop.telemetry.processes import JOB_TOKENS_ENV, JobProcesses, job_tokens
 from tuneloop.telemetry.sampler import Sampler, open_source
 from tuneloop.telemetry.trace import Tick, TraceWriter
 from tuneloop.telemetry.watchdog import Alarm, WatchConfig, Watchdog
@@ -106,13 +110,23 @@ class WatchOutcome:
     job_ended_at: float | None  # when the watchdog had ended the job (epoch seconds)
 
 
+def new_out_dir(root: Path) -> Path:
+    """``root/<UTC time>``, with a suffix when a run in the same second took that name."""
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+    candidate, n = root / stamp, 1
+    while candidate.exists():
+        n += 1
+        candidate = root / f"{stamp}-{n}"
+    return candidate
+
+
 def _exit_code(returncode: int) -> int:
     # The shell's convention: a process ended by signal N exits 128 + N.
     return 128 - returncode if returncode < 0 else returncode
 
 
 @contextlib.contextmanager
-def _forward_signals(proc: subprocess.Popen[bytes]) -> Iterator[None]:
+def _forward_signals(job: JobProcesses) -> Iterator[None]:
     """Pass SIGINT/SIGTERM/SIGHUP on to the whole job while the watcher runs."""
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread may set handlers; the caller owns signals then
@@ -120,7 +134,7 @@ def _forward_signals(proc: subprocess.Popen[bytes]) -> Iterator[None]:
 
     def forward(signum: int, frame: FrameType | None) -> None:
         log.warning("watcher got signal %d; passing it on to the job", signum)
-        for process in job_processes(proc.pid):
+        for process in job.alive():
             with contextlib.suppress(Exception):  # it may have exited meanwhile
                 process.send_signal(signum)
 
@@ -211,7 +225,12 @@ def watch(options: WatchOptions) -> WatchOutcome:
 
     started = now()
     writer = TraceWriter(options.trace_path, devices)
-    env = {**os.environ, HEARTBEAT_ENV: str(heartbeat)}
+    token = uuid.uuid4().hex
+    env = {
+        **os.environ,
+        HEARTBEAT_ENV: str(heartbeat),
+        JOB_TOKENS_ENV: job_tokens(token, os.environ),
+    }
     try:
         proc = subprocess.Popen(
             list(options.command), env=env, start_new_session=True, preexec_fn=_die_with_watcher()
@@ -220,24 +239,26 @@ def watch(options: WatchOptions) -> WatchOutcome:
         writer.close()
         sampler.close()
         raise WatchError(f"cannot start {options.command[0]!r}: {err}") from err
+    job = JobProcesses(proc.pid, token)
     alarm: Alarm | None = None
     actions: dict[str, str] = {}
     job_ended_at: float | None = None
     period = 1.0 / config.hz
     try:
-        with _forward_signals(proc):
+        with _forward_signals(job):
             next_tick = time.monotonic()
             while proc.poll() is None:
                 t = now()
                 samples = sampler.poll(t)
                 records = read_heartbeats(heartbeat)
+                job.refresh(records)
                 view = merge(records)
                 writer.write(Tick(t, tuple(samples), view))
                 alarm = watchdog.observe(t, samples, view)
                 if alarm is not None:
                     run_id = run_id or job_run_id(records)
                     job_ended_at = _respond(
-                        alarm, proc, records, watchdog, options, run_id, actions, sampler
+                        alarm, proc, job, records, watchdog, options, run_id, actions, sampler
                     )
                     break
                 next_tick += period
@@ -249,25 +270,33 @@ def watch(options: WatchOptions) -> WatchOutcome:
         if proc.poll() is None:
             # An exception in the watcher itself: do not leave an unwatched job behind.
             log.error("watcher failed; ending the job it was watching")
-            end_job(proc.pid, config.kill_grace_s)
+            job.end(config.kill_grace_s, read_heartbeats(heartbeat))
         proc.wait()
+    # The command has ended; nothing it started may outlive it (a rank in its own session).
+    _run_action(actions, "leftovers", lambda: _end_leftovers(job, heartbeat, config.kill_grace_s))
+    if actions["leftovers"] == "none":
+        del actions["leftovers"]
 
     ended = now()
     watchdog.finish(ended)
     command_code = _exit_code(proc.returncode)
     exit_code = WATCHDOG_EXIT_CODE if alarm is not None else command_code
+    bands = calibration_source(watchdog.calibrations.values())
     accounting = watchdog.accounting.to_dict()
-    log.info("GPU time by state:\n%s", watchdog.accounting.table())
+    log.info("GPU time by state (power bands: %s):\n%s", bands, watchdog.accounting.table())
     run_id = run_id or job_run_id(read_heartbeats(heartbeat))
     plot = out_dir / "timeline.png"
-    if watchdog.windows and "plot" not in actions:
+    if (watchdog.windows or watchdog.heartbeats) and "plot" not in actions:
         _run_action(actions, "plot", lambda: _plot(options, watchdog, plot))
     if run_id and alarm is None:
         _run_action(
             actions,
             "mlflow_summary",
             lambda: log_mlflow_summary(
-                run_id, accounting, [plot, options.trace_path], _tracking_uri(options)
+                run_id,
+                {**accounting, "calibration_source": bands},
+                [plot, options.trace_path],
+                _tracking_uri(options),
             ),
         )
     manifest = out_dir / "watch.json"
@@ -284,6 +313,7 @@ def watch(options: WatchOptions) -> WatchOutcome:
                 str(i): {"gpu_model": c.gpu_model, "estimated": c.estimated}
                 for i, c in watchdog.calibrations.items()
             },
+            "calibration_source": bands,
             "heartbeat": str(heartbeat),
             "trace": str(options.trace_path),
             "mlflow_run_id": run_id,
@@ -303,13 +333,29 @@ def _plot(options: WatchOptions, watchdog: Watchdog, out: Path) -> str:
     from tuneloop.telemetry.plot import plot_timeline
 
     title = f"tuneloop watch: {' '.join(options.command)[:80]}"
-    plot_timeline([], list(watchdog.windows), out, title, watchdog.alarms)
+    plot_timeline(
+        [], list(watchdog.windows), out, title, watchdog.alarms, list(watchdog.heartbeats)
+    )
     return str(out)
+
+
+def _end_leftovers(job: JobProcesses, heartbeat: Path, grace_s: float) -> str:
+    ended = job.end(grace_s, read_heartbeats(heartbeat))
+    if not ended.terminated:
+        return "none"
+    log.warning(
+        "the job's command has exited; ended %d process(es) it left running: %s",
+        len(ended.terminated),
+        ended.terminated,
+    )
+    killed = f"; SIGKILL for {ended.killed}" if ended.killed else ""
+    return f"ended {ended.terminated} (SIGTERM{killed})"
 
 
 def _respond(
     alarm: Alarm,
     proc: subprocess.Popen[bytes],
+    job: JobProcesses,
     records: Sequence[HeartbeatRecord],
     watchdog: Watchdog,
     options: WatchOptions,
@@ -322,26 +368,32 @@ def _respond(
     ended: list[float] = []
     stacks = out_dir / "stacks.txt"
     plot = out_dir / "timeline.png"
-    _run_action(actions, "stacks", lambda: dump_stacks(job_processes(proc.pid), records, stacks))
+    _run_action(actions, "stacks", lambda: dump_stacks(job.alive(), records, stacks))
 
     def end() -> str:
-        killed = end_job(proc.pid, options.config.kill_grace_s)
+        done = job.end(options.config.kill_grace_s, records)
         proc.wait()
         ended.append(time.time())
-        return f"ended (SIGTERM; SIGKILL for {killed})" if killed else "ended (SIGTERM)"
+        killed = f"; SIGKILL for {done.killed}" if done.killed else ""
+        return f"ended {done.terminated} (SIGTERM{killed})"
 
     _run_action(actions, "end_job", end)
     timeline = watchdog.timeline_text(options.config.timeline_tail_s)
     (out_dir / "timeline.tsv").write_text(timeline, encoding="utf-8")
-    if watchdog.windows:
+    if watchdog.windows or watchdog.heartbeats:
         tail_start = alarm.t - options.config.timeline_tail_s
         windows = [w for w in watchdog.windows if w.t1 >= tail_start]
+        earlier = [(t, v) for t, v in watchdog.heartbeats if t < tail_start]
+        # The step the tail starts at, then every change within it.
+        beats = [(tail_start, earlier[-1][1])] if earlier else []
+        beats += [(t, v) for t, v in watchdog.heartbeats if t >= tail_start]
 
         def draw() -> str:
             from tuneloop.telemetry.plot import plot_timeline
 
             title = f"watchdog: {alarm.kind} at step {alarm.last_step}"
-            return str(plot_timeline(sampler.recent(tail_start), windows, plot, title, [alarm]))
+            samples = sampler.recent(tail_start)
+            return str(plot_timeline(samples, windows, plot, title, [alarm], beats))
 
         _run_action(actions, "plot", draw)
     if run_id:
@@ -352,9 +404,12 @@ def _respond(
                 run_id,
                 alarm.reason,
                 timeline,
-                [stacks, plot],
+                {
+                    **watchdog.accounting.to_dict(),
+                    "calibration_source": calibration_source(watchdog.calibrations.values()),
+                },
+                [stacks, plot, options.trace_path],
                 _tracking_uri(options),
-                watchdog.accounting.to_dict(),
             ),
         )
     if options.alert.configured:
@@ -517,10 +572,9 @@ def watch_main(argv: Sequence[str] | None = None) -> int:
             gpus = tuple(int(i) for i in args.gpus.split(","))
         except ValueError:
             parser.error(f"--gpus {args.gpus!r}: give NVML indices like 0,1,2")
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     options = WatchOptions(
         command=tuple(command),
-        out_dir=args.out_dir or Path("watch") / stamp,
+        out_dir=args.out_dir or new_out_dir(Path("watch")),
         config=config,
         heartbeat=args.heartbeat,
         trace_out=args.trace_out,

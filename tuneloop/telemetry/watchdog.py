@@ -275,6 +275,8 @@ class Watchdog:
         self.detector = DeadlockDetector(config)
         self.accounting = Accounting()
         self.windows: deque[JobWindow] = deque(maxlen=WINDOW_HISTORY)
+        # Each change of the job's step or section: the timeline of a job without GPU data.
+        self.heartbeats: deque[tuple[float, HeartbeatView]] = deque(maxlen=WINDOW_HISTORY)
         self.alarms: list[Alarm] = []
         self.events: list[tuple[float, str]] = []
         self._window_start: float | None = None
@@ -290,6 +292,8 @@ class Watchdog:
         # The heartbeat first: a step that arrived with this tick is life before the window
         # that ends here is judged.
         self.detector.on_heartbeat(t, heartbeat)
+        if heartbeat is not None and heartbeat != self._view:
+            self.heartbeats.append((t, heartbeat))
         self._view = heartbeat
         if self._window_start is None:
             self._window_start = t

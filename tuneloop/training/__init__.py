@@ -7,9 +7,10 @@ Modules, one concern each:
 - ``methods``: models, LoRA/QLoRA/full set-up, the SFT and DPO trainers and their
   arguments; each rank reads its own packed shard
 - ``checkpoints``: which checkpoints belong to this run, the newest complete one,
-  phase results kept for resume
+  phase results kept for resume, the ``checkpoint-N`` names
 - ``stoploss``: wall-time, memory and loss-spike rules that end a run cleanly
 
 ``plan`` imports no torch at module level, so ``main()`` can decide to re-exec
-under torchrun quickly; the others import the training stack.
+under torchrun quickly; the others import the training stack. This file imports
+nothing, so importing ``plan`` costs only ``plan``.
 """

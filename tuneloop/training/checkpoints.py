@@ -1,6 +1,6 @@
 """Checkpoints of a training run: which ones belong to it, the newest complete one, phase results.
 
-Layout under the stage's checkpoint folder (``checkpoints/train``, outside DVC's outs)::
+Layout under the stage's checkpoint folder (``paths.checkpoints``, outside DVC's outs)::
 
     run.json                 fingerprint of what is trained, params hash, MLflow run id
     sft/checkpoint-200/      the Trainer's checkpoints: weights, optimizer, scheduler, RNG, state
@@ -13,8 +13,12 @@ leaves a folder without it, and ``prune_incomplete`` removes such folders before
 
 ``run.json``'s fingerprint covers what decides the trained weights (the train stage's params
 less the operational keys, and the data); ``prepare`` keeps the checkpoints of a run with the
-same fingerprint for ``train.resume: auto`` and clears anything else, so a run never continues
-from another run's optimizer state.
+same fingerprint for ``train.resume: auto`` and otherwise clears what it owns (``run.json`` and
+the phase folders), so a run never continues from another run's optimizer state. Anything else
+in the folder is left alone: it is not this module's to delete.
+
+Checkpoint folders are named ``checkpoint-N`` by the Trainer; ``checkpoint_dir`` and
+``checkpoint_step`` are the one place this code names or parses them.
 """
 
 from __future__ import annotations
@@ -33,17 +37,18 @@ from typing import Any
 
 import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tuneloop import lineage
 from tuneloop.io import read_json, write_json
-from tuneloop.params import Params
+from tuneloop.params import TRAIN_PHASE_ORDER, Params
 
 log = logging.getLogger(__name__)
 
 MARKER = "tuneloop-complete.json"
 RUN_RECORD = "run.json"
 FINAL = "final"
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR
+_CHECKPOINT = re.compile(rf"^{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)$")
 
 # Keys of the train group that change how a run is watched or kept, not the weights it makes:
 # raising max_wall_hours after a stop must resume the run, not start it again.
@@ -103,6 +108,27 @@ def fingerprint(params: Params, inputs: Mapping[str, Path]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
+def checkpoint_dir(phase_dir: Path, step: int) -> Path:
+    """The folder the Trainer saves the checkpoint of ``step`` in: ``checkpoint-N``."""
+    return phase_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+
+
+def checkpoint_step(folder: Path) -> int | None:
+    """The step of a ``checkpoint-N`` folder; None for any other name."""
+    match = _CHECKPOINT.match(folder.name)
+    return int(match.group(1)) if match else None
+
+
+def phase_folder(root: Path, phase: str) -> Path:
+    """Where a phase's checkpoints (the Trainer's ``output_dir``) and its result go."""
+    return root / phase
+
+
+def owned(root: Path) -> list[Path]:
+    """What a run writes in the checkpoint folder: its record and one folder per phase."""
+    return [root / RUN_RECORD, *(phase_folder(root, phase) for phase in TRAIN_PHASE_ORDER)]
+
+
 def read_record(root: Path) -> RunRecord | None:
     try:
         return RunRecord(**read_json(root / RUN_RECORD))
@@ -115,21 +141,21 @@ def write_record(root: Path, record: RunRecord) -> None:
 
 
 def prepare(root: Path, record: RunRecord, resume: bool) -> Preparation:
-    """Keep this run's complete checkpoints (when resuming) and clear everything else.
+    """Keep this run's complete checkpoints (when resuming), else clear what earlier runs wrote.
 
     Call it on one process (rank 0) before training; the others wait for it.
     """
     previous = read_record(root)
     if previous is not None and resume and previous.fingerprint == record.fingerprint:
-        for phase_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-            for removed in prune_incomplete(phase_dir):
+        for phase in TRAIN_PHASE_ORDER:
+            for removed in prune_incomplete(phase_folder(root, phase)):
                 log.info("removed %s: a save that did not finish", removed)
         write_record(
             root, RunRecord(record.fingerprint, record.params_hash, previous.mlflow_run_id)
         )
         return Preparation(True, previous, f"resuming the run in {root}")
     if previous is None:
-        detail = "no earlier run" if not root.exists() else f"{root} holds no run record"
+        detail = "no earlier run"
     elif not resume:
         detail = "train.resume is 'never'"
     else:
@@ -137,8 +163,11 @@ def prepare(root: Path, record: RunRecord, resume: bool) -> Preparation:
             f"the checkpoints in {root} were made with other params or data "
             f"(fingerprint {previous.fingerprint}, now {record.fingerprint})"
         )
-    if root.exists():
-        shutil.rmtree(root)
+    for path in owned(root):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
     write_record(root, record)
     return Preparation(False, previous, f"starting afresh: {detail}")
 
@@ -149,9 +178,9 @@ def checkpoints(phase_dir: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for path in phase_dir.iterdir():
-        match = _CHECKPOINT.match(path.name)
-        if match and path.is_dir():
-            found.append((int(match.group(1)), path))
+        step = checkpoint_step(path)
+        if step is not None and path.is_dir():
+            found.append((step, path))
     return sorted(found)
 
 
@@ -201,7 +230,7 @@ class MarkCompleteCheckpoints(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         barrier()
-        folder = Path(str(args.output_dir)) / f"checkpoint-{state.global_step}"
+        folder = checkpoint_dir(Path(str(args.output_dir)), state.global_step)
         if state.is_world_process_zero and folder.is_dir():
             mark_complete(folder, {"step": state.global_step})
 

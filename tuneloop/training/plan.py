@@ -37,8 +37,6 @@ DEEPSPEED_CONFIGS = {
 }
 FSDP_CONFIG = CONFIGS / "fsdp" / "fsdp2.json"
 STAGE_MODULE = "stages.train"
-# Checkpoints, phase results and watchdog traces: run state outside DVC's outs.
-CHECKPOINTS = Path("checkpoints/train")
 
 Precision = Literal["bf16", "fp16", "fp32"]
 

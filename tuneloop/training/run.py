@@ -33,7 +33,7 @@ from tuneloop.stage import write_metrics
 from tuneloop.telemetry.actions import AlertHook, send_alert
 from tuneloop.telemetry.callback import HeartbeatCallback
 from tuneloop.training import checkpoints, methods
-from tuneloop.training.plan import CHECKPOINTS, TrainPlan
+from tuneloop.training.plan import TrainPlan
 from tuneloop.training.stoploss import StepMeter, StopLossCallback, StopRules, TrainingStopped
 
 STAGE = "train"
@@ -59,7 +59,7 @@ class Rank:
 class PhaseResult:
     phase: str
     folder: Path
-    """``checkpoints/train/<phase>/final``: the phase's weights and tokenizer."""
+    """``<paths.checkpoints>/<phase>/final``: the phase's weights and tokenizer."""
     metrics: dict[str, Any]
 
 
@@ -72,7 +72,7 @@ def inputs(params: Params) -> dict[str, Path]:
 
 
 def phase_args(phase: str, params: Params, plan: TrainPlan) -> TrainingArguments:
-    output_dir = CHECKPOINTS / phase
+    output_dir = checkpoints.phase_folder(params.paths.checkpoints, phase)
     if phase == "sft":
         return methods.sft_args(
             params, plan, output_dir, methods.val_set(params.paths.packed) is not None
@@ -111,7 +111,7 @@ def phase_metrics(
         "max_steps": state.max_steps,
         "epochs": round(float(state.epoch or 0.0), 4),
         "stopped_early": state.global_step < state.max_steps,
-        "resumed_from_step": int(resumed_from.name.split("-")[-1]) if resumed_from else None,
+        "resumed_from_step": checkpoints.checkpoint_step(resumed_from) if resumed_from else None,
         "seconds": round(seconds, 2),
         "tokens": tokens,
         "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
@@ -211,7 +211,7 @@ def run_phase(
     started_at: float,
 ) -> PhaseResult:
     """Train one phase, resuming where a checkpoint allows; save its best weights."""
-    phase_dir = CHECKPOINTS / phase
+    phase_dir = checkpoints.phase_folder(params.paths.checkpoints, phase)
     built = build_trainer(phase, args, params, plan, previous, rank.rank, started_at)
     trainer, meter, stop = built.trainer, built.meter, built.stop
 
@@ -249,7 +249,7 @@ def run_phases(
     results: list[PhaseResult] = []
     previous: Path | None = None
     for phase in plan.phases:
-        final = CHECKPOINTS / phase / checkpoints.FINAL
+        final = checkpoints.phase_folder(params.paths.checkpoints, phase) / checkpoints.FINAL
         if checkpoints.is_complete(final):
             log.info("train: %s phase finished in an earlier run; continuing from %s", phase, final)
             result = PhaseResult(phase, final, checkpoints.read_marker(final)["metrics"])
@@ -376,7 +376,7 @@ def train(params: Params, plan: TrainPlan, started_at: float) -> None:
     record = checkpoints.RunRecord(checkpoints.fingerprint(params, inputs(params)), params_hash)
     with first_args.main_process_first(local=False, desc="checkpoint set-up"):
         prep = (
-            checkpoints.prepare(CHECKPOINTS, record, params.train.resume == "auto")
+            checkpoints.prepare(params.paths.checkpoints, record, params.train.resume == "auto")
             if rank.is_main
             else None
         )
@@ -388,7 +388,8 @@ def train(params: Params, plan: TrainPlan, started_at: float) -> None:
     with run_context as run:
         if run is not None:
             checkpoints.write_record(
-                CHECKPOINTS, checkpoints.RunRecord(record.fingerprint, params_hash, run.info.run_id)
+                params.paths.checkpoints,
+                checkpoints.RunRecord(record.fingerprint, params_hash, run.info.run_id),
             )
             mlflow.log_params({f"plan.{key}": str(value) for key, value in plan.describe().items()})
             mlflow.set_tag(init_from.TAG, init_from.recorded(params).describe())
