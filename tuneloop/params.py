@@ -332,6 +332,9 @@ class ScheduleParams(_Group):
     cron: str = Field(description="retrain-monthly's cron, read in `timezone`")
     timezone: str = Field(description="IANA time zone name, e.g. Asia/Shanghai")
     pools: dict[str, PoolParams] = Field(min_length=1)
+    dvc_lock_wait_s: float = Field(
+        ge=0, description="how long a flow's dvc call waits for another dvc command's lock"
+    )
 
     @field_validator("cron")
     @classmethod
