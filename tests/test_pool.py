@@ -187,5 +187,5 @@ def test_a_committed_batch_whose_file_vanished_is_reported_not_guessed(project: 
     staging.mkdir(parents=True)
     entry = {"path": "records/lost.jsonl", "staged": "0", "sha256": "0" * 64}
     (staging / pool.COMMIT).write_text(json.dumps({"batch": "lost", "files": [entry]}))
-    with pytest.raises(pool.PoolCorrupt, match="records/lost.jsonl is missing"):
+    with pytest.raises(pool.PoolCorrupt, match=r"records/lost\.jsonl is missing"):
         pool.recover(data)
