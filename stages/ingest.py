@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 # What a quarantine entry keeps of a bad line, after scrubbing: enough to see what is wrong.
 EXCERPT_CHARS = 200
 REASON_CHARS = 300
+TOO_DEEP = "JSON nested too deeply to read; records are a few levels deep"
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,7 @@ def decode(line: Line, max_line_bytes: int) -> Any:
     except json.JSONDecodeError as error:
         raise InvalidRecord("bad_json", f"bad JSON: {error.msg} at column {error.colno}") from None
     except RecursionError:
-        raise InvalidRecord(
-            "too_deep", "JSON nested too deeply to read; records are a few levels deep"
-        ) from None
+        raise InvalidRecord("too_deep", TOO_DEEP) from None
     if "\\u" in text and not _storable(value):
         # Only a JSON escape can put a lone surrogate in a string, and no file can hold one.
         raise InvalidRecord(
@@ -130,9 +129,7 @@ def _storable(value: Any) -> bool:
     except UnicodeEncodeError:
         return False
     except RecursionError:
-        raise InvalidRecord(
-            "too_deep", "JSON nested too deeply to read; records are a few levels deep"
-        ) from None
+        raise InvalidRecord("too_deep", TOO_DEEP) from None
     return True
 
 

@@ -140,9 +140,14 @@ def commit(pool: Path, batch: str, files: Mapping[str, bytes], mode: int = PRIVA
             {"path": name, "staged": str(number), "sha256": hashlib.sha256(data).hexdigest()}
         )
     staging.mkdir(mode=0o700, parents=True)
-    for entry, data in zip(entries, files.values(), strict=True):
-        write_bytes(staging / entry["staged"], data, mode)
-    write_json(staging / COMMIT, {"batch": batch, "files": entries})
+    try:
+        for entry, data in zip(entries, files.values(), strict=True):
+            write_bytes(staging / entry["staged"], data, mode)
+        write_json(staging / COMMIT, {"batch": batch, "files": entries})
+    except Exception:
+        # Before the commit point: the batch never happened (recover() would say the same).
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     _finish(pool, staging)
 
 
