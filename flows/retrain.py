@@ -14,7 +14,6 @@ when ``PREFECT_API_URL`` is set.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from prefect.events import emit_event
 from prefect.runtime import flow_run
 
 from tuneloop import init_from, lineage, registry, results, tracking
+from tuneloop.dvcrun import DvcLockTimeout, run_dvc
 from tuneloop.io import read_json
 from tuneloop.params import load_params
 from tuneloop.telemetry.actions import TAG_REASON as TAG_WATCHDOG_REASON
@@ -82,10 +82,13 @@ def run_stage(stage: str, repo: Path, parent_run_id: str, experiment_id: str) ->
         "TUNELOOP_FLOW_RUN_ID": str(flow_run.id or ""),
     }
     logger.info("dvc repro --single-item %s", stage)
-    # Output goes straight to this terminal, so training progress shows as it happens.
-    result = subprocess.run(
-        [sys.executable, "-m", "dvc", "repro", "--single-item", stage], cwd=repo, env=env
-    )
+    wait_s = load_params(repo / "params.yaml").schedule.dvc_lock_wait_s
+    try:
+        # Output is copied to this terminal as it comes, so training progress shows live.
+        result = run_dvc(["repro", "--single-item", stage], repo, env, wait_s)
+    except DvcLockTimeout:
+        client.set_terminated(run.info.run_id, status="FAILED")
+        raise
     run_id = run.info.run_id
     params = load_params(repo / "params.yaml")
     cached = result.returncode == 0 and not client.get_run(run_id).data.metrics

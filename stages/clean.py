@@ -9,7 +9,10 @@ Params: ``clean``, ``paths``.
 
 Every pooled record is accounted for: kept, or removed with a counted reason
 (reply too short, degenerate repetition, over the token limit, an eval item's
-near-duplicate, an exact or near duplicate, outside the pilot sample).
+near-duplicate, an exact or near duplicate, outside the pilot sample). A DPO
+pair (a badcase with its correction) passes the same filters, on its prompt
+with each of its two answers, and its removals are counted apart
+(``dpo_removed``).
 The split is by content hash, so a sample never moves between train and val
 from one month to the next.
 """
@@ -60,6 +63,7 @@ class CleanResult:
     val: list[dict[str, Any]] = field(default_factory=list)
     dpo: list[dict[str, Any]] = field(default_factory=list)
     removed: Counter[str] = field(default_factory=Counter)
+    dpo_removed: Counter[str] = field(default_factory=Counter)
     records_in: int = 0
 
 
@@ -100,6 +104,53 @@ def user_text(messages: list[dict[str, str]]) -> str:
     return "\n".join(m["content"] for m in messages if m["role"] == "user")
 
 
+def to_pair(record: PoolRecord) -> dict[str, Any] | None:
+    """The DPO pair a badcase with a correction gives: its prompt, the correction, the bad reply."""
+    if record.kind != "badcase" or record.corrected_response is None:
+        return None
+    return {
+        "id": record.id,
+        "prompt": [m.model_dump() for m in record.messages],
+        "chosen": record.corrected_response,
+        "rejected": record.bad_response,
+    }
+
+
+def pair_filter_reason(
+    pair: dict[str, Any],
+    params: CleanParams,
+    count_tokens: TokenCounter,
+    in_eval: Callable[[str], bool],
+    seen: set[str],
+    near_dups: NearDupIndex,
+) -> str | None:
+    """Why a DPO pair is not fit to train on, or None (then it is remembered for dedup).
+
+    The SFT filters, each on the prompt with the chosen and with the rejected
+    answer as its reply: both conversations are what DPO trains on.
+    """
+    prompt = pair["prompt"]
+    for reply in (pair["chosen"], pair["rejected"]):
+        messages = [*prompt, {"role": "assistant", "content": reply}]
+        if reason := filter_reason(messages, params, count_tokens):
+            return reason
+    if any(in_eval(m["content"]) for m in prompt if m["role"] == "user"):
+        return "eval_contamination"
+    both = [*prompt, {"role": "chosen", "content": pair["chosen"]}]
+    both.append({"role": "rejected", "content": pair["rejected"]})
+    key = text_key(both)
+    if key in seen:
+        return "exact_duplicate"
+    seen.add(key)
+    text = "\n".join(m["content"] for m in both)
+    if near_dups.query(text):
+        return "near_duplicate"
+    near_dups.add(key, text)
+    if hash_fraction(key, "pilot") >= params.pilot_fraction:
+        return "not_in_pilot"
+    return None
+
+
 def clean(
     records: list[PoolRecord],
     eval_questions: list[str],
@@ -114,16 +165,21 @@ def clean(
         eval_index.add(str(number), question)
     near_dups = NearDupIndex(params.near_dup_threshold)
     seen: set[str] = set()
+    dpo_near_dups = NearDupIndex(params.near_dup_threshold)
+    dpo_seen: set[str] = set()
+
+    def in_eval(user: str) -> bool:
+        return normalise(user) in exact_eval or bool(eval_index.query(user))
+
     for record in records:
-        if record.kind == "badcase" and record.corrected_response is not None:
-            result.dpo.append(
-                {
-                    "id": record.id,
-                    "prompt": [m.model_dump() for m in record.messages],
-                    "chosen": record.corrected_response,
-                    "rejected": record.bad_response,
-                }
+        if pair := to_pair(record):
+            reason = pair_filter_reason(
+                pair, params, count_tokens, in_eval, dpo_seen, dpo_near_dups
             )
+            if reason:
+                result.dpo_removed[reason] += 1
+            else:
+                result.dpo.append(pair)
         messages = to_chat(record)
         if messages is None:
             result.removed["badcase_without_correction"] += 1
@@ -132,7 +188,7 @@ def clean(
             result.removed[reason] += 1
             continue
         users = [m["content"] for m in messages if m["role"] == "user"]
-        if any(normalise(u) in exact_eval or eval_index.query(u) for u in users):
+        if any(in_eval(u) for u in users):
             result.removed["eval_contamination"] += 1
             continue
         key = text_key(messages)
@@ -185,6 +241,7 @@ def main() -> None:
             "val": len(result.val),
             "dpo_pairs": len(result.dpo),
             "removed": dict(result.removed),
+            "dpo_removed": dict(result.dpo_removed),
         }
         write_metrics(params, STAGE, metrics)
         log.info("clean: %s", metrics)

@@ -3,16 +3,23 @@
 Reads:  every ``*.jsonl`` under ``paths.incoming``; the pool so far.
 Writes: one new batch file under ``paths.pool``/records (accepted records, each
         with its provenance) and one under ``paths.pool``/quarantine (rejected
-        lines with file, line number and reason); ``metrics/ingest.json``.
+        lines with file, line, byte offset, reason and a scrubbed excerpt);
+        ``metrics/ingest.json``; ``paths.reports``/ingest-rejected.jsonl when
+        too many lines are rejected.
 Params: ``ingest``, ``paths``.
 
 PII (e-mail, phone numbers, Chinese resident IDs, bank cards, IP addresses) is
-replaced by typed placeholders before a record is hashed or stored.
+replaced by typed placeholders before anything is hashed or stored: every text
+and metadata field of a record (tags, source, ...), the file name, and what is
+kept of a rejected line (its excerpt and reason). A line too long to scrub
+keeps no excerpt, only its sha256 and byte offset. Files are written ``0600``.
 
 Every non-blank line ends in exactly one of: accepted, quarantined, or counted
 as a duplicate of a record already in the pool, so
 ``lines = accepted + quarantined + duplicates`` holds on every run. Nothing in
-the pool is ever rewritten: a run adds new files, atomically, or nothing.
+the pool is ever rewritten: a run adds its records and quarantine files
+together or nothing (``tuneloop/pool.py``), holding the pool's lock, so a
+second ingest at the same time refuses instead of adding the same lines twice.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from tuneloop import pii
-from tuneloop.io import read_jsonl, write_jsonl
+from tuneloop import pool as pool_writes
+from tuneloop.io import jsonl_text, read_jsonl, write_jsonl
 from tuneloop.params import load_params
 from tuneloop.records import (
     Badcase,
@@ -46,12 +54,18 @@ from tuneloop.tracking import stage_run
 STAGE = "ingest"
 log = logging.getLogger(__name__)
 
+# What a quarantine entry keeps of a bad line, after scrubbing: enough to see what is wrong.
+EXCERPT_CHARS = 200
+REASON_CHARS = 300
+TOO_DEEP = "JSON nested too deeply to read; records are a few levels deep"
+
 
 @dataclass(frozen=True)
 class Line:
     file: str
     number: int
     raw: bytes
+    offset: int = 0  # of the line's first byte in its file
 
 
 @dataclass
@@ -72,8 +86,10 @@ def read_lines(incoming: Path) -> Iterator[Line]:
     """Raw lines of every incoming file in a stable order; bytes, so bad UTF-8 is seen, not lost."""
     for path in sorted(incoming.rglob("*.jsonl")):
         with path.open("rb") as lines:
+            offset = 0
             for number, raw in enumerate(lines, start=1):
-                yield Line(str(path.relative_to(incoming)), number, raw)
+                yield Line(str(path.relative_to(incoming)), number, raw, offset)
+                offset += len(raw)
 
 
 def decode(line: Line, max_line_bytes: int) -> Any:
@@ -93,9 +109,28 @@ def decode(line: Line, max_line_bytes: int) -> Any:
             "invalid_utf8", f"invalid UTF-8 at byte {error.start}; re-export the file as UTF-8"
         ) from None
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as error:
         raise InvalidRecord("bad_json", f"bad JSON: {error.msg} at column {error.colno}") from None
+    except RecursionError:
+        raise InvalidRecord("too_deep", TOO_DEEP) from None
+    if "\\u" in text and not _storable(value):
+        # Only a JSON escape can put a lone surrogate in a string, and no file can hold one.
+        raise InvalidRecord(
+            "lone_surrogate", "a \\uD800-\\uDFFF escape without its pair; re-export the file"
+        )
+    return value
+
+
+def _storable(value: Any) -> bool:
+    """Whether every string in a decoded value (keys too) can be written as UTF-8."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    except RecursionError:
+        raise InvalidRecord("too_deep", TOO_DEEP) from None
+    return True
 
 
 def scrub_record(record: Chat | Badcase) -> tuple[Chat | Badcase, Counter[str]]:
@@ -107,17 +142,55 @@ def scrub_record(record: Chat | Badcase) -> tuple[Chat | Badcase, Counter[str]]:
         found.update(counts)
         return scrubbed
 
-    messages = [Message(role=m.role, content=clean(m.content)) for m in record.messages]
+    def maybe(text: str | None) -> str | None:
+        return clean(text) if text is not None else None
+
+    update: dict[str, Any] = {
+        "messages": [Message(role=m.role, content=clean(m.content)) for m in record.messages],
+        "source": maybe(record.source),
+        "model_version": maybe(record.model_version),
+        "arm": maybe(record.arm),
+        "created_at": maybe(record.created_at),
+        "tags": [clean(tag) for tag in record.tags],
+    }
     if isinstance(record, Badcase):
-        corrected = record.corrected_response
-        return record.model_copy(
-            update={
-                "messages": messages,
-                "bad_response": clean(record.bad_response),
-                "corrected_response": clean(corrected) if corrected is not None else None,
-            }
-        ), found
-    return record.model_copy(update={"messages": messages}), found
+        update["bad_response"] = clean(record.bad_response)
+        update["corrected_response"] = maybe(record.corrected_response)
+    return record.model_copy(update=update), found
+
+
+def quarantine_entry(
+    line: Line, error: InvalidRecord, digest: str, max_line_bytes: int, now: str
+) -> tuple[dict[str, Any], Counter[str]]:
+    """What the quarantine keeps of a rejected line: where it is, why, and a scrubbed excerpt.
+
+    The whole line is scrubbed before it is cut, so the cut cannot keep half an
+    address the scrubber would no longer recognise. A line over the size limit
+    is not scrubbed at all (that is the work the limit refuses) and keeps no
+    excerpt: its file, byte offset and sha256 find it in the incoming file.
+    """
+    raw = line.raw.rstrip(b"\r\n")
+    found: Counter[str] = Counter()
+    excerpt: str | None = None
+    if len(raw) <= max_line_bytes:
+        text, found = pii.scrub_bytes(raw)
+        excerpt = text[:EXCERPT_CHARS]
+    # A reason may quote the line's keys or values.
+    reason, in_reason = pii.scrub(str(error))
+    file, in_name = pii.scrub(line.file)
+    found.update(in_reason + in_name)
+    entry = {
+        "file": file,
+        "line": line.number,
+        "offset": line.offset,
+        "bytes": len(raw),
+        "reason": reason[:REASON_CHARS],
+        "kind": error.kind,
+        "excerpt": excerpt,
+        "sha256": digest,
+        "ingested_at": now,
+    }
+    return entry, found
 
 
 def ingest(lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str) -> IngestResult:
@@ -140,21 +213,11 @@ def ingest(lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str
         try:
             record = parse_record(decode(line, max_line_bytes))
         except InvalidRecord as error:
-            reason = str(error)
             result.reasons[error.kind] += 1
-            excerpt = line.raw[:200].decode("utf-8", errors="replace")
             seen.add(raw_digest)
-            result.quarantined.append(
-                {
-                    "file": line.file,
-                    "line": line.number,
-                    "reason": reason,
-                    "kind": error.kind,
-                    "excerpt": excerpt,
-                    "sha256": raw_digest,
-                    "ingested_at": now,
-                }
-            )
+            entry, found = quarantine_entry(line, error, raw_digest, max_line_bytes, now)
+            result.pii.update(found)
+            result.quarantined.append(entry)
             continue
         record, found = scrub_record(record)
         result.pii.update(found)
@@ -175,7 +238,7 @@ def ingest(lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str
                 ),
                 meta=meta,
                 provenance={
-                    "file": line.file,
+                    "file": pii.scrub(line.file)[0],
                     "line": line.number,
                     "sha256": digest,
                     "ingested_at": now,
@@ -197,7 +260,8 @@ def main() -> None:
     setup_logging()
     params = load_params()
     pool = params.paths.pool
-    with stage_run(STAGE, params):
+    with pool_writes.locked(pool), stage_run(STAGE, params):
+        pool_writes.recover(pool)
         known = known_hashes(pool)
         pooled = sum(1 for key in known if not key.startswith("raw:"))
         now = dt.datetime.now(dt.UTC)
@@ -240,14 +304,16 @@ def main() -> None:
                 f"unchanged. Each rejected line and its reason: {rejected}"
             )
         batch = now.strftime("%Y%m%dT%H%M%S%fZ")
-        (pool / "records").mkdir(parents=True, exist_ok=True)
-        if result.quarantined:
-            write_jsonl(pool / "quarantine" / f"{batch}.jsonl", result.quarantined)
+        # DVC needs the out to exist even when a run adds nothing.
+        (pool / "records").mkdir(mode=pool_writes.FOLDER_MODE, parents=True, exist_ok=True)
+        files = {}
         if result.accepted:
-            write_jsonl(
-                pool / "records" / f"{batch}.jsonl",
-                (r.model_dump(mode="json") for r in result.accepted),
-            )
+            records = (r.model_dump(mode="json") for r in result.accepted)
+            files[f"records/{batch}.jsonl"] = jsonl_text(records).encode()
+        if result.quarantined:
+            files[f"quarantine/{batch}.jsonl"] = jsonl_text(result.quarantined).encode()
+        if files:
+            pool_writes.commit(pool, batch, files)
         write_metrics(params, STAGE, metrics)
 
 

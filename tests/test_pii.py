@@ -20,6 +20,7 @@ from tuneloop.pii import (
     luhn_valid,
     placeholder,
     scrub,
+    scrub_bytes,
 )
 
 # The textbook example ID (Beijing, born 1949-12-31) and test card numbers
@@ -258,3 +259,33 @@ def test_text_without_digits_or_at_is_unchanged(text: str) -> None:
 def test_placeholders_carry_no_digits() -> None:
     for kind in (EMAIL, PHONE, CN_ID, BANK_CARD, IP):
         assert not any(c.isdigit() or c == "@" for c in placeholder(kind))
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        # Not UTF-8: the bad byte becomes U+FFFD, the rest is still scrubbed.
+        (b'{"prompt": "caf\xe9 a.b@example.com', '{"prompt": "caf\ufffd <EMAIL>'),
+        # Broken JSON whose non-ASCII text an exporter escaped.
+        (b'{"p": "\\u624b\\u673a13812345678', '{"p": "\u624b\u673a<PHONE>'),
+        # Escaped digits and '@', as a hostile line might write them.
+        ("".join(f"\\u{ord(c):04x}" for c in "13812345678").encode(), "<PHONE>"),
+        (b"li\\u0040example.com", "<EMAIL>"),
+        # An escaped surrogate pair is one character; a lone half cannot be stored.
+        (b"\\ud83d\\ude00 \\ud800 " + VALID_ID.encode(), "\U0001f600 \ufffd <CN_ID>"),
+        (b"", ""),
+    ],
+)
+def test_scrub_bytes_reads_what_scrub_cannot(raw: bytes, expected: str) -> None:
+    text, _ = scrub_bytes(raw)
+    assert text == expected
+    text.encode("utf-8")  # always storable
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=60), st.sampled_from(["a.b@example.com", "13812345678", VISA]))
+def test_scrub_bytes_finds_pii_among_any_bytes(noise: bytes, value: str) -> None:
+    raw = noise + b" " + value.encode() + b" " + noise
+    text, _ = scrub_bytes(raw)
+    assert value not in text
+    text.encode("utf-8")

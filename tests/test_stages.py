@@ -67,6 +67,7 @@ def test_clean_splits_and_builds_dpo_pairs(project: Path) -> None:
     assert m["train"] > 0 and m["val"] > 0
     assert m["records_in"] == m["train"] + m["val"] + sum(m["removed"].values())
     assert m["dpo_pairs"] == 40  # every demo badcase carries a correction
+    assert m["dpo_removed"] == {}  # and every pair passes the SFT filters
     pair = json.loads((project / "data/clean/dpo.jsonl").read_text().splitlines()[0])
     assert pair["chosen"] != pair["rejected"]
 

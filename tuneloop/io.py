@@ -1,8 +1,13 @@
-"""Atomic writes, JSON lines and artifact manifests.
+"""Atomic, durable writes and JSON lines.
 
 Every write goes to a temporary sibling first and is renamed into place, so a
 crash never leaves a half-written file or folder where a reader (or DVC)
-would take it for a finished one.
+would take it for a finished one. The data is fsynced before the rename and
+the folder after it: without both, a power cut shortly after a "finished"
+write can leave an empty file or the old one (the rename reaches the disk
+before the data, or not at all). Files are created ``0600`` unless a caller
+asks otherwise, so records holding users' (scrubbed) text are never
+world-readable whatever the umask.
 """
 
 from __future__ import annotations
@@ -16,6 +21,29 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+PRIVATE = 0o600
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make the entries of ``folder`` (a rename into it, a new file) survive a power cut."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under ``root`` (files first, then their folders)."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = Path(folder, name)
+            if path.is_symlink():
+                continue
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+        fsync_dir(Path(folder))
+
 
 @contextlib.contextmanager
 def atomic_dir(target: Path) -> Iterator[Path]:
@@ -27,44 +55,63 @@ def atomic_dir(target: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    # Whatever wrote into the folder (a library's save_pretrained) did not fsync.
+    fsync_tree(tmp)
     old = target.with_name(f".{target.name}.old")
     if old.exists():
         shutil.rmtree(old)
     if target.exists():
         target.rename(old)
     tmp.rename(target)
+    fsync_dir(target.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_text(path: Path, text: str) -> None:
+def write_bytes(path: Path, data: bytes, mode: int = PRIVATE, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically, with permissions ``mode``.
+
+    ``durable=False`` skips the fsyncs, for a file rewritten every few seconds
+    whose loss in a crash does not matter (a heartbeat).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
+        with os.fdopen(fd, "wb") as out:
+            os.fchmod(out.fileno(), mode)
+            out.write(data)
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if durable:
+        fsync_dir(path.parent)
 
 
-def write_json(path: Path, data: Any) -> None:
-    write_text(path, json.dumps(data, indent=2, ensure_ascii=False, sort_keys=True) + "\n")
+def write_text(path: Path, text: str, mode: int = PRIVATE, durable: bool = True) -> None:
+    write_bytes(path, text.encode("utf-8"), mode, durable)
+
+
+def write_json(path: Path, data: Any, mode: int = PRIVATE) -> None:
+    write_text(path, json.dumps(data, indent=2, ensure_ascii=False, sort_keys=True) + "\n", mode)
 
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def write_jsonl(path: Path, records: Iterable[Any]) -> int:
+def jsonl_text(records: Iterable[Any]) -> str:
+    """Records as JSON lines, one object a line."""
+    return "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+
+
+def write_jsonl(path: Path, records: Iterable[Any], mode: int = PRIVATE) -> int:
     """Write records one JSON object a line (atomically); returns how many."""
-    count = 0
-    lines = []
-    for record in records:
-        lines.append(json.dumps(record, ensure_ascii=False))
-        count += 1
-    write_text(path, "".join(line + "\n" for line in lines))
-    return count
+    text = jsonl_text(records)
+    write_text(path, text, mode)
+    return text.count("\n")
 
 
 def read_jsonl(path: Path) -> Iterator[Any]:

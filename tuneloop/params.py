@@ -369,6 +369,9 @@ class ScheduleParams(_Group):
         description="commit dvc.lock and metrics/ after each retrain to branch tuneloop/results "
         "(tag retrain-<time>), so `dvc metrics diff` compares months; the checkout is untouched"
     )
+    dvc_lock_wait_s: float = Field(
+        ge=0, description="how long a flow's dvc call waits for another dvc command's lock"
+    )
 
     @field_validator("cron")
     @classmethod

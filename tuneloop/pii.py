@@ -19,6 +19,9 @@ Design points, each one a way mixed Chinese/English text defeats a naive scrubbe
   with a Chinese IME) and every Unicode decimal digit is replaced by its ASCII
   form. Folding is one character for one, so a span found in the shadow is the
   same span in the original, and the rest of the text is left exactly as it was.
+
+``scrub_bytes(raw)`` does the same for bytes that may be neither UTF-8 nor JSON
+(a line ingest rejected), so even what is kept of a bad line is scrubbed.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ _IPV6_RE = re.compile(
     re.ASCII,
 )
 _DIGIT_RE = re.compile(r"\d", re.ASCII)
+_JSON_UNICODE_ESCAPE_RE = re.compile(r"\\u([0-9A-Fa-f]{4})")
 
 Span = tuple[int, int]
 
@@ -243,3 +247,20 @@ def scrub(text: str) -> tuple[str, Counter[str]]:
             return text, counts
         counts.update(found)
         text = scrubbed
+
+
+def scrub_bytes(raw: bytes) -> tuple[str, Counter[str]]:
+    """``scrub`` for raw bytes of unknown shape: invalid UTF-8, broken JSON, anything.
+
+    Bytes that are not UTF-8 become U+FFFD. JSON's ``\\uXXXX`` escapes are
+    resolved before scrubbing: an exporter may escape every non-ASCII character
+    (``\\u624b\\u673a13812345678``) and a hostile line may escape the digits or
+    the '@' of an address; read as they are, neither would match. A lone
+    surrogate escape becomes U+FFFD, so the result is always encodable.
+    """
+    text = raw.decode("utf-8", errors="replace")
+    if "\\u" in text:
+        text = _JSON_UNICODE_ESCAPE_RE.sub(lambda m: chr(int(m.group(1), 16)), text)
+        # Join escaped surrogate pairs into one character; a lone half cannot be written.
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return scrub(text)

@@ -118,9 +118,11 @@ def _explain(error: ValidationError) -> InvalidRecord:
             parts.append(f"unknown field {where!r}")
         elif item["type"] == "literal_error" and where.endswith("role"):
             kinds.append("unknown_role")
-            parts.append(
-                f"unknown role {item.get('input')!r} at {where} (use system/user/assistant)"
-            )
+            role = item.get("input")
+            # Only a short string is worth quoting; repr of a deeply nested value can
+            # itself fail, and a long one would swamp the reason.
+            shown = repr(role) if isinstance(role, str) and len(role) <= 40 else "a value"
+            parts.append(f"unknown role {shown} at {where} (use system/user/assistant)")
         elif item["type"] == "string_too_short":
             kinds.append("empty_content")
             parts.append(f"empty content at {where}")

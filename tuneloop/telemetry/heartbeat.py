@@ -116,7 +116,9 @@ class Heartbeat:
             self.stack_signal,
             self.run_id,
         )
-        write_text(self.path, json.dumps(asdict(record)) + "\n")
+        # Not durable: worthless after a crash, and an fsync could hold a training
+        # step behind a checkpoint's writeback.
+        write_text(self.path, json.dumps(asdict(record)) + "\n", durable=False)
         self._last_write = now
 
     def beat(self, step: int) -> None:
