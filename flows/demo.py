@@ -58,9 +58,13 @@ log = logging.getLogger("tuneloop.demo")
 DEMO_OVERRIDES = Path("configs/demo.yaml")
 DEMO_APPROVER = "demo-operator"
 PREFECT_PORT = 4200
-# Demo customers: ids the router buckets by, and how many requests a burst sends.
+# Demo customers: ids the router buckets by, how many requests a burst sends, and how many
+# wait for an answer at once (enough that the 10 % arm sees a few per analysis interval).
 USERS = 300
 BURST = 24
+CONCURRENCY = 4
+# The demo's answers are one short sentence (~15 tokens); the random base would run on.
+MAX_TOKENS = 24
 
 
 def _free_port() -> int:
@@ -218,6 +222,8 @@ def keep_customers_coming(stack: Stack, month: int, stop: threading.Event) -> tr
             seed=burst,
             month=month + 1,  # customers ask about what the shop sells now, next month's world
             feedback_token=stack.feedback_token,
+            concurrency=CONCURRENCY,
+            max_tokens=MAX_TOKENS,
             stop=stop,
         )
         for arm, tally in seen.arms.items():
