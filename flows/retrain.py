@@ -44,8 +44,8 @@ NOT_RETRIED = frozenset({"preflight", "train"})
 EVENT_REGISTERED = "tuneloop.challenger.registered"
 
 
-# The lineage tags a pipeline run collects from its stage runs.
-DVC_TAG_PREFIXES = ("dvc.dep.", "dvc.out.", tracking.TAG_BASE_REVISION)
+# The lineage tags (key prefixes) a pipeline run collects from its stage runs.
+LINEAGE_TAGS = ("dvc.dep.", "dvc.out.", tracking.TAG_BASE_REVISION)
 
 
 class StageFailed(RuntimeError):
@@ -200,7 +200,7 @@ def retrain(repo: Path = Path()) -> dict[str, Any]:
                 order_by=["attributes.start_time ASC"],
             ):
                 mlflow.set_tags(
-                    {k: v for k, v in child.data.tags.items() if k.startswith(DVC_TAG_PREFIXES)}
+                    {k: v for k, v in child.data.tags.items() if k.startswith(LINEAGE_TAGS)}
                 )
             tracking.log_metrics({"data": result["data"], "train": result["train"]})
             tracking.log_metrics(result["eval"], prefix="eval")
