@@ -2,10 +2,13 @@
 
 Flows orchestrate, stages compute: a task runs ``dvc repro --single-item
 <stage>`` in a subprocess with the repo as its working directory (DVC's cache
-and lock stay the truth, and the DVC Python API breaks when the working
+and lock stay the truth, and DVC's reproduce API breaks when the working
 directory differs and is not thread-safe), then records what DVC did on the
-stage's MLflow child run. A stage DVC finds up to date is not rerun; its
-metrics are logged from its metrics file and its run is tagged ``dvc.cached``.
+stage's MLflow child run. The stages and their order are dvc.yaml's
+(``tuneloop.pipeline``). A stage that runs records its own lineage; a stage DVC
+finds up to date is not rerun: its metrics are logged from its metrics file,
+its lineage is recorded here by the same function, and its run is tagged
+``dvc.cached``.
 
 Runs without a Prefect server (a temporary local one starts) and against one
 when ``PREFECT_API_URL`` is set.
@@ -28,28 +31,21 @@ from tuneloop import init_from, lineage, registry, results, tracking
 from tuneloop.dvcrun import DvcLockTimeout, run_dvc
 from tuneloop.io import read_json
 from tuneloop.params import load_params
+from tuneloop.pipeline import stage_order
 from tuneloop.telemetry.actions import TAG_REASON as TAG_WATCHDOG_REASON
 
-STAGES = (
-    "base",
-    "init",
-    "ingest",
-    "clean",
-    "pack",
-    "preflight",
-    "train",
-    "merge",
-    "export",
-    "evaluate",
-)
-# Safe to run again after a failure: outputs are replaced atomically, ingest deduplicates.
-# Preflight and training are not retried: a refusal or a stop-loss needs a person,
-# not a rerun, and a second training attempt costs as much as the first.
-RETRIES = {stage: (0 if stage in {"preflight", "train"} else 1) for stage in STAGES}
+# Every other stage is safe to run again after a failure: outputs are replaced atomically,
+# ingest deduplicates. Preflight and training are not retried: a refusal or a stop-loss
+# needs a person, not a rerun, and a second training attempt costs as much as the first.
+NOT_RETRIED = frozenset({"preflight", "train"})
 
 
 # Emitted when the gate passed and a challenger was registered; starts the release deployment.
 EVENT_REGISTERED = "tuneloop.challenger.registered"
+
+
+# The lineage tags (key prefixes) a pipeline run collects from its stage runs.
+LINEAGE_TAGS = ("dvc.dep.", "dvc.out.", tracking.TAG_BASE_REVISION)
 
 
 class StageFailed(RuntimeError):
@@ -92,8 +88,12 @@ def run_stage(stage: str, repo: Path, parent_run_id: str, experiment_id: str) ->
     run_id = run.info.run_id
     params = load_params(repo / "params.yaml")
     cached = result.returncode == 0 and not client.get_run(run_id).data.metrics
-    tags = tracking.lineage_tags(stage, params) | tracking.dvc_tags(stage)
-    tags |= {tracking.TAG_CACHED: str(cached).lower(), tracking.TAG_FLOW_RUN: str(flow_run.id)}
+    tags = {tracking.TAG_CACHED: str(cached).lower(), tracking.TAG_FLOW_RUN: str(flow_run.id)}
+    if cached:
+        # The stage did not run, so nothing recorded its lineage: DVC just found its deps
+        # and outs unchanged, and they are hashed (from DVC's state) as the stage would have.
+        tags |= tracking.lineage_tags(stage, params)
+        tracking.record_lineage(stage, params, run_id, root=repo)
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
     metrics_file = repo / params.paths.metrics / f"{stage}.json"
@@ -162,7 +162,7 @@ def summary(metrics: dict[str, dict[str, Any]], decision: dict[str, Any]) -> dic
             "eval_loss": train["eval_loss"],
             "steps": train["global_steps"],
             "tokens_per_second": train["tokens_per_second"],
-            "init_from": init_from.Start(**metrics["init"]).describe(),
+            "init_from": init_from.describe(metrics["init"]),
         },
         "eval": evaluation,
         "decision": decision,
@@ -190,14 +190,23 @@ def retrain(repo: Path = Path()) -> dict[str, Any]:
             },
         ) as parent:
             metrics: dict[str, dict[str, Any]] = {}
-            for stage in STAGES:
-                metrics[stage] = run_stage.with_options(retries=RETRIES[stage])(
+            for stage in stage_order(repo):
+                retries = 0 if stage in NOT_RETRIED else 1
+                metrics[stage] = run_stage.with_options(retries=retries)(
                     stage, repo, parent.info.run_id, experiment_id
                 )
             decision = read_json(params.paths.metrics / "decision.json")
             result = summary(metrics, decision)
-            for stage in STAGES:
-                mlflow.set_tags(tracking.dvc_tags(stage))
+            # The pipeline's data versions on its own run: its stage runs' DVC tags (oldest
+            # first, so a retried stage's last attempt wins).
+            for child in MlflowClient().search_runs(
+                [experiment_id],
+                filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
+                order_by=["attributes.start_time ASC"],
+            ):
+                mlflow.set_tags(
+                    {k: v for k, v in child.data.tags.items() if k.startswith(LINEAGE_TAGS)}
+                )
             tracking.log_metrics({"data": result["data"], "train": result["train"]})
             tracking.log_metrics(result["eval"], prefix="eval")
             mlflow.set_tag("gate.passed", str(decision["passed"]).lower())

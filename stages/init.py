@@ -29,7 +29,15 @@ def main() -> None:
         from mlflow import MlflowClient
 
         MlflowClient().set_tag(run.info.run_id, init_from.TAG, start.describe())
-        write_metrics(params, STAGE, asdict(start))
+        write_metrics(
+            params,
+            STAGE,
+            asdict(start)
+            | {
+                "from_champion": int(start.source == "champion"),
+                "champion_version": int(start.version or 0),
+            },
+        )
 
 
 if __name__ == "__main__":

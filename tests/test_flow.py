@@ -15,22 +15,18 @@ import yaml
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import copy_project
+from tests.conftest import ROOT, copy_project
 from tuneloop import demo
 from tuneloop.params import load_params
+from tuneloop.pipeline import stage_order
 
-STAGES = [
-    "base",
-    "init",
-    "ingest",
-    "clean",
-    "pack",
-    "preflight",
-    "train",
-    "merge",
-    "export",
-    "evaluate",
-]
+STAGES = stage_order(ROOT)
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout
 
 
 def dvc(repo: Path, *args: str) -> str:
@@ -62,6 +58,17 @@ def flow_result(
         params.demo.n_badcases,
     )
     yield repo, retrain(repo=repo)
+
+
+def lock_tags(entry: dict[str, Any]) -> dict[str, str]:
+    """The ``dvc.dep.*``/``dvc.out.*`` tags a stage run must carry for a dvc.lock entry."""
+    return {f"dvc.dep.{d['path']}": d["md5"] for d in entry["deps"]} | {
+        f"dvc.out.{o['path']}": o["md5"] for o in entry.get("outs", [])
+    }
+
+
+def dvc_tags(run: Run) -> dict[str, str]:
+    return {k: v for k, v in run.data.tags.items() if k.startswith(("dvc.dep.", "dvc.out."))}
 
 
 def runs(repo: Path) -> tuple[Run, dict[str, Run]]:
@@ -107,10 +114,9 @@ def test_parent_run_has_one_child_per_stage_with_lineage(
         assert tags["git.dirty"] in {"true", "false"}
         assert len(tags["params.hash"]) == 16
         assert tags["prefect.flow_run_id"] == flow_run_id
-        for out in lock[stage].get("outs", []):
-            assert tags[f"dvc.out.{out['path']}"] == out["md5"], (stage, out["path"])
-        for dep in lock[stage]["deps"]:
-            assert tags[f"dvc.dep.{dep['path']}"] == dep["md5"], (stage, dep["path"])
+        assert dvc_tags(run) == lock_tags(lock[stage]), stage
+        data = {d["path"]: d["md5"] for d in lock[stage]["deps"] if not d["path"].endswith(".py")}
+        assert {i.dataset.name: i.dataset.digest for i in run.inputs.dataset_inputs} == data
         assert run.data.metrics, f"{stage} logged no metrics"
     assert "loss" in children["train"].data.metrics
 
@@ -136,8 +142,16 @@ def test_a_second_run_finds_every_stage_cached(
         filter_string=f"tags.mlflow.parentRunId = '{second['mlflow_run_id']}'",
     )
     assert len(latest) == len(STAGES)
-    assert {r.data.tags["dvc.cached"] for r in latest} == {"true"}
+    # `init` always runs (DVC cannot see the registry's champion move) and finds the same
+    # start, so everything after it stays cached.
+    cached = {r.data.tags["tuneloop.stage"]: r.data.tags["dvc.cached"] for r in latest}
+    assert cached == {stage: str(stage != "init").lower() for stage in STAGES}
     assert all(r.data.metrics for r in latest)
+    # A stage DVC found up to date did not run; the flow recorded its lineage instead.
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    for run in latest:
+        assert dvc_tags(run) == lock_tags(lock[run.data.tags["tuneloop.stage"]])
+        assert run.inputs.dataset_inputs or run.data.tags["tuneloop.stage"] == "base"
 
 
 def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
@@ -190,6 +204,10 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
         stages = children(run.info.run_id)
         assert set(stages) == {"preflight", "train", "merge", "export", "evaluate"}
         assert {r.data.tags["dvc.exp.name"] for r in stages.values()} == {name}
+        # Each ran in the experiment's temporary copy and recorded that copy's versions.
+        lock = yaml.safe_load(git(repo, "show", f"{run.data.tags['dvc.exp.rev']}:dvc.lock"))
+        for stage, stage_run in stages.items():
+            assert dvc_tags(stage_run) == lock_tags(lock["stages"][stage]), (name, stage)
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "experiment")}
     assert artifacts == {"experiment/comparison.md", "experiment/experiment-comparison.png"}
 

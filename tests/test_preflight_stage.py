@@ -30,6 +30,7 @@ from tests.conftest import ROOT, copy_project, write_params
 from tests.test_preflight import chat_messages
 from tuneloop import demo, suites, tiny
 from tuneloop.params import load_params
+from tuneloop.pipeline import stage_order
 from tuneloop.preflight import run as pf_run
 from tuneloop.shards import shard_name
 
@@ -287,10 +288,12 @@ def test_dvc_repro_stops_at_a_failed_preflight_and_never_trains(
         (repo / folder).mkdir(parents=True)
         (repo / folder / "empty.jsonl").write_text("")
     (repo / "metrics").mkdir()
-    for stage in ("base", "ingest", "clean", "pack"):
+    order = stage_order(repo)
+    upstream = order[: order.index("preflight")]
+    for stage in upstream:
         (repo / "metrics" / f"{stage}.json").write_text("{}")
     drop_last_bin(repo / params.paths.packed, rank=1)
-    committed = dvc(repo, "commit", "--force", "base", "ingest", "clean", "pack")
+    committed = dvc(repo, "commit", "--force", *upstream)
     assert committed.returncode == 0, committed.stderr
 
     result = dvc(repo, "repro", "train")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -13,12 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
 
-from stages import base, clean, evaluate, export, ingest, merge, pack, preflight, train
 from tests.conftest import ROOT, write_params
 from tuneloop import demo
 from tuneloop.params import load_params
+from tuneloop.pipeline import stage_order
 
-STAGES = [base, ingest, clean, pack, preflight, train, merge, export, evaluate]
+STAGES = [importlib.import_module(f"stages.{name}") for name in stage_order(ROOT)]
 
 
 def metrics(folder: Path, stage: str) -> dict[str, Any]:

@@ -42,9 +42,7 @@ class Start:
     run_id: str | None = None
 
     def describe(self) -> str:
-        if self.source == "champion":
-            return f"champion {self.model} v{self.version}"
-        return "base"
+        return describe(asdict(self))
 
 
 def write_base(folder: Path, start: Start) -> None:
@@ -60,6 +58,13 @@ def read(folder: Path) -> Start | None:
     if not path.exists():
         return None
     return Start(**read_json(path))
+
+
+def describe(record: dict[str, object]) -> str:
+    """``init.json`` (or the init metrics) in words: ``champion <name> v<N>`` or ``base``."""
+    if record.get("source") == "champion":
+        return f"champion {record.get('model')} v{record.get('version')}"
+    return "base"
 
 
 def recorded(params: Params) -> Start:

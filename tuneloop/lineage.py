@@ -1,8 +1,10 @@
-"""Where a result came from: git state, DVC data versions, params, code.
+"""Where a result came from: git state, DVC data versions, params, code, base model.
 
-dvc.yaml is the one record of which param groups and files a stage uses, and
-dvc.lock of the md5 of every dep and out; this module reads them rather than
-keeping a second list.
+dvc.yaml is the one record of which param groups and files a stage uses; this module reads
+it rather than keeping a second list. The md5 of a stage's deps and outs is computed here
+with DVC's own hashing, after the stage wrote its outs, so it is the version DVC records
+for that run whichever way the stage was started (``dvc repro``, ``dvc exp run``, ``python
+-m stages.<name>``, the Prefect flow). ``tuneloop.tracking`` puts it on the MLflow run.
 """
 
 from __future__ import annotations
@@ -10,15 +12,21 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import logging
+import os
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 
 from tuneloop import __version__
 from tuneloop.params import Params
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,11 @@ def params_hash(params: Params, groups: list[str]) -> str:
 
 
 def dvc_lock_md5s(stage: str, repo: Path = Path()) -> dict[str, dict[str, str]]:
-    """``{"deps": {path: md5}, "outs": {path: md5}}`` of a stage as dvc.lock records them."""
+    """``{"deps": {path: md5}, "outs": {path: md5}}`` of a stage as dvc.lock records them.
+
+    What the last ``dvc repro``/``dvc commit`` recorded, not necessarily what is in the
+    workspace now: a stage's own run uses ``stage_md5s``.
+    """
     entry = _load_yaml(repo / "dvc.lock").get("stages", {}).get(stage, {})
     return {
         kind: {item["path"]: item.get("md5", "") for item in entry.get(kind, [])}
@@ -92,21 +104,114 @@ def dvc_lock_md5s(stage: str, repo: Path = Path()) -> dict[str, dict[str, str]]:
     }
 
 
-def out_md5(path: Path, repo: Path = Path()) -> str | None:
-    """The md5 dvc.lock holds for a stage out at ``path`` (relative to the repo), if any."""
-    wanted = path.as_posix().rstrip("/")
-    for entry in _load_yaml(repo / "dvc.lock").get("stages", {}).values():
-        for out in entry.get("outs", []):
-            if out["path"].rstrip("/") == wanted:
-                return str(out.get("md5"))
-    return None
+@dataclass(frozen=True)
+class StageMd5s:
+    """The md5 of each dep and out of a stage, keyed by path as dvc.lock writes them."""
+
+    deps: dict[str, str]
+    outs: dict[str, str]
+    # The project's default DVC remote (credentials removed), where these versions are pushed.
+    remote: str | None = None
+
+    def data_deps(self) -> dict[str, str]:
+        """The deps that are data or models rather than code (which the git commit pins)."""
+        return {path: md5 for path, md5 in self.deps.items() if not path.endswith(".py")}
+
+
+def stage_md5s(stage: str, root: Path = Path(), *, outs: bool = True) -> StageMd5s | None:
+    """Hash a stage's deps (and outs) now, as DVC does when it records the stage in dvc.lock.
+
+    The stage definition comes from the DVC project at ``root`` (the working directory, which
+    is the project root under ``dvc repro`` and the temporary copy under a queued ``dvc exp
+    run``), with its params interpolated; directories hash to DVC's ``<md5>.dir`` with the
+    project's .dvcignore applied. Params deps are skipped (MLflow holds the params). Nothing
+    here takes DVC's repo lock, so it runs inside a stage that ``dvc repro`` started; hashes
+    already in DVC's state database are reused. None outside a DVC project, or when its
+    dvc.yaml has no such stage.
+    """
+    # Imported here: dvc takes about a second to import, and most users of this module
+    # (every stage's start-up) never hash.
+    from dvc.dependency.param import ParamsDependency
+    from dvc.exceptions import NotDvcRepoError
+    from dvc.repo import Repo
+    from dvc.stage.exceptions import StageFileDoesNotExistError, StageNotFound
+
+    try:
+        repo = Repo(os.fspath(root))
+    except NotDvcRepoError:
+        log.info("%s is not in a DVC project: no DVC md5s recorded", root.resolve())
+        return None
+    with repo:
+        try:
+            found = repo.stage.load_one(name=stage)
+        except (StageFileDoesNotExistError, StageNotFound):
+            log.warning(
+                "the DVC project at %s has no stage %r in dvc.yaml: no DVC md5s recorded",
+                repo.root_dir,
+                stage,
+            )
+            return None
+        hashed: dict[str, dict[str, str]] = {"deps": {}, "outs": {}}
+        items = [("deps", dep) for dep in found.deps if not isinstance(dep, ParamsDependency)]
+        if outs:
+            items += [("outs", out) for out in found.outs]
+        for kind, item in items:
+            try:
+                # What Output.save() does before recording a hash: a legacy (DVC 2) entry
+                # whose data changed is hashed as plain md5 from then on.
+                item.update_legacy_hash_name()
+                hashed[kind][item.def_path] = item.get_hash().value
+            except FileNotFoundError:
+                log.warning("%s %r does not exist: no md5 recorded for it", kind[:-1], item)
+        return StageMd5s(hashed["deps"], hashed["outs"], _default_remote(repo))
+
+
+def _default_remote(repo: Any) -> str | None:
+    """The URL of the project's default DVC remote, without any user or password in it."""
+    name = repo.config["core"].get("remote")
+    url = repo.config["remote"].get(name, {}).get("url") if name else None
+    if not url:
+        return None
+    parts = urlsplit(str(url))
+    if parts.username is None and parts.password is None:
+        return str(url)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def uses_base_model(stage: str) -> bool:
+    """Whether a stage declares the base model among its params in dvc.yaml."""
+    groups = stage_param_groups(stage)
+    return any(group in {"model", "model.base", "model.revision"} for group in groups)
+
+
+def base_model_revision(params: Params, md5s: Mapping[str, str]) -> str | None:
+    """The version of the base model a stage loaded.
+
+    A hub id: its pinned commit (an unpinned one is refused). builtin:tiny: the DVC md5 of
+    ``paths.base_model`` among ``md5s`` (None in the base stage's own manifest, written inside
+    that folder). A local folder: ``local``; it is not hashed here, as it can hold tens of GB
+    and DVC does not track it.
+    """
+    revision = params.model.pinned_revision()
+    if revision is not None:
+        return revision
+    if params.model.is_builtin:
+        return md5s.get(params.paths.base_model.as_posix())
+    return "local"
 
 
 def manifest(stage: str, params: Params, inputs: dict[str, Path], **extra: Any) -> dict[str, Any]:
-    """What made an artifact folder: code version, params, input data versions."""
+    """What made an artifact folder: code version, params, input data and base model versions.
+
+    The inputs' md5s are hashed now (``stage_md5s``): the versions this run read.
+    """
     groups = stage_param_groups(stage)
     git = git_state()
-    return {
+    md5s = stage_md5s(stage, outs=False)
+    deps = md5s.deps if md5s else {}
+    record: dict[str, Any] = {
         "stage": stage,
         "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "tuneloop_version": __version__,
@@ -114,6 +219,11 @@ def manifest(stage: str, params: Params, inputs: dict[str, Path], **extra: Any) 
         "git_dirty": git.dirty,
         "params_hash": params_hash(params, groups),
         "params": params_subset(params, groups),
-        "inputs": {name: {"path": str(p), "md5": out_md5(p)} for name, p in inputs.items()},
-        **extra,
+        "inputs": {
+            name: {"path": str(p), "md5": deps.get(p.as_posix())} for name, p in inputs.items()
+        },
     }
+    # Not in the base stage's own manifest for builtin:tiny: that folder is the model.
+    if uses_base_model(stage) and (revision := base_model_revision(params, deps)) is not None:
+        record["base_model"] = {"base": params.model.base, "revision": revision}
+    return record | extra

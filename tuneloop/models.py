@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from huggingface_hub import is_offline_mode, snapshot_download
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -13,15 +14,33 @@ from tuneloop.params import Params
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def base_model_ref(params: Params) -> str:
-    """The folder or hub id to load the base model from.
+# Files of a hub repo that loading a model in PyTorch never reads (other frameworks' weights,
+# the original consolidated checkpoints some repos ship beside the transformers ones): not
+# downloaded, as from_pretrained would not download them either.
+HUB_IGNORE = ["*.gguf", "*.onnx", "*.onnx_data", "*.msgpack", "*.h5", "*.tflite", "original/*"]
 
-    ``builtin:tiny`` is built by the ``base`` stage into ``paths.base_model``;
-    any other value is used as given (a hub id or a local folder).
+
+def base_model_ref(params: Params) -> str:
+    """The folder to load the base model from.
+
+    ``builtin:tiny`` is built by the ``base`` stage into ``paths.base_model``; a local folder
+    is used as given; a hub id is fetched at its pinned ``model.revision`` into the Hugging
+    Face cache and its snapshot folder returned. Resolving the pin once, here, means every
+    loader (transformers, peft, lm-eval, vLLM) reads the same commit without each being told
+    it. An unpinned hub id is refused (``ModelParams.pinned_revision``).
     """
     if params.model.is_builtin:
         return str(params.paths.base_model)
-    return params.model.base
+    revision = params.model.pinned_revision()
+    if revision is None:
+        return params.model.base
+    # Offline (HF_HUB_OFFLINE=1), a pinned commit already in the cache is used as it is.
+    return snapshot_download(
+        params.model.base,
+        revision=revision,
+        ignore_patterns=HUB_IGNORE,
+        local_files_only=is_offline_mode(),
+    )
 
 
 def load_tokenizer(ref: str | Path) -> PreTrainedTokenizerBase:

@@ -60,6 +60,11 @@ class ModelParams(_Group):
         description="'builtin:tiny', a Hugging Face model id, or a local model folder",
         min_length=1,
     )
+    revision: str | None = Field(
+        description="the hub commit a Hugging Face id is loaded at (40 hex digits); null for "
+        "builtin:tiny and a local folder",
+        pattern=r"^[0-9a-f]{40}$",
+    )
     seed: int
     tiny: TinyModel
 
@@ -67,10 +72,44 @@ class ModelParams(_Group):
     def is_builtin(self) -> bool:
         return self.base.startswith("builtin:")
 
+    @property
+    def source(self) -> Literal["builtin", "local", "hub"]:
+        """Built by the base stage, a folder on this machine, or a Hugging Face hub id."""
+        if self.is_builtin:
+            return "builtin"
+        return "local" if Path(self.base).is_dir() else "hub"
+
+    def pinned_revision(self) -> str | None:
+        """The hub commit to load ``base`` at; None for builtin:tiny or a local folder.
+
+        A hub id needs one: a branch such as ``main`` moves, and a month's run must load the
+        weights the last one did. Checked where the model is loaded rather than when params are
+        read, since whether ``base`` is a local folder depends on the machine.
+        """
+        source = self.source
+        if source == "hub" and self.revision is None:
+            raise ParamsError(
+                f"model.revision: model.base {self.base!r} is a Hugging Face hub id (no such "
+                "local folder), so it must be pinned to a commit. Set model.revision in "
+                "params.yaml to the 40-hex commit to train from, e.g. the current one: "
+                'python -c "from huggingface_hub import HfApi; '
+                f"print(HfApi().model_info('{self.base}').sha)\""
+            )
+        if source == "local" and self.revision is not None:
+            raise ParamsError(
+                f"model.revision: model.base {self.base!r} is a local folder, which has no hub "
+                "commit; set model.revision to null (or model.base to the hub id)"
+            )
+        return self.revision if source == "hub" else None
+
     @model_validator(mode="after")
     def _known_builtin(self) -> ModelParams:
         if self.is_builtin and self.base != "builtin:tiny":
             raise ValueError(f"unknown builtin model {self.base!r}; the only one is 'builtin:tiny'")
+        if self.is_builtin and self.revision is not None:
+            raise ValueError(
+                "revision pins a Hugging Face hub id; builtin:tiny is built here: set it to null"
+            )
         return self
 
 

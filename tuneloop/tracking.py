@@ -2,8 +2,11 @@
 
 A stage resumes the child run its flow task created (``MLFLOW_RUN_ID``) or,
 under a plain ``dvc repro``, starts its own. Either way the run carries the
-lineage tags: git commit and dirty flag, params hash, the md5 of every DVC dep
-and out, and the Prefect flow-run id when there is one.
+lineage tags: git commit and dirty flag, params hash, the Prefect flow-run id
+when there is one, and, once the stage has written its outs, the md5 of every
+DVC dep and out (``dvc.dep.<path>``, ``dvc.out.<path>``, as ``tuneloop.lineage``
+hashes them), the base model's revision, and its data deps as MLflow dataset
+inputs (the Dataset column of the MLflow runs page).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-from mlflow.entities import Metric, Run
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Run, RunTag
 from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
 from tuneloop import lineage
 from tuneloop.params import Params
@@ -39,6 +43,8 @@ TAG_PIPELINE = "tuneloop.pipeline"  # on a flow's own run: retrain, experiment
 # Why the train stage stopped early: the stop-loss rule and its message.
 TAG_STOP_RULE = "tuneloop.train.stop_rule"
 TAG_STOP_REASON = "tuneloop.train.stop_reason"
+# The base model's resolved version: hub commit, builtin model's md5, or "local".
+TAG_BASE_REVISION = "base_model.revision"
 TAG_EXP_NAME = "dvc.exp.name"
 TAG_EXP_BASELINE = "dvc.exp.baseline"
 
@@ -112,14 +118,49 @@ def experiment_parent() -> dict[str, str]:
     return {TAG_PARENT: parent} if parent else {}
 
 
-def dvc_tags(stage: str) -> dict[str, str]:
-    """``dvc.dep.<path>`` / ``dvc.out.<path>`` md5 tags from dvc.lock."""
-    md5s = lineage.dvc_lock_md5s(stage)
-    return {
-        f"dvc.{kind[:-1]}.{path}": md5
-        for kind, paths in md5s.items()
-        for path, md5 in paths.items()
+def dvc_tags(md5s: lineage.StageMd5s) -> dict[str, str]:
+    """``dvc.dep.<path>`` / ``dvc.out.<path>`` md5 tags."""
+    return {f"dvc.dep.{path}": md5 for path, md5 in md5s.deps.items()} | {
+        f"dvc.out.{path}": md5 for path, md5 in md5s.outs.items()
     }
+
+
+# The source type of a DVC-tracked dataset input; MLflow has no source for DVC paths.
+DVC_SOURCE_TYPE = "dvc"
+
+
+def dataset_inputs(stage: str, md5s: lineage.StageMd5s) -> list[DatasetInput]:
+    """The stage's data deps as MLflow dataset inputs: name = DVC path, digest = DVC md5.
+
+    The source names the DVC path and the DVC remote that holds that version, so a reader
+    can fetch it (``dvc get``/``dvc pull`` at the run's git commit); the data is not read.
+    """
+    found = []
+    for path, md5 in md5s.data_deps().items():
+        source = {"path": path} | ({"remote": md5s.remote} if md5s.remote else {})
+        dataset = Dataset(path, md5, source_type=DVC_SOURCE_TYPE, source=json.dumps(source))
+        found.append(DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, stage)]))
+    return found
+
+
+def record_lineage(stage: str, params: Params, run_id: str, root: Path = Path()) -> None:
+    """Put a stage's data versions on its run: DVC md5 tags, base model revision, datasets.
+
+    Called once the stage's outs are written (the end of ``stage_run``, or by the flow for a
+    stage DVC found up to date), so the md5s are the ones DVC records for this run.
+    """
+    md5s = lineage.stage_md5s(stage, root)
+    tags = dvc_tags(md5s) if md5s else {}
+    if lineage.uses_base_model(stage):
+        revision = lineage.base_model_revision(params, {**md5s.deps, **md5s.outs} if md5s else {})
+        if revision is not None:
+            tags[TAG_BASE_REVISION] = revision
+    client = MlflowClient()
+    batch = [RunTag(key, value) for key, value in tags.items()]
+    for start in range(0, len(batch), 100):  # MLflow's limit of tags per batch
+        client.log_batch(run_id, tags=batch[start : start + 100])
+    if md5s and (inputs := dataset_inputs(stage, md5s)):
+        client.log_inputs(run_id, datasets=inputs)
 
 
 def flat_params(params: Params, stage: str) -> dict[str, str]:
@@ -149,9 +190,11 @@ def stage_run(stage: str, params: Params) -> Iterator[Run]:
     with mlflow.start_run(
         run_id=run_id, run_name=stage, experiment_id=experiment_id, nested=nested, tags=tags
     ) as run:
-        mlflow.set_tags(lineage_tags(stage, params) | dvc_tags(stage))
+        mlflow.set_tags(lineage_tags(stage, params))
         mlflow.log_params(flat_params(params, stage))
         yield run
+        # Only now are the outs written; a stage that failed records no data versions.
+        record_lineage(stage, params, run.info.run_id)
 
 
 def log_metrics(metrics: Mapping[str, Any], prefix: str = "", run_id: str | None = None) -> None:

@@ -1,0 +1,40 @@
+"""The pipeline's stages in the order they run, read from dvc.yaml.
+
+dvc.yaml is the one list of stages: the flows run them in the order written there, and
+the tests read the same order, instead of each keeping a copy. The order is checked
+against DVC's own stage graph (built from the deps and outs), so a stage can never be
+listed before one whose output it reads.
+
+Not imported by any stage: it needs DVC's graph, which only the flows and tests use.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+
+
+class StageOrderError(ValueError):
+    """dvc.yaml lists a stage before a stage whose output it reads."""
+
+
+def stage_order(root: Path = Path()) -> tuple[str, ...]:
+    """The stages of ``root``'s dvc.yaml, in the order written, checked to be a valid run order."""
+    spec = yaml.safe_load((root / "dvc.yaml").read_text(encoding="utf-8"))
+    order = tuple(spec["stages"])
+    # Imported here: dvc takes about a second to import.
+    from dvc.repo import Repo
+
+    position = {name: number for number, name in enumerate(order)}
+    with Repo(os.fspath(root)) as repo:
+        # An edge runs from a stage to a stage whose out it depends on.
+        for stage, upstream in repo.index.graph.edges:
+            name, before = getattr(stage, "name", None), getattr(upstream, "name", None)
+            if name in position and before in position and position[before] > position[name]:
+                raise StageOrderError(
+                    f"{root / 'dvc.yaml'}: stage {name!r} is listed before {before!r}, whose "
+                    f"outs it depends on; move {before!r} above {name!r}"
+                )
+    return order
