@@ -144,17 +144,20 @@ def _release_under_way(folder: Path) -> str:
     client = mlflow.MlflowClient(uri)
     experiment = client.create_experiment("tuneloop", (folder / "mlartifacts").as_uri())
     previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    try:
-        with mlflow.start_run(experiment_id=experiment) as run:
-            mlflow.pyfunc.log_model(
-                name="model",
-                python_model=_Nothing(),
-                pip_requirements=[],
-                registered_model_name="tuneloop-support",
-            )
-    finally:
-        mlflow.set_tracking_uri(previous)
+    # set_tracking_uri also sets $MLFLOW_TRACKING_URI; the context puts it back.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
+        mlflow.set_tracking_uri(uri)
+        try:
+            with mlflow.start_run(experiment_id=experiment) as run:
+                mlflow.pyfunc.log_model(
+                    name="model",
+                    python_model=_Nothing(),
+                    pip_requirements=[],
+                    registered_model_name="tuneloop-support",
+                )
+        finally:
+            mlflow.set_tracking_uri(previous)
     client.set_registered_model_alias("tuneloop-support", "challenger", "1")
     client.set_tag(run.info.run_id, "release.status", "running")
     return str(run.info.run_id)

@@ -24,6 +24,8 @@ from typing import Any
 import httpx
 
 logger = logging.getLogger(__name__)
+# Seconds between renewal attempts after a failed one.
+RETRY_S = 1.0
 
 # --- the routers' admin API --------------------------------------------------------------------
 
@@ -201,19 +203,25 @@ class LeaseKeeper:
         return self
 
     def _renew(self) -> None:
-        while not self._stop.wait(self.interval):
+        wait = self.interval
+        while not self._stop.wait(wait):
             try:
                 self.admin.take_lease(self.holder, self.ttl_s, self.fast_fail)
             except AdminError as error:
                 self.failures += 1
+                # Try again soon, not a third of the lease later: a replica that
+                # restarts must get its lease back before the one it restored lapses.
+                wait = min(self.interval, RETRY_S)
                 self.log.warning(
-                    "lease renewal failed (%s); a router that stays unreachable rolls back by "
-                    "itself when the lease lapses (%g s)",
+                    "lease renewal failed (%s); trying again in %g s. A router that stays "
+                    "unreachable rolls back by itself when its lease lapses (%g s)",
                     error,
+                    wait,
                     self.ttl_s,
                 )
             else:
                 self.renewals += 1
+                wait = self.interval
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
