@@ -233,17 +233,15 @@ def create_app(config: RouterConfig) -> FastAPI:
         },
     )
 
-    def saved(
-        percent: int, lease: Lease | None, change: dict[str, Any] | None = None
-    ) -> SavedState:
+    def saved(percent: int, lease: Lease | None, why: dict[str, Any] | None = None) -> SavedState:
         """The state file's content for this weight and lease, with the (last) change's why."""
-        change = change or state.last_change or {}
+        why = why or state.last_change or {}
         return SavedState(
             challenger_percent=percent,
             arms=state.versions(),
-            action=str(change.get("action", "config")),
-            reason=str(change.get("reason", "")),
-            operator=change.get("operator"),
+            action=str(why.get("action", "config")),
+            reason=str(why.get("reason", "")),
+            operator=why.get("operator"),
             lease=lease,
         )
 
@@ -284,7 +282,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                 found.action, None, found.challenger_percent, found.reason, found.operator
             )
             state.last_change["at"] = found.updated_at
-        if start.note is not None:
+        if start.note is not None and not start.save:
             logger.warning("%s (%s)", start.note, config.state_file)
         if found is not None and dict(found.arms) != state.versions():
             record_change(
@@ -292,6 +290,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             )
         if start.save and found is not None:
             record_change("lease_lapsed", found.challenger_percent, 0, start.note or "")
+            logger.warning("ROLLBACK [lease_lapsed] %s (%s)", start.note, config.state_file)
             try:
                 save_state(config.state_file, saved(0, None))
             except OSError:
