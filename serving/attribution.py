@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import hmac
 import json
 import secrets
@@ -51,7 +50,7 @@ class Attribution:
 
 def _mac(key: bytes, domain: bytes, data: bytes) -> bytes:
     # A domain prefix per use, so a user hash can never pass as a request-id signature.
-    return hmac.new(key, domain + data, hashlib.sha256).digest()
+    return hmac.digest(key, domain + data, "sha256")
 
 
 def _b64(data: bytes) -> str:
