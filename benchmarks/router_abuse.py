@@ -158,12 +158,13 @@ class Probe:
                     self.failures.append(f"{reply.status_code}: {reply.text[:100]}")
 
 
-def forge(request_id: str, **changes: str) -> str:
-    """The id with its payload edited and the old signature kept."""
+def forge(request_id: str, arm: str | None = None, version: str | None = None) -> str:
+    """The id with its arm or model version edited and the old signature kept."""
     prefix, payload, signature = request_id.split(".")
-    data = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-    data.update(changes)
-    edited = base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
+    fields = base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)).decode().split("|", 4)
+    fields[2] = arm or fields[2]
+    fields[4] = version or fields[4]
+    edited = base64.urlsafe_b64encode("|".join(fields).encode()).rstrip(b"=").decode()
     return f"{prefix}.{edited}.{signature}"
 
 
@@ -214,7 +215,11 @@ async def attacks(url: str, admin: str, producer: str, flood: int) -> tuple[list
             reply = await client.post("/v1/chat/completions", json={**BODY, "user": f"u{i}"})
             ids.setdefault(reply.headers["x-tuneloop-arm"], reply.headers["x-request-id"])
         target = ids.get("champion") or next(iter(ids.values()))
-        forged = [forge(target, a="challenger"), forge(target, v="999"), target[:-6] + "AAAAAA"]
+        forged = [
+            forge(target, arm="challenger"),
+            forge(target, version="999"),
+            target[:-6] + "AAAAAA",
+        ]
         replies = [
             await client.post("/v1/feedback", json={**FLAG, "request_id": rid}, headers=as_producer)
             for rid in (*forged, target, target, target)

@@ -75,7 +75,11 @@ def parse_json(raw: bytes, max_depth: int) -> Any:
         raise Refused(400, f"JSON nested too deep (limit {max_depth} levels)", "too_deep") from None
     except ValueError as error:  # json.JSONDecodeError
         raise Refused(400, f"body is not valid JSON: {error}", "bad_json") from None
-    _check(value, max_depth)
+    # The walk is needed only when the text could hold either problem: a lone surrogate
+    # comes only from a \u escape (strict UTF-8 has none), and nesting deeper than
+    # max_depth needs more than max_depth brackets. A chat request has neither.
+    if "\\u" in text or text.count("[") + text.count("{") > max_depth:
+        _check(value, max_depth)
     return value
 
 

@@ -131,12 +131,13 @@ def test_a_producer_over_its_rate_gets_429_and_nothing_is_written(
 # --- what counts against an arm ----------------------------------------------------------------
 
 
-def forge(request_id: str, **changes: str) -> str:
-    """The id with its payload edited and the old signature kept."""
+def forge(request_id: str, arm: str | None = None, version: str | None = None) -> str:
+    """The id with its arm or model version edited and the old signature kept."""
     prefix, payload, signature = request_id.split(".")
-    data = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-    data.update(changes)
-    edited = base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
+    fields = base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)).decode().split("|", 4)
+    fields[2] = arm or fields[2]
+    fields[4] = version or fields[4]
+    edited = base64.urlsafe_b64encode("|".join(fields).encode()).rstrip(b"=").decode()
     return f"{prefix}.{edited}.{signature}"
 
 
@@ -150,7 +151,7 @@ def test_forged_and_reused_request_ids_attribute_nothing(
             arms.setdefault(reply.headers["x-tuneloop-arm"], reply.headers["x-request-id"])
         champion_id = arms["champion"]
         # The attack: charge a champion response to the challenger.
-        forged = forge(champion_id, a="challenger")
+        forged = forge(champion_id, arm="challenger")
         r = client.post("/v1/feedback", json={**FLAG, "request_id": forged}, headers=PRODUCER)
         assert r.status_code == 201 and r.json()["attributed"] is False
         assert "forged or altered" in r.json()["why_not"]
