@@ -4,8 +4,10 @@ Reads the registry's ``challenger`` and ``champion`` versions of
 ``tracking.registered_model`` and drives the canary router(s) in
 ``release.routers`` through ``release.steps`` (e.g. 10 -> 50 -> 100 %):
 
-1. **Preflight**: the router's arms must serve exactly those two versions and
-   send the challenger nothing yet; otherwise nothing moves.
+1. **Preflight**: the router's arms must serve exactly those two versions,
+   send the challenger nothing yet, sign their request ids (or no badcase
+   reaches the analysis) and hold no other release's lease; otherwise nothing
+   moves.
 2. **Load test** before the first traffic: candidate and champion backends,
    called directly, on median TTFT and output throughput
    (``release.loadtest``); a regression past the thresholds blocks the release.
@@ -22,6 +24,15 @@ Reads the registry's ``challenger`` and ``champion`` versions of
 5. **At 100 %**, after its analyses pass, **promote**: alias ``champion`` moves
    to the candidate, ``previous-champion`` marks the old one (kept, for an
    instant return), ``challenger`` is removed.
+
+**The lease.** Before the first traffic moves, the flow takes a lease on every
+router (``release.lease_ttl_s``) and renews it from a background thread every
+third of that, also while it waits days for a person. A flow that dies (OOM,
+host lost, SIGKILL) stops renewing, and every router sets the challenger to 0 %
+by itself when its lease lapses, and records why. While the lease holds, each
+router also rolls back on its own at a burst of challenger errors
+(``release.fast_fail``), without waiting for the next analysis. A crash or a
+cancellation that Prefect sees runs ``roll_back_on_exit`` at once.
 
 **Rollback** is ``POST /admin/rollback`` on every replica: the challenger gets
 0 % from the very next request; registry aliases are not touched. Every step,
@@ -62,18 +73,18 @@ from uuid import UUID
 import pydantic
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.tracking import MlflowClient
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger, runtime, task
 from prefect.cache_policies import NONE
+from prefect.client.schemas.objects import FlowRun
 from prefect.exceptions import FlowPauseTimeout
 from prefect.flow_runs import pause_flow_run, resume_flow_run
 from prefect.input import RunInput
-from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
 from tuneloop import tracking
 from tuneloop.params import Params, ReleaseParams, load_params, with_overrides
 from tuneloop.registry import CHALLENGER, CHAMPION, PREVIOUS, find_alias, promote
-from tuneloop.release.admin import AdminError, RouterAdmin
+from tuneloop.release.admin import AdminError, LeaseKeeper, RouterAdmin
 from tuneloop.release.analysis import (
     Approval,
     Check,
@@ -502,7 +513,19 @@ def _check_routers(admin: RouterAdmin, candidate: str, champion: str) -> dict[st
         if status["challenger_percent"] != 0:
             raise ReleaseRefused(
                 f"router {url} already sends {status['challenger_percent']} % to the challenger; "
-                "a release starts from 0 % (POST /admin/rollback, then run the flow again)"
+                "a release starts from 0 % (`tuneloop rollback --reason ...`, then run the flow "
+                "again)"
+            )
+        lease = status.get("lease")
+        if lease is not None:
+            raise ReleaseRefused(
+                f"router {url}: another release ({lease['holder']}) holds the lease until "
+                f"{lease['expires_at']}; one release at a time (wait, or `tuneloop rollback`)"
+            )
+        if not status.get("request_ids_signed"):
+            raise ReleaseRefused(
+                f"router {url} signs no request ids, so no badcase reaches the analysis: start it "
+                "with its request_id_secret_env set (the same secret on every replica)"
             )
     first = next(iter(statuses.values()))
     return {
@@ -532,7 +555,31 @@ def _end(
     return Failed(message=f"release {outcome.replace('_', ' ')}: {reason}", data=result)
 
 
-@flow(name="release")
+def roll_back_on_exit(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
+    """Prefect hook for a crashed or cancelled release: challenger to 0 on every router.
+
+    The flow rolls back by itself on any exception it sees; this covers what it
+    does not see (a cancellation from the UI, a crash Prefect notices first). A
+    process killed outright runs no hook at all: there the lease lapses and
+    every router rolls back by itself.
+    """
+    given = flow_run.parameters or {}
+    repo = Path(str(given.get("repo") or ".")).resolve()
+    params = load_params(repo / "params.yaml")
+    if given.get("overrides"):
+        params = with_overrides(params, given["overrides"], "the release flow's overrides")
+    routers = params.release
+    reason = (
+        f"release flow run {flow_run.name} ({flow_run.id}) ended {state.name}: "
+        f"{state.message or 'no message'}"
+    )
+    with RouterAdmin.from_env(routers.routers, routers.admin_token_env) as admin:
+        seconds = admin.rollback(reason)
+    # The plain logger: the Prefect API may be what failed, and a hook must not wait on it.
+    logging.getLogger(__name__).warning("rolled back in %.0f ms: %s", seconds * 1000, reason)
+
+
+@flow(name="release", on_crashed=[roll_back_on_exit], on_cancellation=[roll_back_on_exit])
 def release(
     repo: Path = Path(), overrides: dict[str, Any] | None = None
 ) -> dict[str, Any] | State[Any]:
@@ -549,7 +596,7 @@ def release(
         logger.info("params.yaml overridden for this release: %s", overrides)
     rp = params.release
     name = params.tracking.registered_model
-    flow_run_id = str(flow_run.id or "local")
+    flow_run_id = str(runtime.flow_run.id or "local")
     # MLflow's default store and lineage reads are relative to the project, as in retrain.
     with contextlib.chdir(repo):
         client = MlflowClient(tracking.tracking_uri())
@@ -584,15 +631,26 @@ def release(
             gate = loadtest_gate(run, arms)
             if not gate.passed:
                 return _end(run, "blocked", "load test: " + "; ".join(gate.reasons))
-            try:
-                return _ramp(run, name, (cv, pv), client)
-            except BaseException as error:
-                # Whatever broke, the challenger must not keep traffic nobody watches.
-                if run.rolled_back is None:
-                    reason = f"release flow stopped by {type(error).__name__}: {error}"
-                    with contextlib.suppress(AdminError):
-                        run.roll_back(reason)
-                raise
+            # From here traffic may move: the routers hold this release to its lease.
+            with LeaseKeeper(
+                admin, flow_run_id, rp.lease_ttl_s, rp.fast_fail.model_dump(), logger
+            ) as lease:
+                log.record(
+                    "lease",
+                    f"lease taken on every router: {rp.lease_ttl_s:g} s, renewed every "
+                    f"{lease.interval:g} s; fast fail {rp.fast_fail.max_errors} errors in the "
+                    f"last {rp.fast_fail.window} challenger requests",
+                    ttl_s=rp.lease_ttl_s,
+                )
+                try:
+                    return _ramp(run, name, (cv, pv), client)
+                except BaseException as error:
+                    # Whatever broke, the challenger must not keep traffic nobody watches.
+                    if run.rolled_back is None:
+                        reason = f"release flow stopped by {type(error).__name__}: {error}"
+                        with contextlib.suppress(AdminError):
+                            run.roll_back(reason)
+                    raise
 
 
 def _ramp(run: Release, name: str, versions: tuple[str, str], client: MlflowClient) -> Any:

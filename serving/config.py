@@ -41,6 +41,50 @@ class Timeouts(_Frozen):
     pool: float = Field(default=5.0, gt=0, description="wait for a free pooled connection")
 
 
+class FeedbackProducer(_Frozen):
+    """A tool allowed to flag responses (a support tool, a labelling UI), with its own token."""
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="recorded on every line it writes as the tag tuneloop.feedback.source=<name>",
+    )
+    token_env: str = Field(min_length=1, description="env var holding this producer's token")
+    rate_per_minute: float = Field(default=60.0, gt=0, description="sustained flags per minute")
+    burst: int = Field(default=20, ge=1, description="flags it may send at once above the rate")
+
+
+class Limits(_Frozen):
+    """Sizes checked before anything is parsed or written; over a limit is a 413."""
+
+    request_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=1024, description="a proxied completion request body"
+    )
+    feedback_bytes: int = Field(default=256 * 1024, ge=1024, description="a /v1/feedback body")
+    admin_bytes: int = Field(default=16 * 1024, ge=256, description="an /admin/* body")
+    json_depth: int = Field(default=32, ge=4, description="nesting of arrays and objects")
+    text_chars: int = Field(
+        default=32 * 1024, ge=1, description="one message, bad or corrected response in a flag"
+    )
+    messages: int = Field(default=64, ge=1, description="turns in a flagged conversation")
+    tags: int = Field(default=16, ge=0, description="tags on a flag")
+    tag_chars: int = Field(default=100, ge=1, description="one tag")
+    line_bytes: int = Field(
+        default=1_000_000,
+        ge=1024,
+        description="a written feedback line, at most ingest.max_line_bytes so ingest accepts it",
+    )
+
+    @model_validator(mode="after")
+    def _a_field_fits_a_line(self) -> Limits:
+        # json.dumps writes a control character as 6 bytes (\u001f): the worst case per char.
+        if self.text_chars * 6 >= self.line_bytes:
+            raise ValueError(
+                f"limits.text_chars ({self.text_chars}) x 6 bytes must stay below "
+                f"limits.line_bytes ({self.line_bytes}); lower text_chars"
+            )
+        return self
+
+
 class RouterConfig(_Frozen):
     public_model: str = Field(
         default="tuneloop", min_length=1, description="the model name clients ask for"
@@ -60,11 +104,24 @@ class RouterConfig(_Frozen):
     stats_window: int = Field(
         default=2048, ge=10, description="recent requests per arm that percentiles are taken over"
     )
-    served_records: int = Field(
+    feedback_producers: tuple[FeedbackProducer, ...] = Field(
+        default=(), description="who may POST /v1/feedback; none configured: nobody may"
+    )
+    request_id_secret_env: str = Field(
+        default="TUNELOOP_ROUTER_SECRET",
+        min_length=1,
+        description="env var holding the key that signs X-Request-Id (the same on every replica)",
+    )
+    request_id_max_age_s: int = Field(
+        default=30 * 24 * 3600, ge=60, description="older request ids attribute no flag"
+    )
+    flag_memory: int = Field(
         default=100_000,
         ge=1,
-        description="request ids and users whose serving arm is remembered for feedback",
+        description="flagged request ids (a second flag attributes nothing) and flagged users "
+        "per arm the router remembers",
     )
+    limits: Limits = Limits()
 
     @model_validator(mode="after")
     def _two_arms(self) -> RouterConfig:
@@ -72,6 +129,23 @@ class RouterConfig(_Frozen):
             raise ValueError(
                 f"arms must be exactly {list(ARMS)} (got {sorted(self.arms)}); "
                 "the release flow moves traffic between these two names"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _producers_apart(self) -> RouterConfig:
+        names = [p.name for p in self.feedback_producers]
+        envs = [p.token_env for p in self.feedback_producers]
+        for what, values in (("name", names), ("token_env", envs)):
+            twice = sorted({v for v in values if values.count(v) > 1})
+            if twice:
+                raise ValueError(f"feedback_producers: {what} used twice: {twice}")
+        shared = {self.admin_token_env, self.request_id_secret_env} & set(envs)
+        if shared or self.admin_token_env == self.request_id_secret_env:
+            raise ValueError(
+                f"feedback_producers, admin_token_env and request_id_secret_env must name "
+                f"different variables (shared: {sorted(shared) or [self.admin_token_env]}): "
+                "a producer's token must never open the admin API or sign request ids"
             )
         return self
 

@@ -1,6 +1,11 @@
 """Per-arm figures of the canary router, as JSON and as Prometheus text.
 
-Counters (requests, errors, badcases) are cumulative since the router started.
+Counters (requests, errors, badcases, badcase users, refused requests) are
+cumulative since the router started. Badcases count only flags that a valid,
+first-time request id attributes to the arm's current model version;
+``badcase_users`` counts the distinct users among them (each user once per arm),
+which is what the canary analysis compares, so one user flagging many answers
+cannot steer it.
 Percentiles are taken over a bounded window of each arm's most recent requests:
 the release controller compares the arms *now*, and a window keeps memory and
 the cost of a scrape fixed however long the router runs. This is the usual
@@ -59,6 +64,7 @@ class ArmStats:
     window: int
     requests: int = 0
     badcases: int = 0
+    badcase_users: int = 0
     errors: dict[ErrorKind, int] = field(default_factory=lambda: dict.fromkeys(ERROR_KINDS, 0))
     latency: Window = field(init=False)
     ttft: Window = field(init=False)
@@ -82,6 +88,7 @@ class ArmStats:
             "errors_by_kind": dict(self.errors),
             "error_rate": errors / self.requests if self.requests else 0.0,
             "badcases": self.badcases,
+            "badcase_users": self.badcase_users,
             "latency_ms": ms(self.latency),
             "ttft_ms": ms(self.ttft),
             "window": {"latency": len(self.latency.recent), "ttft": len(self.ttft.recent)},
@@ -104,6 +111,7 @@ def render_prometheus(
     stats: Mapping[str, ArmStats],
     versions: Mapping[str, str],
     challenger_percent: int,
+    refused: Mapping[tuple[str, int], int],
 ) -> str:
     """Prometheus text exposition format 0.0.4."""
     lines: list[str] = []
@@ -134,9 +142,33 @@ def render_prometheus(
         for kind, n in s.errors.items():
             lines.append(f'tuneloop_router_errors_total{{arm="{_label(arm)}",kind="{kind}"}} {n}')
 
-    family("tuneloop_router_badcases_total", "counter", "Responses flagged bad via /v1/feedback.")
+    family(
+        "tuneloop_router_badcases_total",
+        "counter",
+        "Responses flagged bad via /v1/feedback, attributed by a valid request id.",
+    )
     for arm, s in stats.items():
         lines.append(f'tuneloop_router_badcases_total{{arm="{_label(arm)}"}} {s.badcases}')
+
+    family(
+        "tuneloop_router_badcase_users_total",
+        "counter",
+        "Distinct users with an attributed badcase (each user once per arm).",
+    )
+    for arm, s in stats.items():
+        lines.append(
+            f'tuneloop_router_badcase_users_total{{arm="{_label(arm)}"}} {s.badcase_users}'
+        )
+
+    family(
+        "tuneloop_router_refused_total",
+        "counter",
+        "Requests refused before doing anything (401, 400, 413, 429, ...), per endpoint.",
+    )
+    for (endpoint, status), n in sorted(refused.items()):
+        lines.append(
+            f'tuneloop_router_refused_total{{endpoint="{_label(endpoint)}",status="{status}"}} {n}'
+        )
 
     for name, attr, help_text in (
         ("tuneloop_router_latency_seconds", "latency", "Request latency through the router."),

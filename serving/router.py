@@ -15,12 +15,19 @@ Nginx split, a Gateway API weighted route, a generic LLM gateway):
 - **stickiness by user**: a stable hash of ``X-User-Id`` or the body's ``user``
   picks one of 100 buckets, so a user sees one model through a canary step, and
   ramping the weight only ever adds users to the challenger;
-- **feedback capture**: the router remembers which arm and model version served
-  each request and user, so ``/v1/feedback`` turns a flagged response into a
+- **feedback capture**: every response carries a signed ``X-Request-Id`` that
+  says which arm and model version served it, so ``/v1/feedback`` (from
+  authenticated producers only) turns a flagged response into a scrubbed
   badcase record charged to the right model and written where next month's
-  ingest reads it;
+  ingest reads it (``serving.attribution``, ``serving.feedback``);
 - per-arm errors, latency, time to first token and badcases for the release
-  controller's analysis, and a rollback that holds from the very next request.
+  controller's analysis, and a rollback that holds from the very next request;
+- **guards of its own** while a release holds its lease (``/admin/lease``): a
+  lease that is not renewed, or a burst of challenger errors, sets the
+  challenger to 0 % in the router itself, with no controller alive to ask.
+
+Every body is size-capped before it is read and parsed defensively
+(``serving.limits``): bad input is a 4xx with the reason, never a 500.
 
 Run it with ``python -m serving.router --config router.yaml``; tests and the
 benchmark build it with ``create_app(config)``.
@@ -36,29 +43,42 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import httpx
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from serving.attribution import Attribution, RequestIds, SeenKeys
 from serving.config import RouterConfig, load_router_config
-from serving.feedback import FeedbackRequest, FeedbackWriter, badcase_record
+from serving.feedback import (
+    FeedbackRequest,
+    FeedbackWriter,
+    badcase_record,
+    check_sizes,
+    encode_line,
+)
+from serving.limits import Refused, parse_json, read_body
 from serving.metrics import ArmStats, ErrorKind, new_stats, render_prometheus
 from serving.state import (
-    Served,
-    ServedLog,
+    ErrorBurst,
+    FastFail,
+    Lease,
+    SavedState,
     arm_for_bucket,
     bucket,
-    load_weight,
-    save_weight,
+    load_state,
+    save_state,
+    starting_state,
+    utc_iso,
 )
 from tuneloop.records import InvalidRecord
 from tuneloop.release import ARMS
@@ -66,10 +86,31 @@ from tuneloop.release import ARMS
 logger = logging.getLogger(__name__)
 
 PROXIED = ("/v1/chat/completions", "/v1/completions")
+FEEDBACK = "/v1/feedback"
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# How far into a stream the router looks for the completion id (it is in the
-# first event); past this it stops looking so a stream costs no extra copying.
-_ID_SCAN_BYTES = 8192
+# How often the router looks at its lease when none is about to lapse.
+LEASE_TICK_S = 0.5
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+@dataclass
+class TokenBucket:
+    """A producer's rate limit: ``burst`` flags at once, refilled at ``per_second``."""
+
+    per_second: float
+    burst: int
+    tokens: float
+    at: float
+
+    def take(self, now: float) -> float:
+        """0 when a flag may go now (and spend it); else the seconds until one may."""
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.per_second)
+        self.at = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.per_second
 
 
 @dataclass
@@ -79,29 +120,58 @@ class RouterState:
     config: RouterConfig
     challenger_percent: int
     stats: dict[str, ArmStats]
-    by_request: ServedLog
-    by_user: ServedLog
     writer: FeedbackWriter
+    ids: RequestIds
+    flagged_ids: SeenKeys
+    flagged_users: dict[str, SeenKeys]
+    buckets: dict[str, TokenBucket]
     clients: dict[str, httpx.AsyncClient] = field(default_factory=dict)
-    last_change: dict[str, object] | None = None
+    last_change: dict[str, Any] | None = None
+    lease: Lease | None = None
+    burst: ErrorBurst | None = None
     rollbacks: int = 0
+    refused: Counter[tuple[str, int]] = field(default_factory=Counter)
     admin_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    background: set[asyncio.Task[None]] = field(default_factory=set)
 
     def versions(self) -> dict[str, str]:
         return {arm: self.config.arms[arm].model_version for arm in ARMS}
 
 
-class WeightsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Body(BaseModel):
+    # Strict: "10" is not a percent; a wrong type is the caller's bug, said at once.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
+
+class WeightsRequest(_Body):
     challenger_percent: int = Field(ge=0, le=100)
-    reason: str = ""
+    reason: str = Field(default="", max_length=1000)
+    operator: str | None = Field(default=None, min_length=1, max_length=100)
 
 
-class RollbackRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class RollbackRequest(_Body):
+    reason: str = Field(
+        min_length=1, max_length=1000, description="why; logged and kept in the state file"
+    )
+    operator: str | None = Field(
+        default=None, min_length=1, max_length=100, description="who; kept beside the reason"
+    )
 
-    reason: str = Field(min_length=1, description="why; logged and kept in the state file")
+
+class FastFailRule(_Body):
+    window: int = Field(ge=1, le=10_000)
+    max_errors: int = Field(ge=1, le=10_000)
+
+
+class LeaseRequest(_Body):
+    holder: str = Field(min_length=1, max_length=200, description="the release (flow run) id")
+    ttl_s: float = Field(ge=1, le=7 * 24 * 3600, description="lapses this long after the call")
+    fast_fail: FastFailRule | None = None
+
+
+class LeaseEnd(_Body):
+    holder: str = Field(min_length=1, max_length=200)
+    reason: str = Field(default="", max_length=1000)
 
 
 def openai_error(status: int, message: str, kind: str, code: str | None = None) -> JSONResponse:
@@ -112,22 +182,12 @@ def openai_error(status: int, message: str, kind: str, code: str | None = None) 
     )
 
 
-def _completion_id(payload: bytes) -> str | None:
-    """The ``id`` of an OpenAI completion body, or None when it is not one."""
-    try:
-        parsed = json.loads(payload)
-    except ValueError:
-        return None
-    value = parsed.get("id") if isinstance(parsed, dict) else None
-    return value if isinstance(value, str) and value else None
-
-
-def _first_event_id(prefix: bytes) -> str | None:
-    """The completion id from the first complete ``data:`` event of an SSE stream."""
-    for line in prefix.split(b"\n"):
-        if line.startswith(b"data:"):
-            return _completion_id(line[5:].strip())
-    return None
+def _validation_reason(error: ValidationError) -> str:
+    # Without the input: it may be large, and it is the client's own anyway.
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+        for e in error.errors(include_input=False, include_url=False)
+    )
 
 
 def _new_client(config: RouterConfig) -> httpx.AsyncClient:
@@ -143,37 +203,168 @@ def _new_client(config: RouterConfig) -> httpx.AsyncClient:
     )
 
 
+def _now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
 def create_app(config: RouterConfig) -> FastAPI:
     """The router as an ASGI app; its backend connection pools open and close with the app."""
-    percent = config.challenger_percent
-    if config.state_file is not None:
-        saved = load_weight(config.state_file)
-        if saved is not None and saved != percent:
-            # The admin API's last word wins over the config: a restart must not undo a rollback.
-            logger.warning(
-                "challenger_percent %d from %s overrides %d from the config",
-                saved,
-                config.state_file,
-                percent,
-            )
-            percent = saved
+    limits = config.limits
+    secret = os.environ.get(config.request_id_secret_env, "")
+    if not secret:
+        logger.warning(
+            "$%s is not set: request ids are unsigned and no feedback is attributed to an arm "
+            "(the canary analysis sees no badcases); set it, the same on every replica",
+            config.request_id_secret_env,
+        )
+    now = time.time()
+    ticking = time.monotonic()
     state = RouterState(
         config=config,
-        challenger_percent=percent,
+        challenger_percent=config.challenger_percent,
         stats=new_stats(ARMS, config.stats_window),
-        by_request=ServedLog(config.served_records),
-        by_user=ServedLog(config.served_records),
         writer=FeedbackWriter(config.feedback_dir),
+        ids=RequestIds(secret or None, config.request_id_max_age_s),
+        flagged_ids=SeenKeys(config.flag_memory),
+        flagged_users={arm: SeenKeys(config.flag_memory) for arm in ARMS},
+        buckets={
+            p.name: TokenBucket(p.rate_per_minute / 60, p.burst, float(p.burst), ticking)
+            for p in config.feedback_producers
+        },
     )
+
+    def saved(percent: int, lease: Lease | None, why: dict[str, Any] | None = None) -> SavedState:
+        """The state file's content for this weight and lease, with the (last) change's why."""
+        why = why or state.last_change or {}
+        return SavedState(
+            challenger_percent=percent,
+            arms=state.versions(),
+            action=str(why.get("action", "config")),
+            reason=str(why.get("reason", "")),
+            operator=why.get("operator"),
+            lease=lease,
+        )
+
+    def change(
+        action: str, before: int | None, after: int, reason: str, operator: str | None = None
+    ) -> dict[str, Any]:
+        return {
+            "action": action,
+            "from": before,
+            "to": after,
+            "reason": reason,
+            "operator": operator,
+            "at": _now_iso(),
+        }
+
+    def record_change(
+        action: str, before: int | None, after: int, reason: str, operator: str | None = None
+    ) -> None:
+        state.last_change = change(action, before, after, reason, operator)
+
+    def set_lease(lease: Lease | None) -> None:
+        """The lease, and a fresh fast-fail window whenever its holder or rule changes."""
+        held = state.lease
+        state.lease = lease
+        if lease is None or lease.fast_fail is None:
+            state.burst = None
+        elif held is None or held.holder != lease.holder or held.fast_fail != lease.fast_fail:
+            state.burst = ErrorBurst(lease.fast_fail)
+
+    # --- where the weight starts: config, or the state file when it was saved for these arms ---
+    if config.state_file is not None:
+        found = load_state(config.state_file)
+        start = starting_state(config.challenger_percent, state.versions(), found, now)
+        state.challenger_percent = start.challenger_percent
+        set_lease(start.lease)
+        if found is not None:
+            state.last_change = change(
+                found.action, None, found.challenger_percent, found.reason, found.operator
+            )
+            state.last_change["at"] = found.updated_at
+        if start.note is not None and not start.save:
+            logger.warning("%s (%s)", start.note, config.state_file)
+        if found is not None and dict(found.arms) != state.versions():
+            record_change(
+                "arms_changed", found.challenger_percent, start.challenger_percent, start.note or ""
+            )
+        if start.save and found is not None:
+            record_change("lease_lapsed", found.challenger_percent, 0, start.note or "")
+            logger.warning("ROLLBACK [lease_lapsed] %s (%s)", start.note, config.state_file)
+            try:
+                save_state(config.state_file, saved(0, None))
+            except OSError:
+                logger.exception("rolled back, but cannot record it in %s", config.state_file)
+
+    # --- background: the lease watch, and saves started from the request path ---
+
+    def spawn(coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        state.background.add(task)  # keep a reference until it is done
+        task.add_done_callback(state.background.discard)
+
+    def roll_back_now(action: str, reason: str, operator: str | None = None) -> None:
+        """Challenger to 0 at once, lease and burst watch dropped; the caller saves it."""
+        before = state.challenger_percent
+        state.challenger_percent = 0
+        state.rollbacks += 1
+        set_lease(None)
+        record_change(action, before, 0, reason, operator)
+        by = f" (by {operator})" if operator else ""
+        logger.warning("ROLLBACK [%s] challenger_percent %d -> 0: %s%s", action, before, reason, by)
+
+    async def persist(content: SavedState) -> None:
+        if config.state_file is not None:
+            await run_in_threadpool(save_state, config.state_file, content)
+
+    async def save_rollback() -> None:
+        async with state.admin_lock:
+            try:
+                await persist(saved(0, None))
+            except OSError:
+                logger.exception(
+                    "the rollback is in effect but not saved to %s; fix it before the router "
+                    "restarts",
+                    config.state_file,
+                )
+
+    async def watch_lease() -> None:
+        while True:
+            lease = state.lease
+            now = time.time()
+            if lease is not None and now >= lease.expires_at:
+                roll_back_now(
+                    "lease_lapsed",
+                    f"the lease held by {lease.holder} lapsed at {utc_iso(lease.expires_at)}: "
+                    f"not renewed within {lease.ttl_s:g} s (the release stopped or lost the "
+                    "router)",
+                )
+                await save_rollback()
+                continue
+            wait = LEASE_TICK_S if lease is None else min(LEASE_TICK_S, lease.expires_at - now)
+            await asyncio.sleep(max(0.01, wait))
+
+    def observe_challenger(failed: bool) -> None:
+        """One challenger outcome into the fast-fail window; a burst rolls back here and now."""
+        burst = state.burst
+        if burst is None or state.challenger_percent == 0:
+            return
+        if burst.observe(failed):
+            roll_back_now("fast_fail", burst.describe())
+            spawn(save_rollback())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # One pool per arm, so a slow or stuck challenger cannot use up the
         # connections the champion needs.
         state.clients = {arm: _new_client(config) for arm in ARMS}
+        watcher = asyncio.get_running_loop().create_task(watch_lease())
         try:
             yield
         finally:
+            watcher.cancel()
+            for task in list(state.background):
+                await task
             for client in state.clients.values():
                 await client.aclose()
             state.clients = {}
@@ -188,6 +379,30 @@ def create_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="tuneloop canary router", lifespan=lifespan)
     app.state.router = state
 
+    @app.exception_handler(Refused)
+    async def refused(request: Request, error: Refused) -> Response:
+        path = request.url.path
+        state.refused[path if path in (*PROXIED, FEEDBACK) else "/admin", error.status] += 1
+        if path in PROXIED:
+            response: Response = openai_error(
+                error.status, error.reason, "invalid_request_error", error.kind
+            )
+        else:
+            response = JSONResponse(
+                {"detail": error.reason, "kind": error.kind}, status_code=error.status
+            )
+        response.headers.update(error.headers)
+        return response
+
+    async def body_of(request: Request, model: type[Body], limit: int) -> Body:
+        data = parse_json(await read_body(request, limit), limits.json_depth)
+        if not isinstance(data, dict):
+            raise Refused(400, "request body must be a JSON object", "bad_json")
+        try:
+            return model.model_validate(data)
+        except ValidationError as error:
+            raise Refused(400, _validation_reason(error), "invalid_body") from None
+
     def require_admin(authorization: Annotated[str | None, Header()] = None) -> None:
         # Read per request: the token is rotated by restarting with a new env var,
         # and an unset or empty variable must lock the admin API, never open it.
@@ -198,22 +413,56 @@ def create_app(config: RouterConfig) -> FastAPI:
             or scheme.lower() != "bearer"
             or not hmac.compare_digest(given.strip().encode(), expected.encode())
         ):
-            raise HTTPException(
-                status_code=401,
-                detail=f"admin endpoints need 'Authorization: Bearer <${config.admin_token_env}>'",
+            raise Refused(
+                401,
+                f"admin endpoints need 'Authorization: Bearer <${config.admin_token_env}>'",
+                "unauthorized",
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
     admin = [Depends(require_admin)]
 
+    def producer_of(authorization: str | None) -> str:
+        """The feedback producer a bearer token belongs to; ``Refused(401)`` for any other."""
+        scheme, _, given = (authorization or "").partition(" ")
+        token = given.strip().encode()
+        found = None
+        if scheme.lower() == "bearer" and token:
+            for producer in config.feedback_producers:
+                expected = os.environ.get(producer.token_env, "")
+                if expected and hmac.compare_digest(token, expected.encode()):
+                    found = producer.name
+            admin_token = os.environ.get(config.admin_token_env, "")
+            if admin_token and hmac.compare_digest(token, admin_token.encode()):
+                found = None  # the admin token is not a feedback credential, even if reused
+        if found is None:
+            raise Refused(
+                401,
+                "feedback needs 'Authorization: Bearer <producer token>' of a producer in the "
+                "router config's feedback_producers",
+                "unauthorized",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return found
+
+    def throttle(producer: str) -> None:
+        wait = state.buckets[producer].take(time.monotonic())
+        if wait > 0:
+            spec = next(p for p in config.feedback_producers if p.name == producer)
+            raise Refused(
+                429,
+                f"producer {producer!r} is over its rate limit ({spec.rate_per_minute:g} flags a "
+                f"minute, bursts of {spec.burst}); retry in {wait:.1f} s",
+                "rate_limited",
+                headers={"Retry-After": str(max(1, round(wait + 0.5)))},
+            )
+
+    # --- the proxied OpenAI endpoints ---
+
     async def proxy(request: Request, path: str) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return openai_error(400, "request body is not valid JSON", "invalid_request_error")
+        body = parse_json(await read_body(request, limits.request_bytes), limits.json_depth)
         if not isinstance(body, dict):
-            return openai_error(400, "request body must be a JSON object", "invalid_request_error")
+            raise Refused(400, "request body must be a JSON object", "bad_json")
         asked = body.get("model")
         if asked is not None and asked != config.public_model:
             return openai_error(
@@ -226,16 +475,12 @@ def create_app(config: RouterConfig) -> FastAPI:
         # `user` is whatever the client chose to send.
         user = request.headers.get("x-user-id") or body.get("user")
         if user is not None and not isinstance(user, str):
-            return openai_error(400, "'user' must be a string", "invalid_request_error")
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            raise Refused(400, "'user' must be a string", "invalid_body")
         # Anonymous requests spread by weight too, just without stickiness.
         arm = arm_for_bucket(bucket(user or uuid.uuid4().hex), state.challenger_percent)
         arm_config = config.arms[arm]
         body["model"] = arm_config.model
-        served = Served(arm, arm_config.model_version)
-        state.by_request.remember(request_id, served)
-        if user:
-            state.by_user.remember(user, served)
+        request_id = state.ids.issue(arm, arm_config.model_version, user)
         stats = state.stats[arm]
         stats.requests += 1
 
@@ -256,7 +501,8 @@ def create_app(config: RouterConfig) -> FastAPI:
         except httpx.TransportError as error:
             return _backend_failed(stats, arm, "connect", error, 502)
 
-        if response.status_code >= 500:
+        failed = response.status_code >= 500
+        if failed:
             stats.errors["http_5xx"] += 1
         media_type = response.headers.get("content-type")
         if not stream or response.status_code != 200:
@@ -265,15 +511,13 @@ def create_app(config: RouterConfig) -> FastAPI:
             if stream:
                 await response.aclose()
             stats.latency.observe(time.perf_counter() - start)
-            if response.status_code == 200:
-                completion_id = _completion_id(payload)
-                if completion_id:
-                    state.by_request.remember(completion_id, served)
+            if arm == "challenger":
+                observe_challenger(failed)
             return Response(
                 payload, response.status_code, headers=reply_headers, media_type=media_type
             )
         return StreamingResponse(
-            _relay(response, stats, arm, served, start),
+            _relay(response, stats, arm, start),
             status_code=response.status_code,
             headers=reply_headers,
             media_type=media_type,
@@ -284,13 +528,13 @@ def create_app(config: RouterConfig) -> FastAPI:
     ) -> JSONResponse:
         stats.errors[kind] += 1
         logger.warning("%s backend %s: %s", arm, kind, error)
+        if arm == "challenger":
+            observe_challenger(True)
         return openai_error(status, f"{arm} backend {kind}: {error}", "backend_error", kind)
 
     async def _relay(
-        response: httpx.Response, stats: ArmStats, arm: str, served: Served, start: float
+        response: httpx.Response, stats: ArmStats, arm: str, start: float
     ) -> AsyncIterator[bytes]:
-        prefix = b""
-        scanning = True
         first = True
         finished = False
         try:
@@ -298,13 +542,6 @@ def create_app(config: RouterConfig) -> FastAPI:
                 if first:
                     stats.ttft.observe(time.perf_counter() - start)
                     first = False
-                if scanning:
-                    prefix += chunk
-                    if b"\n\n" in prefix or len(prefix) > _ID_SCAN_BYTES:
-                        scanning = False
-                        completion_id = _first_event_id(prefix)
-                        if completion_id:
-                            state.by_request.remember(completion_id, served)
                 yield chunk
             finished = True
         except httpx.TransportError as error:
@@ -312,6 +549,8 @@ def create_app(config: RouterConfig) -> FastAPI:
             # the stream with an OpenAI-style error event, which clients raise.
             kind: ErrorKind = "timeout" if isinstance(error, httpx.TimeoutException) else "connect"
             stats.errors[kind] += 1
+            if arm == "challenger":
+                observe_challenger(True)
             logger.warning("%s backend %s mid-stream: %s", arm, kind, error)
             event = {"error": {"message": f"{arm} backend {kind}: {error}", "type": kind}}
             yield f"data: {json.dumps(event)}\n\n".encode()
@@ -319,6 +558,8 @@ def create_app(config: RouterConfig) -> FastAPI:
             await response.aclose()
             if finished:
                 stats.latency.observe(time.perf_counter() - start)
+                if arm == "challenger":
+                    observe_challenger(False)
 
     @app.post(PROXIED[0])
     async def chat_completions(request: Request) -> Response:
@@ -339,46 +580,76 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.post("/v1/feedback", status_code=201)
-    async def feedback(flag: FeedbackRequest) -> dict[str, object]:
-        served = None
-        if flag.request_id:
-            served = state.by_request.lookup(flag.request_id)
-        if served is None and flag.user:
-            served = state.by_user.lookup(flag.user)
-        if served is None:
-            logger.info(
-                "feedback for request %r / user %r: serving arm unknown; written as unattributed",
-                flag.request_id,
-                flag.user,
-            )
+    # --- feedback: credential, rate, size, JSON, scrub, then write ---
+
+    @app.post(FEEDBACK, status_code=201)
+    async def feedback(request: Request) -> JSONResponse:
+        producer = producer_of(request.headers.get("authorization"))
+        throttle(producer)
+        flag = await body_of(request, FeedbackRequest, limits.feedback_bytes)
+        check_sizes(flag, limits)
+        attribution: Attribution | None = None
+        why = "no request_id given"
+        if flag.request_id is not None:
+            attribution, why = state.ids.verify(flag.request_id)
+        if attribution is not None and attribution.arm not in ARMS:
+            why = f"request id names no arm of this router ({attribution.arm})"
+            attribution = None
+        # Claimed before any await, so two concurrent flags of one id cannot both count.
+        if attribution is not None and not state.flagged_ids.add(attribution.nonce):
+            attribution, why = None, "this request id was already flagged; it counts once"
         created_at = datetime.now(UTC)
+        arm, version = (attribution.arm, attribution.model_version) if attribution else (None, None)
+
+        def scrub_and_write() -> tuple[dict[str, object], Counter[str], Path]:
+            # Off the event loop: scrubbing a flag at the size limits takes tens of ms.
+            record, found = badcase_record(flag, producer, arm, version, created_at)
+            return record, found, state.writer.append(encode_line(record, limits), created_at)
+
+        written = False
         try:
-            record = badcase_record(
-                flag,
-                served.arm if served else None,
-                served.model_version if served else None,
-                created_at,
-            )
+            record, found, path = await run_in_threadpool(scrub_and_write)
+            written = True
         except InvalidRecord as error:
             # Ingest would quarantine it next month; say why now, while it can be fixed.
-            raise HTTPException(
-                status_code=422, detail={"kind": error.kind, "reason": str(error)}
-            ) from None
-        path = await run_in_threadpool(state.writer.append, record, created_at)
-        if served is not None:
-            state.stats[served.arm].badcases += 1
-        return {
-            "arm": record["arm"],
-            "model_version": record["model_version"],
-            "attributed": served is not None,
-            "file": path.name,
-        }
+            raise Refused(422, str(error), error.kind) from None
+        finally:
+            if attribution is not None and not written:
+                state.flagged_ids.discard(attribution.nonce)  # not written: it may come again
+        counted = False
+        if attribution is not None:
+            arm = attribution.arm
+            # A flag on an older model version is still its training data, but
+            # not evidence against the version this arm serves now.
+            if attribution.model_version == config.arms[arm].model_version:
+                counted = True
+                state.stats[arm].badcases += 1
+                if state.flagged_users[arm].add(attribution.user_key):
+                    state.stats[arm].badcase_users += 1
+        else:
+            logger.info("feedback from %s written unattributed: %s", producer, why)
+        return JSONResponse(
+            {
+                "arm": record["arm"],
+                "model_version": record["model_version"],
+                "attributed": attribution is not None,
+                "counted": counted,
+                "why_not": None if attribution is not None else why,
+                "source": producer,
+                "pii_scrubbed": dict(found),
+                "file": path.name,
+            },
+            status_code=201,
+        )
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        text = render_prometheus(state.stats, state.versions(), state.challenger_percent)
+        text = render_prometheus(
+            state.stats, state.versions(), state.challenger_percent, state.refused
+        )
         return PlainTextResponse(text, media_type=PROMETHEUS_CONTENT_TYPE)
+
+    # --- admin ---
 
     def status() -> dict[str, object]:
         p = state.challenger_percent
@@ -395,6 +666,9 @@ def create_app(config: RouterConfig) -> FastAPI:
                 for arm in ARMS
             },
             "last_change": state.last_change,
+            "lease": None if state.lease is None else state.lease.as_json(time.time()),
+            "request_ids_signed": state.ids.signing,
+            "feedback_producers": [p.name for p in config.feedback_producers],
         }
 
     @app.get("/admin/status", dependencies=admin)
@@ -410,62 +684,59 @@ def create_app(config: RouterConfig) -> FastAPI:
                 arm: {"model_version": config.arms[arm].model_version, **s.as_json()}
                 for arm, s in state.stats.items()
             },
+            "refused": [
+                {"endpoint": endpoint, "status": code, "count": n}
+                for (endpoint, code), n in sorted(state.refused.items())
+            ],
         }
 
-    async def persist(percent: int, reason: str) -> None:
-        if config.state_file is not None:
-            await run_in_threadpool(save_weight, config.state_file, percent, reason)
+    def not_saved(what: str, error: OSError) -> JSONResponse:
+        logger.exception("could not save the router state to %s", config.state_file)
+        return JSONResponse(
+            {"detail": f"{what}: cannot write {config.state_file}: {error}"}, status_code=500
+        )
 
-    def record_change(action: str, before: int, after: int, reason: str) -> None:
-        state.last_change = {
-            "action": action,
-            "from": before,
-            "to": after,
-            "reason": reason,
-            "at": datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
-        }
+    def overtaken() -> JSONResponse:
+        # A rollback landed while this change was being saved; it wins (its own
+        # save runs after this one, under the same lock).
+        return JSONResponse(
+            {"detail": "a rollback happened meanwhile; this change was not applied"},
+            status_code=409,
+        )
 
     @app.post("/admin/weights", dependencies=admin)
-    async def set_weights(change: WeightsRequest) -> JSONResponse:
+    async def set_weights(request: Request) -> JSONResponse:
+        update = await body_of(request, WeightsRequest, limits.admin_bytes)
         async with state.admin_lock:
             before = state.challenger_percent
             rollbacks = state.rollbacks
+            done = change(
+                "weights", before, update.challenger_percent, update.reason, update.operator
+            )
             # Saved before it applies: a weight the router could not keep across
             # a restart is refused now rather than silently lost later.
             try:
-                await persist(change.challenger_percent, change.reason)
+                await persist(saved(update.challenger_percent, state.lease, done))
             except OSError as error:
-                logger.exception("could not save challenger_percent to %s", config.state_file)
-                return JSONResponse(
-                    {"detail": f"weight unchanged: cannot write {config.state_file}: {error}"},
-                    status_code=500,
-                )
+                return not_saved("weight unchanged", error)
             if state.rollbacks != rollbacks:
-                # A rollback landed while this change was being saved; it wins
-                # (its own save runs after this one, under the same lock).
-                return JSONResponse(
-                    {"detail": "a rollback happened meanwhile; this change was not applied"},
-                    status_code=409,
-                )
-            state.challenger_percent = change.challenger_percent
-            record_change("weights", before, change.challenger_percent, change.reason)
+                return overtaken()
+            state.challenger_percent = update.challenger_percent
+            state.last_change = done
             logger.info(
-                "challenger_percent %d -> %d (%s)", before, change.challenger_percent, change.reason
+                "challenger_percent %d -> %d (%s)", before, update.challenger_percent, update.reason
             )
             return JSONResponse(status())
 
     @app.post("/admin/rollback", dependencies=admin)
-    async def rollback(change: RollbackRequest) -> JSONResponse:
+    async def rollback(request: Request) -> JSONResponse:
+        order = await body_of(request, RollbackRequest, limits.admin_bytes)
         # Applied first and without waiting for the admin lock: the next request
         # must reach the champion even while a weight change or a slow disk holds it.
-        before = state.challenger_percent
-        state.challenger_percent = 0
-        state.rollbacks += 1
-        record_change("rollback", before, 0, change.reason)
-        logger.warning("ROLLBACK challenger_percent %d -> 0: %s", before, change.reason)
+        roll_back_now("rollback", order.reason, order.operator)
         async with state.admin_lock:
             try:
-                await persist(0, change.reason)
+                await persist(saved(0, None))
             except OSError as error:
                 logger.exception("rollback is in effect but not saved to %s", config.state_file)
                 return JSONResponse(
@@ -477,6 +748,63 @@ def create_app(config: RouterConfig) -> FastAPI:
                     status_code=500,
                 )
         return JSONResponse(status())
+
+    @app.post("/admin/lease", dependencies=admin)
+    async def take_lease(request: Request) -> JSONResponse:
+        """Take or renew the release's lease on the canary weight."""
+        claim = await body_of(request, LeaseRequest, limits.admin_bytes)
+        rule = claim.fast_fail
+        if rule is not None and rule.max_errors > rule.window:
+            raise Refused(400, "fast_fail.max_errors is more than fast_fail.window", "invalid_body")
+        async with state.admin_lock:
+            now = time.time()
+            held = state.lease
+            if held is not None and held.holder != claim.holder and held.expires_at > now:
+                raise Refused(
+                    409,
+                    f"the lease is held by {held.holder} until {utc_iso(held.expires_at)}: one "
+                    "release at a time (roll back, or wait for it to end or lapse)",
+                    "lease_held",
+                )
+            lease = Lease(
+                claim.holder,
+                claim.ttl_s,
+                now + claim.ttl_s,
+                None if rule is None else FastFail(rule.window, rule.max_errors),
+            )
+            rollbacks = state.rollbacks
+            try:
+                await persist(saved(state.challenger_percent, lease))
+            except OSError as error:
+                return not_saved("lease not taken", error)
+            if state.rollbacks != rollbacks:
+                return overtaken()
+            if held is None or held.holder != lease.holder:
+                logger.info(
+                    "lease taken by %s for %g s (fast fail: %s)", lease.holder, lease.ttl_s, rule
+                )
+            set_lease(lease)
+            return JSONResponse(status())
+
+    @app.post("/admin/lease/release", dependencies=admin)
+    async def end_lease(request: Request) -> JSONResponse:
+        """The holder ends its lease; the weight stays where it is (e.g. 100 % after a promote)."""
+        end = await body_of(request, LeaseEnd, limits.admin_bytes)
+        async with state.admin_lock:
+            held = state.lease
+            if held is None:
+                return JSONResponse(status())
+            if held.holder != end.holder:
+                raise Refused(
+                    409, f"the lease is held by {held.holder}, not {end.holder}", "lease_held"
+                )
+            try:
+                await persist(saved(state.challenger_percent, None))
+            except OSError as error:
+                return not_saved("lease kept", error)
+            set_lease(None)
+            logger.info("lease of %s ended: %s", held.holder, end.reason or "no reason given")
+            return JSONResponse(status())
 
     return app
 

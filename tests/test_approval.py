@@ -5,16 +5,28 @@ The happy paths (answering a real paused release) run in ``test_release_flow.py`
 
 from __future__ import annotations
 
+import getpass
 import json
+import logging
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import mlflow
 import pytest
 from prefect import flow
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from tests.conftest import write_params
-from tests.test_router import TOKEN, StreamGate, fake_backend, make_config, running_router, serve
+from tests.test_router import (
+    TOKEN,
+    StreamGate,
+    fake_backend,
+    make_config,
+    router_secrets,  # noqa: F401  (autouse: the request-id key and producer token)
+    running_router,
+    serve,
+)
 from tuneloop.cli import build_parser
 from tuneloop.cli import main as cli
 from tuneloop.release import approval
@@ -32,6 +44,8 @@ def test_the_cli_takes_approve_reject_and_status() -> None:
     args = parser.parse_args(["reject", "id-1", "--approver", "bo", "--comment", "off tone"])
     assert (args.flow_run, args.comment) == ("id-1", "off tone")
     assert parser.parse_args(["status", "--json"]).json
+    args = parser.parse_args(["rollback", "--reason", "5xx burst"])
+    assert (args.reason, args.operator) == ("5xx burst", getpass.getuser())
     for missing in (["approve", "x"], ["reject", "x", "--approver", "bo"]):
         with pytest.raises(SystemExit):
             parser.parse_args(missing)
@@ -85,17 +99,22 @@ def test_status_shows_weights_figures_aliases_and_waiting_runs(
             for user in range(20):
                 body = {"model": "tuneloop", "messages": [{"role": "user", "content": "hi"}]}
                 client.post("/v1/chat/completions", json={**body, "user": f"u{user}"})
+            headers = {"Authorization": f"Bearer {TOKEN}"}
+            lease = {"holder": "release-run-1", "ttl_s": 600}
+            assert client.post("/admin/lease", json=lease, headers=headers).status_code == 200
             assert cli(["status"]) == 0
             shown = capsys.readouterr().out
             assert cli(["status", "--json"]) == 0
             as_json = capsys.readouterr().out
     assert f"router    {url}: champion v7 75 %, challenger v8 25 %" in shown
     assert "champion  " in shown and "requests, errors 0.00%" in shown
+    assert "lease: held by release-run-1 until " in shown
     # No registry in this folder yet: said so, not a crash.
     assert "registry  registered model 'tuneloop-support'" in shown
     assert "no release is waiting for approval" in shown
     parsed = json.loads(as_json)
     assert parsed["routers"][url]["weights"] == {"champion": 75, "challenger": 25}
+    assert parsed["routers"][url]["lease"]["holder"] == "release-run-1"
     assert parsed["arms"]["challenger"]["requests"] + parsed["arms"]["champion"]["requests"] == 20
 
 
@@ -110,3 +129,102 @@ def test_status_without_a_router_token_says_why(
         text = approval.format_status(approval.status(load_params()))
     assert "routers   unavailable: $TUNELOOP_ADMIN_TOKEN is not set" in text
     assert "waiting   unknown: PREFECT_API_URL is not set" in text
+
+
+class _Nothing(mlflow.pyfunc.PythonModel):  # type: ignore[name-defined]
+    def predict(
+        self, context: Any, model_input: list[str], params: dict[str, Any] | None = None
+    ) -> list[str]:
+        return model_input
+
+
+def _release_under_way(folder: Path) -> str:
+    """A registry whose challenger's run is tagged as a running release; that run's id."""
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    experiment = client.create_experiment("tuneloop", (folder / "mlartifacts").as_uri())
+    previous = mlflow.get_tracking_uri()
+    # set_tracking_uri also sets $MLFLOW_TRACKING_URI; the context puts it back.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
+        mlflow.set_tracking_uri(uri)
+        try:
+            with mlflow.start_run(experiment_id=experiment) as run:
+                mlflow.pyfunc.log_model(
+                    name="model",
+                    python_model=_Nothing(),
+                    pip_requirements=[],
+                    registered_model_name="tuneloop-support",
+                )
+        finally:
+            mlflow.set_tracking_uri(previous)
+    client.set_registered_model_alias("tuneloop-support", "challenger", "1")
+    client.set_tag(run.info.run_id, "release.status", "running")
+    return str(run.info.run_id)
+
+
+def test_rollback_sets_every_router_to_0_and_records_who_and_why(
+    in_folder: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    run_id = _release_under_way(in_folder)
+    gate = StreamGate()
+    with ExitStack() as stack:
+        backends = {
+            arm: stack.enter_context(serve(fake_backend(arm, gate)))
+            for arm in ("champion", "challenger")
+        }
+        clients = [
+            stack.enter_context(
+                running_router(
+                    make_config(
+                        backends, in_folder / "feedback", state_file=in_folder / f"state{i}.json"
+                    )
+                )
+            )
+            for i in range(2)
+        ]
+        for client in clients:
+            lease = {"holder": "release-run-1", "ttl_s": 600}
+            client.post("/admin/lease", json=lease, headers=headers)
+            client.post("/admin/weights", json={"challenger_percent": 30}, headers=headers)
+        urls = [str(c.base_url).rstrip("/") for c in clients]
+        write_params(in_folder, {"release": {"routers": urls}})
+        with caplog.at_level(logging.WARNING, logger="serving.router"):
+            assert cli(["rollback", "--reason", "pager: 5xx on v8", "--operator", "dana"]) == 0
+        out = capsys.readouterr().out
+        statuses = [c.get("/admin/status", headers=headers).json() for c in clients]
+    assert "rolled back on 2 router(s)" in out and f"release's MLflow run {run_id}" in out
+    for status in statuses:
+        assert status["challenger_percent"] == 0 and status["lease"] is None
+        change = status["last_change"]
+        assert (change["action"], change["operator"], change["reason"]) == (
+            "rollback",
+            "dana",
+            "pager: 5xx on v8",
+        )
+    for i in range(2):
+        saved = json.loads((in_folder / f"state{i}.json").read_text())
+        assert (saved["challenger_percent"], saved["operator"]) == (0, "dana")
+    rollbacks = [r.getMessage() for r in caplog.records if "ROLLBACK" in r.getMessage()]
+    assert len(rollbacks) == 2 and all("(by dana)" in m for m in rollbacks)
+    tags = mlflow.MlflowClient(f"sqlite:///{in_folder / 'mlflow.db'}").get_run(run_id).data.tags
+    assert (tags["release.rollback.operator"], tags["release.rollback.reason"]) == (
+        "dana",
+        "pager: 5xx on v8",
+    )
+
+
+def test_a_rollback_needs_a_reason_and_reachable_routers(
+    in_folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
+    write_params(in_folder, {"release": {"routers": ["http://127.0.0.1:9"]}})
+    assert cli(["rollback", "--reason", " "]) == 1
+    assert "needs a --reason" in capsys.readouterr().err
+    assert cli(["rollback", "--reason", "incident"]) == 1
+    assert "ROLLBACK DID NOT LAND" in capsys.readouterr().err

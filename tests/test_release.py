@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -22,9 +23,19 @@ from fastapi.responses import StreamingResponse
 from prefect.input import RunInput
 
 from serving.metrics import new_stats
-from tests.test_router import TOKEN, StreamGate, fake_backend, make_config, running_router, serve
+from tests.conftest import write_params
+from tests.test_router import (
+    SECRET_ENV,
+    TOKEN,
+    StreamGate,
+    fake_backend,
+    make_config,
+    router_secrets,  # noqa: F401  (autouse: the request-id key and producer token)
+    running_router,
+    serve,
+)
 from tuneloop.params import ParamsError, ReleaseParams, load_params, parse_params
-from tuneloop.release.admin import AdminError, RouterAdmin
+from tuneloop.release.admin import AdminError, LeaseKeeper, RouterAdmin
 from tuneloop.release.analysis import (
     Approval,
     ArmFigures,
@@ -73,7 +84,8 @@ def test_parse_stats_reads_what_the_router_serves() -> None:
     stats["challenger"].requests = 40
     stats["challenger"].errors["http_5xx"] = 2
     stats["challenger"].errors["timeout"] = 1
-    stats["challenger"].badcases = 4
+    stats["challenger"].badcases = 9  # flags ...
+    stats["challenger"].badcase_users = 4  # ... from four users: what the analysis counts
     for ms in (10, 20, 300):
         stats["challenger"].latency.observe(ms / 1000)
     payload = {
@@ -335,23 +347,72 @@ def test_every_replica_moves_together_and_a_rollback_holds_at_once(
 
 
 def test_a_release_refuses_routers_that_serve_other_versions(
-    backends: dict[str, str], tmp_path: Path
+    backends: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from flows.release import ReleaseRefused, _check_routers
 
-    with (
-        pytest.MonkeyPatch.context() as patch,
-        routers(backends, tmp_path, 1) as urls,
-        RouterAdmin(urls, TOKEN) as admin,
-    ):
-        patch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
+    monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
+    with routers(backends, tmp_path, 1) as urls, RouterAdmin(urls, TOKEN) as admin:
         arms = _check_routers(admin, candidate="8", champion="7")
         assert arms["challenger"]["base_url"] == backends["challenger"]
         with pytest.raises(ReleaseRefused, match=r"router\.yaml"):
             _check_routers(admin, candidate="9", champion="7")
+        admin.take_lease("another-release", 60)
+        with pytest.raises(ReleaseRefused, match=r"another release \(another-release\) holds"):
+            _check_routers(admin, candidate="8", champion="7")
+        admin.end_lease("another-release", "done")
         admin.set_weight(5, "left over")
         with pytest.raises(ReleaseRefused, match="already sends 5 %"):
             _check_routers(admin, candidate="8", champion="7")
+
+
+def test_a_release_refuses_routers_that_cannot_attribute_badcases(
+    backends: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.release import ReleaseRefused, _check_routers
+
+    monkeypatch.delenv(SECRET_ENV)
+    monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
+    with (
+        routers(backends, tmp_path, 1) as urls,
+        RouterAdmin(urls, TOKEN) as admin,
+        pytest.raises(ReleaseRefused, match="signs no request ids"),
+    ):
+        _check_routers(admin, candidate="8", champion="7")
+
+
+def test_the_lease_keeper_renews_while_it_runs_and_ends_the_lease(
+    backends: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
+    with routers(backends, tmp_path, 2) as urls, RouterAdmin(urls, TOKEN) as admin:
+        fast_fail = {"window": 20, "max_errors": 10}
+        with LeaseKeeper(admin, "release-1", 1.5, fast_fail) as keeper:
+            admin.set_weight(10, "canary")
+            time.sleep(3.0)  # twice the lease: only the renewals keep it
+            leases = [s["lease"] for s in admin.status().values()]
+            assert {lease["holder"] for lease in leases} == {"release-1"}
+            assert {s["challenger_percent"] for s in admin.status().values()} == {10}
+            assert keeper.renewals >= 4 and keeper.failures == 0
+            assert leases[0]["fast_fail"] == fast_fail
+        # Ended on leaving: no rollback follows, the weight stays.
+        time.sleep(2.0)
+        statuses = admin.status().values()
+        assert [s["lease"] for s in statuses] == [None, None]
+        assert {s["challenger_percent"] for s in statuses} == {10}
+
+
+def test_a_lease_the_keeper_cannot_take_stops_the_release_before_traffic_moves(
+    backends: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
+    with routers(backends, tmp_path, 1) as urls, RouterAdmin(urls, TOKEN) as admin:
+        admin.take_lease("someone-else", 60)
+        with (
+            pytest.raises(AdminError, match=r"409.*someone-else"),
+            LeaseKeeper(admin, "release-1", 60, None),
+        ):
+            pass
 
 
 def test_a_rollback_that_cannot_land_says_how_to_do_it_by_hand() -> None:
@@ -360,3 +421,26 @@ def test_a_rollback_that_cannot_land_says_how_to_do_it_by_hand() -> None:
         with pytest.raises(AdminError, match=r"ROLLBACK DID NOT LAND.*admin/rollback"):
             admin.rollback("x", attempts=2)
         assert time.monotonic() - start < 5
+
+
+def test_a_crashed_or_cancelled_release_rolls_back_through_its_hooks(
+    backends: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.states import Crashed
+
+    from flows.release import release, roll_back_on_exit
+
+    assert roll_back_on_exit in release.on_crashed_hooks
+    assert roll_back_on_exit in release.on_cancellation_hooks
+    monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
+    with routers(backends, tmp_path, 2) as urls, RouterAdmin(urls, TOKEN) as admin:
+        admin.set_weight(10, "canary")
+        write_params(tmp_path, {"release": {"routers": urls}})
+        run = FlowRun(flow_id=uuid.uuid4(), name="brave-otter", parameters={"repo": str(tmp_path)})
+        roll_back_on_exit(release, run, Crashed(message="killed by a termination signal"))
+        statuses = list(admin.status().values())
+    assert {s["challenger_percent"] for s in statuses} == {0}
+    for status in statuses:
+        reason = status["last_change"]["reason"]
+        assert "brave-otter" in reason and "Crashed" in reason and "termination" in reason

@@ -32,7 +32,15 @@ from prefect.states import State
 from serving.config import RouterConfig
 from serving.router import create_app
 from tests.conftest import write_params
-from tests.test_router import serve
+from tests.test_router import (
+    PRODUCER,
+    PRODUCER_ENV,
+    PRODUCER_TOKEN,
+    PRODUCERS,
+    SECRET,
+    SECRET_ENV,
+    serve,
+)
 from tuneloop.cli import main as cli
 from tuneloop.release import approval
 from tuneloop.release.backends import Backend, start_transformers_serve
@@ -188,7 +196,11 @@ def router(backends: dict[str, Backend], feedback: Path) -> Iterator[str]:
         arm: {"base_url": b.url, "model": b.model, "model_version": version}
         for (arm, b), version in zip(backends.items(), ("1", "2"), strict=True)
     }
-    config = RouterConfig.model_validate({"arms": arms, "feedback_dir": feedback})
+    # The traffic flags every challenger answer in some tests: no rate limit in the way.
+    producers = [{**PRODUCERS[0], "rate_per_minute": 600_000, "burst": 10_000}]
+    config = RouterConfig.model_validate(
+        {"arms": arms, "feedback_dir": feedback, "feedback_producers": producers}
+    )
     with serve(create_app(config)) as url:
         yield url
 
@@ -245,7 +257,7 @@ class Traffic:
                 "corrected_response": "[return] Yes, within 30 days.",
                 "request_id": reply.headers["x-request-id"],
             }
-            client.post("/v1/feedback", json=flag).raise_for_status()
+            client.post("/v1/feedback", json=flag, headers=PRODUCER).raise_for_status()
         return arm
 
     @contextmanager
@@ -339,7 +351,10 @@ def events(repo: Path, client: MlflowClient, flow_run_id: str) -> list[dict[str,
 
 @pytest.fixture
 def token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The admin token, the routers' request-id key and the feedback producer's token."""
     monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    monkeypatch.setenv(PRODUCER_ENV, PRODUCER_TOKEN)
 
 
 # --- tests -------------------------------------------------------------------------------------

@@ -32,12 +32,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving.config import RouterConfig, RouterConfigError, load_router_config
 from serving.metrics import percentile
 from serving.router import create_app
-from serving.state import arm_for_bucket, bucket, load_weight, save_weight
+from serving.state import SavedState, arm_for_bucket, bucket, load_state, save_state
 from tuneloop.records import parse_record
 
 TOKEN = "s3cret-admin-token"
 MODELS = {"champion": "champ-model", "challenger": "chall-model"}
 VERSIONS = {"champion": "7", "challenger": "8"}
+# Router secrets of the tests: the request-id key and one feedback producer's token.
+SECRET_ENV, SECRET = "TUNELOOP_ROUTER_SECRET", "router-test-secret"
+PRODUCER_ENV, PRODUCER_TOKEN = "TUNELOOP_FEEDBACK_SUPPORT", "support-tool-token"
+PRODUCERS = [{"name": "support-tool", "token_env": PRODUCER_ENV}]
+PRODUCER = {"Authorization": f"Bearer {PRODUCER_TOKEN}"}
 
 
 # --- servers on loopback ports ----------------------------------------------------------------
@@ -171,7 +176,13 @@ def make_config(
         for arm, url in backends.items()
     }
     return RouterConfig.model_validate(
-        {"arms": arms, "challenger_percent": percent, "feedback_dir": feedback_dir, **extra}
+        {
+            "arms": arms,
+            "challenger_percent": percent,
+            "feedback_dir": feedback_dir,
+            "feedback_producers": PRODUCERS,
+            **extra,
+        }
     )
 
 
@@ -185,6 +196,13 @@ def running_router(config: RouterConfig) -> Iterator[httpx.Client]:
 def admin_token(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
     return {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(autouse=True)
+def router_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request-id key and the producer token, as a deployed router has them."""
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    monkeypatch.setenv(PRODUCER_ENV, PRODUCER_TOKEN)
 
 
 def chat(client: httpx.Client, user: str | None = None, **body: Any) -> httpx.Response:
@@ -350,7 +368,8 @@ def test_admin_needs_the_token_and_changes_nothing_without_it(
         assert client.get("/admin/status", headers=admin_token).json()["challenger_percent"] == 10
 
         r = client.post("/admin/weights", json={"challenger_percent": 101}, headers=admin_token)
-        assert r.status_code == 422
+        assert r.status_code == 400
+        assert "challenger_percent" in r.json()["detail"]
         r = client.post("/admin/weights", json={"challenger_percent": 25}, headers=admin_token)
         assert r.status_code == 200
         assert r.json()["weights"] == {"champion": 75, "challenger": 25}
@@ -368,7 +387,9 @@ def test_rollback_holds_from_the_next_request_and_survives_a_restart(
         assert r.json()["challenger_percent"] == 0
         assert r.json()["last_change"]["reason"] == "error rate"
         assert all(served_arm(chat(client, f"u{i}")) == "champion" for i in range(50))
-    assert load_weight(tmp_path / "state.json") == 0
+    saved = load_state(tmp_path / "state.json")
+    assert saved is not None and saved.challenger_percent == 0
+    assert saved.reason == "error rate" and saved.arms == VERSIONS
     # The config still says 100; the saved rollback must win after a restart.
     with running_router(config) as client:
         assert served_arm(chat(client, "u1")) == "champion"
@@ -399,11 +420,11 @@ def test_a_rollback_during_a_slow_weight_change_wins_at_once(
 ) -> None:
     import serving.router
 
-    def slow_save(path: Path, percent: int, reason: str) -> None:
+    def slow_save(path: Path, state: SavedState) -> None:
         time.sleep(0.5)  # a slow disk under the admin lock
-        save_weight(path, percent, reason)
+        save_state(path, state)
 
-    monkeypatch.setattr(serving.router, "save_weight", slow_save)
+    monkeypatch.setattr(serving.router, "save_state", slow_save)
     state_file = tmp_path / "state.json"
     config = make_config(backends, tmp_path, percent=100, state_file=state_file)
 
@@ -426,7 +447,8 @@ def test_a_rollback_during_a_slow_weight_change_wins_at_once(
         assert asyncio.run(race(url)) == (409, 200, "champion")
         with httpx.Client(base_url=url, headers=admin_token) as client:
             assert client.get("/admin/status").json()["challenger_percent"] == 0
-    assert load_weight(state_file) == 0
+    saved = load_state(state_file)
+    assert saved is not None and saved.challenger_percent == 0
 
 
 def read_feedback(folder: Path) -> list[dict[str, Any]]:
@@ -435,7 +457,7 @@ def read_feedback(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in files[0].read_text().splitlines()]
 
 
-def test_feedback_is_appended_with_arm_and_model_version(
+def test_feedback_is_attributed_only_by_the_routers_own_request_id(
     backends: dict[str, str], tmp_path: Path, admin_token: dict[str, str]
 ) -> None:
     feedback_dir = tmp_path / "incoming"
@@ -446,47 +468,61 @@ def test_feedback_is_appended_with_arm_and_model_version(
             "bad_response": "No.",
             "corrected_response": "[return] The Aurora kettle can be returned within 30 days.",
         }
-        # By the router's request id, by the completion's own id, by user, and unknown.
-        by_request = client.post(
-            "/v1/feedback", json={**flag, "request_id": reply.headers["x-request-id"]}
-        )
-        by_completion = client.post(
-            "/v1/feedback", json={**flag, "request_id": reply.json()["id"], "tags": ["fact"]}
-        )
-        client.post("/admin/rollback", json={"reason": "badcases"}, headers=admin_token)
-        by_user = client.post("/v1/feedback", json={**flag, "user": "alice"})
-        unknown = client.post("/v1/feedback", json={**flag, "request_id": "nope"})
-        for r in (by_request, by_completion, by_user):
+        request_id = reply.headers["x-request-id"]
+
+        def send(**extra: Any) -> httpx.Response:
+            return client.post("/v1/feedback", json={**flag, **extra}, headers=PRODUCER)
+
+        # The router's id; the completion's own id (not signed); the same id again; junk.
+        by_request = send(request_id=request_id)
+        by_completion = send(request_id=reply.json()["id"], tags=["fact"])
+        again = send(request_id=request_id)
+        unknown = send(request_id="nope")
+        assert by_request.status_code == 201, by_request.text
+        assert by_request.json() == {
+            **by_request.json(),
+            "arm": "challenger",
+            "model_version": VERSIONS["challenger"],
+            "attributed": True,
+            "counted": True,
+            "source": "support-tool",
+        }
+        for r, why in (
+            (by_completion, "not a request id this router issued"),
+            (again, "already flagged"),
+            (unknown, "not a request id this router issued"),
+        ):
             assert r.status_code == 201, r.text
-            assert r.json()["arm"] == "challenger"
-            assert r.json()["attributed"] is True
-        assert unknown.json() == {**unknown.json(), "arm": None, "attributed": False}
-        empty = client.post("/v1/feedback", json={**flag, "messages": []})
-        assert empty.status_code == 422
+            assert r.json()["arm"] is None and r.json()["attributed"] is False
+            assert why in r.json()["why_not"]
+        empty = send(messages=[])
+        assert empty.status_code == 400
+        assert "messages" in empty.json()["detail"]
         # What ingest would quarantine is refused now, with ingest's reason.
         ends_with_assistant = [*flag["messages"], {"role": "assistant", "content": "No."}]
-        misordered = client.post("/v1/feedback", json={**flag, "messages": ends_with_assistant})
+        misordered = send(messages=ends_with_assistant)
         assert misordered.status_code == 422
-        assert misordered.json()["detail"]["kind"] == "wrong_turn_order"
+        assert misordered.json()["kind"] == "wrong_turn_order"
         stats = client.get("/admin/stats", headers=admin_token).json()
-    assert stats["arms"]["challenger"]["badcases"] == 3
+    assert stats["arms"]["challenger"]["badcases"] == 1
+    assert stats["arms"]["challenger"]["badcase_users"] == 1
     assert stats["arms"]["champion"]["badcases"] == 0
 
     lines = read_feedback(feedback_dir)
     assert len(lines) == 4
-    for line in lines[:3]:
-        assert line["arm"] == "challenger"
-        assert line["model_version"] == VERSIONS["challenger"]
+    for line in lines:
+        parse_record(line)  # next month's ingest accepts every line as a badcase
         assert line["source"] == "router-feedback"
         assert line["messages"] == flag["messages"]
         assert line["bad_response"] == "No."
         assert line["corrected_response"] == flag["corrected_response"]
         assert line["created_at"].endswith("Z")
-    for line in lines:
-        parse_record(line)  # next month's ingest accepts every line as a badcase
-    assert lines[1]["tags"] == ["fact"]
-    assert lines[3]["model_version"] is None
-    assert lines[3]["tags"] == ["unattributed"]
+        assert "tuneloop.feedback.source=support-tool" in line["tags"]
+    assert (lines[0]["arm"], lines[0]["model_version"]) == ("challenger", VERSIONS["challenger"])
+    assert "unattributed" not in lines[0]["tags"]
+    assert lines[1]["tags"] == ["fact", "tuneloop.feedback.source=support-tool", "unattributed"]
+    for line in lines[1:]:
+        assert line["arm"] is None and line["model_version"] is None
     assert set(lines[0]) == {
         "messages", "bad_response", "corrected_response", "source",
         "model_version", "arm", "created_at", "tags",
@@ -496,11 +532,12 @@ def test_feedback_is_appended_with_arm_and_model_version(
 def test_concurrent_feedback_never_interleaves_lines(
     backends: dict[str, str], tmp_path: Path
 ) -> None:
-    config = make_config(backends, tmp_path)
+    producers = [{**PRODUCERS[0], "burst": 100}]
+    config = make_config(backends, tmp_path, feedback_producers=producers)
     long_text = "x" * 20_000  # larger than a pipe buffer, so a torn write would show
 
     async def flood(url: str) -> list[int]:
-        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=10, headers=PRODUCER) as client:
             replies = await asyncio.gather(
                 *(
                     client.post(
@@ -508,7 +545,6 @@ def test_concurrent_feedback_never_interleaves_lines(
                         json={
                             "messages": [{"role": "user", "content": f"q{i}"}],
                             "bad_response": long_text,
-                            "user": f"user-{i}",
                         },
                     )
                     for i in range(40)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import sys
 from pathlib import Path
@@ -120,6 +121,24 @@ def _reject(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollback(args: argparse.Namespace) -> int:
+    from tuneloop.params import load_params
+    from tuneloop.release import approval
+
+    try:
+        done = approval.rollback(load_params(), args.reason, args.operator)
+    except approval.ApprovalError as error:
+        print(f"tuneloop rollback: {error}", file=sys.stderr)
+        return 1
+    print(
+        f"rolled back on {len(done['routers'])} router(s) in {done['seconds'] * 1000:.0f} ms "
+        f"by {done['operator']}: the challenger gets 0 % ({done['reason']})"
+    )
+    if done["release_run"]:
+        print(f"recorded on the release's MLflow run {done['release_run']}")
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     from tuneloop.params import load_params
     from tuneloop.release import approval
@@ -189,8 +208,20 @@ def build_parser() -> argparse.ArgumentParser:
     reject.add_argument("--comment", required=True, help="why; recorded as the rollback reason")
     reject.set_defaults(run=_reject)
 
+    rollback = commands.add_parser(
+        "rollback",
+        help="challenger to 0 %% on every router now (an incident, with or without a release)",
+    )
+    rollback.add_argument("--reason", required=True, help="why; recorded by every router")
+    rollback.add_argument(
+        "--operator",
+        default=getpass.getuser(),
+        help="who; recorded beside the reason (default: your OS user name)",
+    )
+    rollback.set_defaults(run=_rollback)
+
     status = commands.add_parser(
-        "status", help="live weights, per-arm figures, registry aliases, releases waiting"
+        "status", help="live weights and lease, per-arm figures, registry aliases, releases waiting"
     )
     status.add_argument("--json", action="store_true", help="print it as JSON")
     status.set_defaults(run=_status)

@@ -335,6 +335,24 @@ class LoadTestParams(_Group):
     )
 
 
+class FastFailParams(_Group):
+    """A challenger error burst that the router itself rolls back on, between two analyses."""
+
+    window: int = Field(ge=1, description="the last N challenger requests the router looks at")
+    max_errors: int = Field(
+        ge=1, description="5xx, connection errors and timeouts among them that roll back at once"
+    )
+
+    @model_validator(mode="after")
+    def _fits_the_window(self) -> FastFailParams:
+        if self.max_errors > self.window:
+            raise ValueError(
+                f"max_errors ({self.max_errors}) is more than the window ({self.window}): "
+                "fast fail could never trigger"
+            )
+        return self
+
+
 class ReleaseParams(_Group):
     """The release flow: canary steps, analysis thresholds, approvals (flows/release.py)."""
 
@@ -354,6 +372,11 @@ class ReleaseParams(_Group):
     max_latency_p99_ratio: float = Field(gt=0, description="challenger / champion p99, at most")
     max_ttft_p99_ratio: float = Field(gt=0, description="challenger / champion p99, at most")
     approval_timeout: int = Field(ge=1, description="seconds to wait for a person; then rollback")
+    # At least 2 s: the flow renews every third of it, and each renewal is an HTTP call.
+    lease_ttl_s: float = Field(
+        ge=2, description="a release silent this long is rolled back by every router on its own"
+    )
+    fast_fail: FastFailParams
     loadtest: LoadTestParams
 
     @model_validator(mode="after")

@@ -38,8 +38,11 @@ from functools import lru_cache
 EMAIL, PHONE, CN_ID, BANK_CARD, IP = "EMAIL", "PHONE", "CN_ID", "BANK_CARD", "IP"
 PII_TYPES: tuple[str, ...] = (EMAIL, PHONE, CN_ID, BANK_CARD, IP)
 
+# The look-behind starts a match only where a run of local-part characters starts:
+# without it, a long run with no '@' is rescanned from every position (quadratic;
+# 9 s for 32k letters), which a hostile line or feedback flag could use.
 _EMAIL_RE = re.compile(
-    r"[A-Za-z0-9._%+-]+@"
+    r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]+@"
     r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
     r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*\.[A-Za-z]{2,}",
     re.ASCII,

@@ -1,19 +1,31 @@
 """The release's hands on the router replicas: their admin API, called together.
 
 ``RouterAdmin`` drives the admin API of every router replica at once: status,
-stats, weights, rollback. Each replica holds its own weight in memory, so every
-change goes to all of them.
+stats, weights, rollback, the lease. Each replica holds its own weight in
+memory, so every change goes to all of them.
+
+``LeaseKeeper`` holds a running release's lease on the canary weight: it takes
+it on every replica, renews it from a background thread every third of its
+time to live (also while the flow is paused for a person), and ends it when the
+release ends. A release process that dies stops renewing, and every replica
+then rolls the challenger back by itself when its lease lapses.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+
+logger = logging.getLogger(__name__)
+# Seconds between renewal attempts after a failed one.
+RETRY_S = 1.0
 
 # --- the routers' admin API --------------------------------------------------------------------
 
@@ -33,6 +45,8 @@ class RouterAdmin:
         if not urls:
             raise AdminError("no router URLs given (params: release.routers)")
         self.urls = tuple(u.rstrip("/") for u in urls)
+        self._token = token
+        self._timeout = timeout
         self._client = httpx.Client(
             timeout=timeout,
             headers={"Authorization": f"Bearer {token}"},
@@ -48,6 +62,10 @@ class RouterAdmin:
                 "(the same value the routers were started with)"
             )
         return cls(urls, token, timeout)
+
+    def copy(self) -> RouterAdmin:
+        """The same routers and token over a client of its own (one per thread)."""
+        return RouterAdmin(self.urls, self._token, self._timeout)
 
     def close(self) -> None:
         self._client.close()
@@ -104,14 +122,27 @@ class RouterAdmin:
         """Move every replica to ``percent``. Not retried: a person or the flow decides again."""
         self._each("POST", "/admin/weights", {"challenger_percent": percent, "reason": reason})
 
-    def rollback(self, reason: str, attempts: int = 3) -> float:
+    def take_lease(
+        self, holder: str, ttl_s: float, fast_fail: Mapping[str, int] | None = None
+    ) -> None:
+        """Take or renew ``holder``'s lease on every replica, lapsing ``ttl_s`` from now."""
+        body = {"holder": holder, "ttl_s": ttl_s, "fast_fail": fast_fail}
+        self._each("POST", "/admin/lease", body)
+
+    def end_lease(self, holder: str, reason: str) -> None:
+        """End ``holder``'s lease on every replica; the weight stays as it is."""
+        self._each("POST", "/admin/lease/release", {"holder": holder, "reason": reason})
+
+    def rollback(self, reason: str, attempts: int = 3, operator: str | None = None) -> float:
         """Challenger to 0 on every replica; returns the seconds it took.
 
         Retried (a rollback is idempotent and must land); replicas that already
-        took it are not called again.
+        took it are not called again. ``operator`` (who) is recorded beside the reason.
         """
         start = time.perf_counter()
-        body = {"reason": reason}
+        body: dict[str, str] = {"reason": reason}
+        if operator:
+            body["operator"] = operator
         pending = list(self.urls)
         errors: list[str] = []
         for _ in range(attempts):
@@ -130,3 +161,80 @@ class RouterAdmin:
             "curl -X POST -H 'Authorization: Bearer $TOKEN' -H 'content-type: application/json' "
             '-d \'{"reason": "manual"}\' <router>/admin/rollback'
         )
+
+
+class LeaseKeeper:
+    """A release's lease on every replica, renewed in the background while the release runs.
+
+    Use as a context manager: entering takes the lease (all replicas, or
+    ``AdminError``); leaving stops the renewals and ends the lease. A renewal
+    that fails is logged and tried again at the next tick: the lease is three
+    renewals long, so a brief outage costs nothing, and a long one lets the
+    routers roll back by themselves, which is what an unwatched canary needs.
+    """
+
+    def __init__(
+        self,
+        admin: RouterAdmin,
+        holder: str,
+        ttl_s: float,
+        fast_fail: Mapping[str, int] | None,
+        log: logging.Logger | logging.LoggerAdapter[Any] = logger,
+    ) -> None:
+        # Its own HTTP client: the flow's analysis thread uses the other one meanwhile.
+        self.admin = admin.copy()
+        self.holder = holder
+        self.ttl_s = ttl_s
+        self.fast_fail = dict(fast_fail) if fast_fail is not None else None
+        self.log = log
+        self.renewals = 0
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="release-lease", daemon=True)
+
+    @property
+    def interval(self) -> float:
+        """Seconds between renewals: a third of the lease."""
+        return self.ttl_s / 3
+
+    def __enter__(self) -> LeaseKeeper:
+        self.admin.take_lease(self.holder, self.ttl_s, self.fast_fail)
+        self._thread.start()
+        return self
+
+    def _renew(self) -> None:
+        wait = self.interval
+        while not self._stop.wait(wait):
+            try:
+                self.admin.take_lease(self.holder, self.ttl_s, self.fast_fail)
+            except AdminError as error:
+                self.failures += 1
+                # Try again soon, not a third of the lease later: a replica that
+                # restarts must get its lease back before the one it restored lapses.
+                wait = min(self.interval, RETRY_S)
+                self.log.warning(
+                    "lease renewal failed (%s); trying again in %g s. A router that stays "
+                    "unreachable rolls back by itself when its lease lapses (%g s)",
+                    error,
+                    wait,
+                    self.ttl_s,
+                )
+            else:
+                self.renewals += 1
+                wait = self.interval
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        try:
+            self.admin.end_lease(self.holder, "the release ended")
+        except AdminError as error:
+            self.log.warning(
+                "could not end the lease (%s); where it stays, it lapses in %g s and that router "
+                "sets the challenger to 0",
+                error,
+                self.ttl_s,
+            )
+        finally:
+            self.admin.close()

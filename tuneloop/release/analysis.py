@@ -5,7 +5,10 @@ calls these. What is decided here:
 
 - **analysis** of one interval of canary traffic: the challenger against the
   champion on error rate, p99 latency, p99 time to first token and badcase rate,
-  from the router's ``/admin/stats`` read at the start and end of the interval;
+  from the router's ``/admin/stats`` read at the start and end of the interval.
+  A badcase counts once per distinct user, and only when the router attributed
+  it through a request id it signed (``badcase_users``): a client cannot charge
+  flags to the other arm, and one user flagging many answers counts once;
 - **the load test gate** before the first traffic: candidate against champion on
   median TTFT and output throughput, measured on each backend directly;
 - **the ramp plan**: which percent comes next, and whether a person's answer to
@@ -38,7 +41,10 @@ class StatsError(ValueError):
 
 @dataclass(frozen=True)
 class ArmFigures:
-    """One arm's figures from ``/admin/stats``: counters, windowed p99s in ms (None: no data)."""
+    """One arm's figures from ``/admin/stats``: counters, windowed p99s in ms (None: no data).
+
+    ``badcases`` is the router's ``badcase_users``: distinct users with an attributed flag.
+    """
 
     requests: int
     errors: int
@@ -76,7 +82,7 @@ def parse_stats(payload: Mapping[str, Any]) -> Snapshot:
             arm: ArmFigures(
                 requests=int(payload["arms"][arm]["requests"]),
                 errors=int(payload["arms"][arm]["errors"]),
-                badcases=int(payload["arms"][arm]["badcases"]),
+                badcases=int(payload["arms"][arm]["badcase_users"]),
                 latency_p99_ms=_optional(payload["arms"][arm]["latency_ms"]["p99"]),
                 ttft_p99_ms=_optional(payload["arms"][arm]["ttft_ms"]["p99"]),
             )

@@ -1,11 +1,15 @@
-"""Answer a paused release from the command line, and show where a release stands.
+"""Answer a paused release from the command line, roll back, and show where a release stands.
 
 - ``approve(flow_run, approver, percent=None)``: resume the paused release flow
   with an approval; without ``percent`` the flow's planned next step applies.
 - ``reject(flow_run, approver, comment)``: resume it with a rejection, which
   rolls the challenger back to 0 %.
-- ``status(params)``: live weights and per-arm figures from every router, the
-  registry's aliases, and the release runs waiting for an answer.
+- ``rollback(params, reason, operator)``: challenger to 0 % on every router in
+  ``release.routers`` now, whether or not a release is running or paused; who
+  and why go to the routers' logs and state files and, when a release is under
+  way, onto its MLflow run.
+- ``status(params)``: live weights, the lease and per-arm figures from every
+  router, the registry's aliases, and the release runs waiting for an answer.
 
 Both answers go through ``prefect.flow_runs.resume_flow_run(id, run_input=...)``,
 exactly what the Prefect UI's form sends, so the server checks them against the
@@ -16,6 +20,8 @@ its name (``tuneloop status`` lists the waiting ones).
 from __future__ import annotations
 
 import json
+import logging
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
@@ -36,6 +42,8 @@ from prefect.settings import get_current_settings
 from tuneloop.params import Params
 from tuneloop.release.admin import AdminError, RouterAdmin
 from tuneloop.release.analysis import Approval, merge, parse_stats
+
+logger = logging.getLogger(__name__)
 
 RELEASE_FLOW = "release"
 ALIASES = ("champion", "challenger", "previous-champion")
@@ -142,6 +150,63 @@ def reject(ref: str, approver: str, comment: str) -> dict[str, Any]:
     return _answer(ref, "reject", approver, None, comment)
 
 
+def rollback(params: Params, reason: str, operator: str) -> dict[str, Any]:
+    """Challenger to 0 % on every router replica, recording who and why.
+
+    Raises ``ApprovalError`` when the reason is blank or a router did not take it.
+    """
+    if not reason.strip():
+        raise ApprovalError("a rollback needs a --reason: it is what the routers record")
+    if not operator.strip():
+        raise ApprovalError("a rollback needs an --operator name")
+    rp = params.release
+    try:
+        with RouterAdmin.from_env(rp.routers, rp.admin_token_env) as admin:
+            seconds = admin.rollback(reason, operator=operator)
+    except AdminError as error:
+        raise ApprovalError(str(error)) from None
+    return {
+        "routers": list(rp.routers),
+        "seconds": seconds,
+        "operator": operator,
+        "reason": reason,
+        "release_run": _tag_release_run(params, operator, reason),
+    }
+
+
+def _tag_release_run(params: Params, operator: str, reason: str) -> str | None:
+    """Tag the running release's MLflow run (the challenger's) with the rollback; its id or None.
+
+    The routers have already rolled back; a registry that cannot be read costs
+    only this tag, so it is reported, not raised.
+    """
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from tuneloop import tracking
+    from tuneloop.registry import CHALLENGER, find_alias
+
+    client = MlflowClient(tracking.tracking_uri())
+    try:
+        version = find_alias(params.tracking.registered_model, CHALLENGER, client)
+        if version is None or not version.run_id:
+            return None
+        run = client.get_run(version.run_id)
+        if run.data.tags.get("release.status") != "running":
+            return None
+        at = datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+        for key, value in (
+            ("release.rollback.operator", operator),
+            ("release.rollback.reason", reason[:5000]),
+            ("release.rollback.at", at),
+        ):
+            client.set_tag(version.run_id, key, value)
+    except MlflowException as error:
+        logger.warning("rolled back, but could not tag the release run: %s", error.message)
+        return None
+    return str(version.run_id)
+
+
 def waiting_releases() -> list[dict[str, str]]:
     """Release runs paused for an answer, newest first."""
     with get_client(sync_client=True) as client:
@@ -170,6 +235,7 @@ def status(params: Params) -> dict[str, Any]:
                 "weights": s["weights"],
                 "versions": {arm: a["model_version"] for arm, a in s["arms"].items()},
                 "last_change": s["last_change"],
+                "lease": s.get("lease"),
             }
             for url, s in statuses.items()
         }
@@ -220,10 +286,20 @@ def format_status(result: dict[str, Any]) -> str:
         )
         change = router.get("last_change")
         if change:
+            was = "" if change.get("from") is None else f"{change['from']} -> "
+            by = f" by {change['operator']}" if change.get("operator") else ""
             lines.append(
-                f"          last change: {change['action']} {change['from']} -> {change['to']} % "
-                f"at {change['at']} ({change['reason'] or 'no reason given'})"
+                f"          last change: {change['action']} {was}{change['to']} % "
+                f"at {change['at']}{by} ({change['reason'] or 'no reason given'})"
             )
+        lease = router.get("lease")
+        if lease:
+            lines.append(
+                f"          lease: held by {lease['holder']} until {lease['expires_at']} "
+                f"({lease['seconds_left']:g} s left)"
+            )
+        else:
+            lines.append("          lease: none (no release holds this router)")
 
     def fmt(value: float | None, spec: str) -> str:
         return "n/a" if value is None else format(value, spec)

@@ -1,0 +1,345 @@
+"""A release killed mid-canary is rolled back by the routers themselves; a restarted router resumes.
+
+Everything runs as it would in production, each in its own process: two router
+replicas (``python -m serving.router``) in front of two stub OpenAI-compatible
+backends, and the release flow (``flows/release.py``) against the shared Prefect
+test server and a temp MLflow registry. The test:
+
+1. waits until the flow has put the challenger at 10 % and paused for approval,
+   and keeps it paused for longer than the lease (the renewals must hold it);
+2. SIGKILLs one router replica and starts it again: it comes back at 10 % with
+   the release's lease, from its state file;
+3. SIGKILLs the release process (no handler, no hook can run): every replica
+   sets the challenger to 0 % within the lease time, and records why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import mlflow
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from serving.state import load_state
+from tests.conftest import write_params
+from tests.test_router import (
+    PRODUCER_ENV,
+    PRODUCER_TOKEN,
+    PRODUCERS,
+    SECRET,
+    SECRET_ENV,
+    StreamGate,
+    fake_backend,
+    serve,
+)
+from tuneloop.release import approval
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "lease-test-token"
+MODEL = "tuneloop-support"
+# Longer than a router takes to restart on a busy 2-core machine (3 to 11 s seen), short for a test.
+TTL = 20.0
+HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+RELEASE = {
+    "admin_token_env": "TUNELOOP_ADMIN_TOKEN",
+    "steps": [10, 50, 100],
+    "analysis_interval": 1.0,
+    "analyses_per_step": 1,
+    "failure_limit": 1000,  # the flow must not roll back by itself here: the routers must
+    "min_requests": 1,
+    "max_error_rate_increase": 1.0,
+    "max_badcase_rate_increase": 1.0,
+    "max_latency_p99_ratio": 1000.0,
+    "max_ttft_p99_ratio": 1000.0,
+    "approval_timeout": 600,
+    "lease_ttl_s": TTL,
+    "fast_fail": {"window": 20, "max_errors": 20},
+    "loadtest": {
+        "requests": 2,
+        "concurrency": 1,
+        "max_tokens": 4,
+        "max_ttft_ratio": 1000.0,
+        "min_throughput_ratio": 0.001,
+    },
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+class _Echo(mlflow.pyfunc.PythonModel):  # type: ignore[name-defined]
+    def predict(
+        self, context: Any, model_input: list[str], params: dict[str, Any] | None = None
+    ) -> list[str]:
+        return model_input
+
+
+def register(folder: Path) -> None:
+    """Versions 1 (champion) and 2 (challenger), each from its own run."""
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("tuneloop", (folder / "mlartifacts").as_uri())
+    previous = mlflow.get_tracking_uri()
+    # set_tracking_uri also sets $MLFLOW_TRACKING_URI, which the flow's process would inherit.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
+        mlflow.set_tracking_uri(uri)
+        try:
+            for version in ("1", "2"):
+                with mlflow.start_run(experiment_id=experiment, run_name=f"train-v{version}"):
+                    mlflow.pyfunc.log_model(
+                        name="model",
+                        python_model=_Echo(),
+                        pip_requirements=[],
+                        registered_model_name=MODEL,
+                    )
+        finally:
+            mlflow.set_tracking_uri(previous)
+    client.set_registered_model_alias(MODEL, "champion", "1")
+    client.set_registered_model_alias(MODEL, "challenger", "2")
+
+
+class Replica:
+    """One router process on a fixed port, restartable with the same config and state file."""
+
+    def __init__(self, folder: Path, backends: dict[str, str], env: dict[str, str]) -> None:
+        self.folder = folder
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = env
+        self.config = folder / "router.yaml"
+        self.state_file = folder / "state.json"
+        arms = {
+            arm: {"base_url": url, "model": f"{arm}-model", "model_version": version}
+            for (arm, url), version in zip(backends.items(), ("1", "2"), strict=True)
+        }
+        config = {
+            "arms": arms,
+            "feedback_dir": str(folder / "feedback"),
+            "state_file": str(self.state_file),
+            "feedback_producers": PRODUCERS,
+        }
+        self.config.write_text(yaml.safe_dump(config))
+        self.process: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        log = (self.folder / f"router-{self.starts}.log").open("wb")
+        command = [sys.executable, "-m", "serving.router", "--config", str(self.config)]
+        command += ["--port", str(self.port), "--log-level", "info"]
+        self.process = subprocess.Popen(
+            command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+        )
+        log.close()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1, trust_env=False).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"router did not start: {self.log()}")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+
+    def status(self) -> dict[str, Any]:
+        reply = httpx.get(f"{self.url}/admin/status", headers=HEADERS, timeout=5, trust_env=False)
+        reply.raise_for_status()
+        result: dict[str, Any] = reply.json()
+        return result
+
+    def log(self) -> str:
+        """The router's own lines (not its per-request ones), last start last."""
+        lines = [
+            line
+            for path in sorted(self.folder.glob("router-*.log"))
+            for line in path.read_text(errors="replace").splitlines()
+            if "HTTP Request:" not in line
+        ]
+        return "\n".join(lines[-60:])
+
+
+@contextmanager
+def traffic(urls: list[str]) -> Iterator[None]:
+    """Chat requests as 100 named users over every replica, so the analyses have data."""
+    stop = threading.Event()
+
+    def run() -> None:
+        with httpx.Client(timeout=5, trust_env=False) as client:
+            sent = 0
+            while not stop.is_set():
+                body = {"messages": [{"role": "user", "content": "hi"}], "user": f"u{sent % 100}"}
+                with contextlib.suppress(httpx.TransportError):  # a replica restarting
+                    client.post(f"{urls[sent % len(urls)]}/v1/chat/completions", json=body)
+                sent += 1
+                time.sleep(0.02)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while True:
+        try:
+            if check():
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.1)
+
+
+def crash(flow_run_id: str) -> None:
+    """Mark the killed run Crashed, as a worker would: a paused run must not linger."""
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.states import Crashed
+
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(
+            UUID(flow_run_id), Crashed(message="killed by the test"), force=True
+        )
+
+
+def test_a_release_killed_mid_canary_is_rolled_back_by_every_router(
+    prefect_harness: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    api_url = PREFECT_API_URL.value()
+    assert api_url, "the Prefect test harness gives an API URL"
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    register(repo)
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
+        "PYTHONPATH": str(ROOT),
+        "PREFECT_API_URL": api_url,
+        "TUNELOOP_ADMIN_TOKEN": TOKEN,
+        SECRET_ENV: SECRET,
+        PRODUCER_ENV: PRODUCER_TOKEN,
+    }
+    monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
+    gate = StreamGate()
+    with ExitStack() as stack:
+        backends = {
+            arm: stack.enter_context(serve(fake_backend(arm, gate)))
+            for arm in ("champion", "challenger")
+        }
+        replicas = []
+        for i in range(2):
+            folder = tmp_path / f"router{i}"
+            folder.mkdir()
+            replica = Replica(folder, backends, env)
+            stack.callback(replica.kill)
+            replica.start()
+            replicas.append(replica)
+        write_params(repo, {"release": {**RELEASE, "routers": [r.url for r in replicas]}})
+        stack.enter_context(traffic([r.url for r in replicas]))
+
+        flow_log = (tmp_path / "flow.log").open("wb")
+        stack.callback(flow_log.close)
+        script = (
+            "import sys, pathlib; from flows.release import release; "
+            "release(pathlib.Path(sys.argv[1]))"
+        )
+        flow = subprocess.Popen(
+            [sys.executable, "-c", script, str(repo)],
+            cwd=ROOT,
+            env=env,
+            stdout=flow_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        stack.callback(lambda: flow.poll() is None and os.killpg(flow.pid, signal.SIGKILL))
+
+        def flow_output() -> str:
+            return (tmp_path / "flow.log").read_text(errors="replace")[-4000:]
+
+        # 1. The canary is at 10 % and the flow waits for a person, renewing its lease.
+        def paused() -> bool:
+            assert flow.poll() is None, flow_output()
+            return bool(approval.waiting_releases())
+
+        wait_for(paused, 240, "the release pausing for approval")
+        stack.callback(crash, approval.waiting_releases()[0]["id"])
+        statuses = [r.status() for r in replicas]
+        assert [s["challenger_percent"] for s in statuses] == [10, 10], statuses
+        holder = statuses[0]["lease"]["holder"]
+        assert holder == approval.waiting_releases()[0]["id"]
+        time.sleep(TTL + 1)  # longer than the lease: only the renewals hold it
+        statuses = [r.status() for r in replicas]
+        assert [s["challenger_percent"] for s in statuses] == [10, 10], statuses
+        assert {s["lease"]["holder"] for s in statuses} == {holder}
+
+        # 2. One replica dies and comes back: its state file restores the weight and lease.
+        replicas[1].kill()
+        replicas[1].start()
+        restored = replicas[1].status()
+        assert restored["challenger_percent"] == 10, replicas[1].log()
+        assert restored["lease"]["holder"] == holder
+
+        # ... and the release, still running, renews the restarted replica's lease.
+        def renewed() -> bool:
+            lease = replicas[1].status()["lease"]
+            assert lease is not None, replicas[1].log() + flow_output()
+            return bool(lease["expires_at"] != restored["lease"]["expires_at"])
+
+        wait_for(renewed, TTL / 3 + 3, "the restarted replica's lease being renewed")
+
+        # 3. The release process dies outright: nothing of it runs any more.
+        os.killpg(flow.pid, signal.SIGKILL)
+        flow.wait()
+        killed = time.monotonic()
+        for replica in replicas:
+            wait_for(
+                lambda r=replica: r.status()["challenger_percent"] == 0,
+                TTL + 2,
+                f"{replica.url} rolling back",
+            )
+        took = time.monotonic() - killed
+        statuses = [r.status() for r in replicas]
+        logs = [r.log() for r in replicas]
+
+    assert took <= TTL + 2, took
+    for status, replica, log in zip(statuses, replicas, logs, strict=True):
+        assert status["lease"] is None
+        assert status["last_change"]["action"] == "lease_lapsed", status
+        assert holder in status["last_change"]["reason"]
+        saved = load_state(replica.state_file)
+        assert saved is not None and (saved.challenger_percent, saved.action) == (0, "lease_lapsed")
+        assert "ROLLBACK [lease_lapsed]" in log
