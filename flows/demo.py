@@ -58,6 +58,8 @@ log = logging.getLogger("tuneloop.demo")
 DEMO_OVERRIDES = Path("configs/demo.yaml")
 DEMO_APPROVER = "demo-operator"
 PREFECT_PORT = 4200
+SECRET_ENV = "TUNELOOP_ROUTER_SECRET"
+FEEDBACK_TOKEN_ENV = "TUNELOOP_DEMO_FEEDBACK_TOKEN"
 # Demo customers: ids the router buckets by, how many requests a burst sends, and how many
 # wait for an answer at once (enough that the 10 % arm sees a few per analysis interval).
 USERS = 300
@@ -177,14 +179,25 @@ def serve_release(params: Params, repo: Path, month: int) -> Stack:
             "model": backend.model,
             "model_version": str(version.version),
         }
+    # Fresh secrets for the demo's router, in this process's env (the router and the release
+    # flow read them from there): admin API, request-id signing, the demo support tool's token.
     os.environ.setdefault(params.release.admin_token_env, secrets.token_hex(16))
-    feedback_token = secrets.token_hex(16)
-    os.environ["TUNELOOP_DEMO_FEEDBACK_TOKEN"] = feedback_token
+    os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
+    feedback_token = os.environ.setdefault(FEEDBACK_TOKEN_ENV, secrets.token_hex(16))
     config = {
         "arms": arms,
         "feedback_dir": str(repo / params.paths.incoming),
         "state_file": str(served / "router-state.json"),
         "admin_token_env": params.release.admin_token_env,
+        "request_id_secret_env": SECRET_ENV,
+        "feedback_producers": [
+            {
+                "name": "demo-support-tool",
+                "token_env": FEEDBACK_TOKEN_ENV,
+                "rate_per_minute": 600,
+                "burst": 100,
+            }
+        ],
     }
     config_file = served / "router.yaml"
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
