@@ -121,7 +121,6 @@ def run(
                 "messages": messages,
                 "bad_response": said.strip() or "(empty answer)",
                 "corrected_response": item.answer,
-                "user": user,
                 "request_id": response.headers.get(REQUEST_ID_HEADER),
                 "tags": ["demo-support-tool"],
             }
