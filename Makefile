@@ -3,13 +3,14 @@
 #   make test   set up .venv and run the tests
 # On a GPU host the same pin gets PyPI's CUDA build of torch; to pick another
 # CUDA build, set TORCH_INDEX (e.g. TORCH_INDEX="--index-url <pytorch wheel index for cu12x>").
-# EXTRAS=dev,gpu adds deepspeed and bitsandbytes.
+# EXTRAS=dev,server,gpu adds deepspeed and bitsandbytes; `server` is what the PostgreSQL and
+# S3 backed servers need (README, Operating it).
 
 PYTHON ?= python3.11
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
-EXTRAS ?= dev
+EXTRAS ?= dev,server
 BIN    := $(VENV)/bin
 
 # Offline-friendly defaults: nothing phones home; Hugging Face caches stay in the project.

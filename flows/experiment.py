@@ -45,7 +45,7 @@ from mlflow.tracking import MlflowClient
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 
-from tuneloop import lineage, tracking
+from tuneloop import lineage, recovery, tracking
 from tuneloop.params import Params, ParamsError, load_params, parse_params
 
 TAG_EXP_REV = "dvc.exp.rev"
@@ -255,6 +255,8 @@ def experiment(
         )
     with contextlib.chdir(repo):  # the project's MLflow store, as in the retrain flow
         experiment_id = tracking.setup(params.tracking.experiment)
+        for said in recovery.close_killed_runs(experiment_id, "experiment", str(flow_run.id or "")):
+            logger.warning(said)
         client = MlflowClient()
         git = lineage.git_state(repo)
         with mlflow.start_run(

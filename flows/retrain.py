@@ -27,7 +27,7 @@ from prefect import flow, get_run_logger, task
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
-from tuneloop import init_from, lineage, registry, results, tracking
+from tuneloop import init_from, lineage, recovery, registry, results, tracking
 from tuneloop.dvcrun import DvcLockTimeout, run_dvc
 from tuneloop.io import read_json
 from tuneloop.params import load_params
@@ -133,9 +133,11 @@ def register(repo: Path, run_id: str) -> dict[str, Any]:
     params = load_params(repo / "params.yaml")
     done = registry.register_candidate(params, run_id=run_id, flow_run_id=str(flow_run.id or ""))
     reasons = "\n".join(done.reasons)
-    if done.registered:
+    if done.created:
         get_run_logger().info("%s v%s (%s):\n%s", done.name, done.version, done.alias, reasons)
         announce_challenger(done.name, str(done.version), done.to_dict())
+    elif done.registered:  # announced when it was made: one release per registration
+        get_run_logger().info("%s; no new release event:\n%s", done.reasons[0], reasons)
     else:
         get_run_logger().warning("nothing registered:\n%s", reasons)
     return done.to_dict()
@@ -178,6 +180,8 @@ def retrain(repo: Path = Path()) -> dict[str, Any]:
     os.chdir(repo)  # MLflow's default store and lineage reads are relative to the project
     try:
         experiment_id = tracking.setup(params.tracking.experiment)
+        for said in recovery.close_killed_runs(experiment_id, "retrain", str(flow_run.id or "")):
+            get_run_logger().warning(said)
         git = lineage.git_state(repo)
         with mlflow.start_run(
             run_name=f"retrain-{flow_run.name or 'local'}",

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,8 +135,21 @@ def test_a_second_run_finds_every_stage_cached(
     from flows.retrain import retrain
 
     repo, first = flow_result
+    # What a retrain killed with its worker leaves: its run RUNNING, its flow run gone.
+    store = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    experiment = store.get_experiment_by_name("tuneloop")
+    assert experiment is not None
+    orphan = store.create_run(
+        experiment.experiment_id,
+        tags={"tuneloop.pipeline": "retrain", "prefect.flow_run_id": str(uuid.uuid4())},
+    ).info.run_id
     second = retrain(repo=repo)
     assert second["eval"] == first["eval"]
+    assert store.get_run(orphan).info.status == "KILLED"
+    assert "tuneloop.killed_reason" in store.get_run(orphan).data.tags
+    # Registered by the first run (when its gate passed): not announced, nor released, again.
+    assert second["registration"]["registered"] == first["registration"]["registered"]
+    assert not second["registration"]["created"]
     parent, _ = runs(repo)
     latest = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}").search_runs(
         [parent.info.experiment_id],

@@ -108,7 +108,7 @@ def test_a_passed_candidate_is_registered_with_its_lineage_and_report(project: P
     retrain = store.create_run(experiment.experiment_id, run_name="retrain")  # the flow's run
     done = registry.register_candidate(params, run_id=retrain.info.run_id, flow_run_id="flow-42")
 
-    assert done.registered and (done.version, done.alias) == ("1", "challenger")
+    assert done.registered and done.created and (done.version, done.alias) == ("1", "challenger")
     version = store.get_model_version_by_alias(NAME, "challenger")
     assert str(version.version) == "1" and version.run_id == retrain.info.run_id
     commit = subprocess.run(
@@ -138,6 +138,7 @@ def test_a_passed_candidate_is_registered_with_its_lineage_and_report(project: P
 def test_registering_the_same_candidate_again_adds_no_version(project: Path) -> None:
     done = registry.register_candidate(load_params())
     assert done.registered and done.version == "1"
+    assert not done.created  # so the flow does not announce it, and start a release, again
     assert done.reasons[0] == f"already registered as {NAME} v1"
     assert len(client(project).search_model_versions(f"name = '{NAME}'")) == 1
 

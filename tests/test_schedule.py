@@ -19,7 +19,14 @@ import pytest
 import yaml
 
 from tuneloop.params import ParamsError, load_params
-from tuneloop.schedule import check_deployments, deploy, prefect_values
+from tuneloop.schedule import (
+    AUTOMATION,
+    apply_pools,
+    check_deployments,
+    deploy,
+    enter_checkout,
+    prefect_values,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = yaml.safe_load((ROOT / "prefect.yaml").read_text())
@@ -31,7 +38,6 @@ def deployed(prefect_harness: None) -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PREFECT_API_URL", str(PREFECT_API_URL.value()))
-        patch.setenv("TUNELOOP_HOME", str(ROOT))
         assert deploy(ROOT, load_params(ROOT / "params.yaml")) == 0
         yield
 
@@ -135,6 +141,91 @@ def test_a_registered_challenger_starts_the_release(deployed: None) -> None:
     assert started[0].parameters == {"repo": "."}
 
 
+def test_runs_heartbeat_and_the_automation_crashes_silent_ones(deployed: None) -> None:
+    """Every deployment's runs heartbeat; the automation waits schedule.crash_after_s."""
+    schedule = load_params(ROOT / "params.yaml").schedule
+
+    async def both(client: Any) -> tuple[list[Any], list[Any]]:
+        deployments = [
+            await client.read_deployment_by_name(name)
+            for name in ("retrain/retrain-monthly", "experiment/pilot", "experiment/sweep")
+        ]
+        deployments.append(await client.read_deployment_by_name("release/release"))
+        return deployments, await client.read_automations_by_name(AUTOMATION)
+
+    deployments, automations = read(both)
+    for deployment in deployments:
+        assert "tuneloop" in deployment.tags, deployment.name
+        env = deployment.job_variables["env"]
+        assert env == {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(schedule.heartbeat_s)}
+    assert len(automations) == 1 and automations[0].enabled
+    trigger = automations[0].trigger
+    assert trigger.posture == "Proactive" and trigger.after == {"prefect.flow-run.heartbeat"}
+    assert "prefect.flow-run.heartbeat" in trigger.expect
+    assert trigger.within == dt.timedelta(seconds=schedule.crash_after_s)
+    assert trigger.for_each == {"prefect.resource.id"}
+    # Only tuneloop's runs: other teams' flows on a shared server heartbeat at their own pace.
+    assert trigger.match_related.model_dump() == {
+        "prefect.resource.role": "tag",
+        "prefect.resource.id": "prefect.tag.tuneloop",
+    }
+    (action,) = automations[0].actions
+    assert (action.type, action.state) == ("change-flow-run-state", "CRASHED")
+
+
+def test_the_checkout_is_the_workers_not_the_deploying_machines(deployed: None) -> None:
+    async def pull(client: Any) -> list[Any]:
+        return [
+            (await client.read_deployment_by_name(name)).pull_steps
+            for name in ("retrain/retrain-monthly", "release/release")
+        ]
+
+    for steps in read(pull):
+        assert steps == [{"tuneloop.schedule.enter_checkout": {}}]
+        assert str(ROOT) not in str(steps)
+
+
+def test_a_pools_other_queues_are_shown(deployed: None) -> None:
+    """Prefect's own `default` queue of each pool is named, after the declared ones."""
+    schedule = load_params(ROOT / "params.yaml").schedule
+    lines = asyncio.run(apply_pools(schedule))
+    default = [line for line in lines if line.startswith("queue tuneloop-gpu/default:")]
+    assert len(default) == 1
+    assert "the pool's default queue, for runs that name none (priority 3," in default[0]
+    assert "queue tuneloop-gpu/night: updated (priority 1, concurrency 1)" in lines
+
+
+def test_the_pull_step_enters_the_workers_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for name in ("params.yaml", "dvc.yaml"):
+        (checkout / name).write_text("")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("TUNELOOP_HOME", str(checkout))
+    assert enter_checkout() == {"directory": str(checkout.resolve())}
+    assert Path.cwd() == checkout.resolve()
+
+    # Unset: the folder the worker started in.
+    monkeypatch.delenv("TUNELOOP_HOME")
+    assert enter_checkout() == {"directory": str(checkout.resolve())}
+
+    monkeypatch.setenv("TUNELOOP_HOME", str(elsewhere))
+    with pytest.raises(FileNotFoundError, match=r"TUNELOOP_HOME=.*elsewhere.*no params\.yaml"):
+        enter_checkout()
+
+
+def test_a_crash_window_shorter_than_two_heartbeats_is_refused(tmp_path: Path) -> None:
+    data = yaml.safe_load((ROOT / "params.yaml").read_text())
+    data["schedule"] |= {"heartbeat_s": 60, "crash_after_s": 90}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ParamsError, match=r"crash_after_s \(90\) must be at least 2 x heartbeat_s"):
+        load_params(tmp_path / "params.yaml")
+
+
 def test_the_schedule_values_come_from_params(tmp_path: Path) -> None:
     data = yaml.safe_load((ROOT / "params.yaml").read_text())
     data["schedule"] |= {"cron": "30 3 1 * *", "timezone": "Europe/Berlin"}
@@ -142,6 +233,7 @@ def test_the_schedule_values_come_from_params(tmp_path: Path) -> None:
     assert prefect_values(str(tmp_path / "params.yaml")) == {
         "cron": "30 3 1 * *",
         "timezone": "Europe/Berlin",
+        "heartbeat": str(data["schedule"]["heartbeat_s"]),
     }
     schedules = [d.get("schedules") for d in SPEC["deployments"]]
     assert {"cron": "{{ params.cron }}", "timezone": "{{ params.timezone }}", "active": True} in [
@@ -152,13 +244,31 @@ def test_the_schedule_values_come_from_params(tmp_path: Path) -> None:
 def test_a_queue_prefect_yaml_names_but_params_lacks_is_refused() -> None:
     schedule = load_params(ROOT / "params.yaml").schedule
     assert len(check_deployments(SPEC, schedule)) == len(SPEC["deployments"])
+    heartbeat = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "60"}}
     wrong = {
         "deployments": [
-            {"name": "x", "work_pool": {"name": "tuneloop-gpu", "work_queue_name": "weekend"}}
+            {
+                "name": "x",
+                "tags": ["tuneloop"],
+                "work_pool": {
+                    "name": "tuneloop-gpu",
+                    "work_queue_name": "weekend",
+                    "job_variables": heartbeat,
+                },
+            }
         ]
     }
     with pytest.raises(ParamsError, match=r"queue 'weekend' is not in schedule\.pools"):
         check_deployments(wrong, schedule)
+    unwatched = {
+        "deployments": [
+            {"name": "y", "work_pool": {"name": "tuneloop-gpu", "work_queue_name": "night"}}
+        ]
+    }
+    with pytest.raises(ParamsError) as refused:
+        check_deployments(unwatched, schedule)
+    assert "deployment 'y': tags lack 'tuneloop'" in str(refused.value)
+    assert "lacks PREFECT_FLOWS_HEARTBEAT_FREQUENCY" in str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -426,6 +426,12 @@ class ScheduleParams(_Group):
 
     cron: str = Field(description="retrain-monthly's cron, read in `timezone`")
     timezone: str = Field(description="IANA time zone name, e.g. Asia/Shanghai")
+    heartbeat_s: int = Field(
+        ge=30, description="seconds between a flow run's heartbeats (Prefect's minimum is 30)"
+    )
+    crash_after_s: int = Field(
+        description="a flow run silent this long is marked Crashed; at least 2 x heartbeat_s"
+    )
     pools: dict[str, PoolParams] = Field(min_length=1)
     commit_results: bool = Field(
         description="commit dvc.lock and metrics/ after each retrain to branch tuneloop/results "
@@ -450,6 +456,16 @@ class ScheduleParams(_Group):
         except (ZoneInfoNotFoundError, ValueError):
             raise ValueError("not an IANA time zone name (e.g. Asia/Shanghai, UTC)") from None
         return name
+
+    @model_validator(mode="after")
+    def _two_heartbeats_missed(self) -> ScheduleParams:
+        # One late heartbeat (a busy host, a slow server) must not crash a healthy run.
+        if self.crash_after_s < 2 * self.heartbeat_s:
+            raise ValueError(
+                f"crash_after_s ({self.crash_after_s}) must be at least 2 x heartbeat_s "
+                f"({2 * self.heartbeat_s}): one late heartbeat would crash a healthy run"
+            )
+        return self
 
 
 class Params(_Group):

@@ -224,6 +224,9 @@ class Registration:
     model_uri: str | None = None
     run_id: str | None = None
     reasons: list[str] = field(default_factory=list)
+    # This call made the version; False when it found the candidate registered already, so
+    # a rerun of the flow does not announce (and release) the same version twice.
+    created: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -378,6 +381,7 @@ def register_candidate(
             run_id=run.info.run_id,
             reasons=[f"gate passed: registered {name} v{version} as {CHALLENGER}"]
             + decision["reasons"],
+            created=True,
         )
 
 

@@ -47,6 +47,10 @@ TAG_STOP_REASON = "tuneloop.train.stop_reason"
 TAG_BASE_REVISION = "base_model.revision"
 TAG_EXP_NAME = "dvc.exp.name"
 TAG_EXP_BASELINE = "dvc.exp.baseline"
+# A run a killed flow left RUNNING, closed as KILLED at the pipeline's next start: why.
+TAG_KILLED = "tuneloop.killed_reason"
+# A stage run that continues another's work (train resuming a killed run's checkpoint).
+TAG_RESUMES = "tuneloop.resumes_run"
 
 # DVC sets these for the stages of a queued experiment (`dvc exp run --queue`), which run
 # in a temporary copy of the repo; DVC_ROOT then names the repo the experiment came from.

@@ -309,6 +309,13 @@ def continue_mlflow_run(prep: checkpoints.Preparation, params_hash: str, experim
         os.environ["MLFLOW_RUN_ID"] = previous.mlflow_run_id
 
 
+def name_continued_run(prep: checkpoints.Preparation | None, run_id: str) -> None:
+    """Tag a run that resumed another run's checkpoints with that run's id."""
+    previous = prep.previous if prep is not None and prep.resumed else None
+    if previous is not None and previous.mlflow_run_id not in (None, run_id):
+        mlflow.set_tag(tracking.TAG_RESUMES, previous.mlflow_run_id)
+
+
 def report_stop(
     params: Params, plan: TrainPlan, stopped: TrainingStopped, wall_seconds: float
 ) -> None:
@@ -387,6 +394,7 @@ def train(params: Params, plan: TrainPlan, started_at: float) -> None:
     run_context = tracking.stage_run(STAGE, params) if rank.is_main else contextlib.nullcontext()
     with run_context as run:
         if run is not None:
+            name_continued_run(prep, run.info.run_id)
             checkpoints.write_record(
                 params.paths.checkpoints,
                 checkpoints.RunRecord(record.fingerprint, params_hash, run.info.run_id),
