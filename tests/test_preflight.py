@@ -20,12 +20,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from stages import preflight as pf
-from stages.pack import bins_table
 from tuneloop import demo, doctor, tiny
-from tuneloop.chat import IGNORE
 from tuneloop.packing import balance_ranks, pack_samples
 from tuneloop.params import BatchParams, Params, load_params
-from tuneloop.shards import shard_name
+from tuneloop.shards import IGNORE_INDEX as IGNORE
+from tuneloop.shards import shard_name, write_shard
 from tuneloop.training.plan import Environment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -257,10 +256,10 @@ def pack_chats(
     packed = pack_samples(
         [t.input_ids for t in tokens], [t.labels for t in tokens], seq_len, overlong
     )
-    ranks = balance_ranks(packed.bins, 2, 1, 1)
+    ranks = balance_ranks(packed.bins.tokens_per_bin, 2, 1, 1)
     folder.mkdir(parents=True, exist_ok=True)
     for rank, indices in enumerate(ranks.shards):
-        pq.write_table(bins_table([packed.bins[i] for i in indices]), folder / shard_name(rank))
+        write_shard(packed.bins.select(indices).table(), folder / shard_name(rank))
     lines = [json.dumps(c, ensure_ascii=False).encode() for c in chats]
     return pf.Shards.read(folder, 2), lines
 
