@@ -38,10 +38,9 @@ from tuneloop.records import (
     PoolRecord,
     content_hash,
     parse_record,
-    pool_records,
+    pool_ids,
 )
-from tuneloop.stage import setup_logging, write_metrics
-from tuneloop.tracking import stage_run
+from tuneloop.stage import logged_after, setup_logging, write_metrics
 
 STAGE = "ingest"
 log = logging.getLogger(__name__)
@@ -187,7 +186,7 @@ def ingest(lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str
 
 def known_hashes(pool: Path) -> set[str]:
     """Content hashes of pooled records and raw hashes of quarantined lines."""
-    known = {record.id for record in pool_records(pool)}
+    known = pool_ids(pool)
     for path in sorted((pool / "quarantine").glob("*.jsonl")):
         known.update(entry["sha256"] for entry in read_jsonl(path))
     return known
@@ -197,7 +196,7 @@ def main() -> None:
     setup_logging()
     params = load_params()
     pool = params.paths.pool
-    with stage_run(STAGE, params):
+    with logged_after(STAGE, params):
         known = known_hashes(pool)
         pooled = sum(1 for key in known if not key.startswith("raw:"))
         now = dt.datetime.now(dt.UTC)

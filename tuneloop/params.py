@@ -77,6 +77,7 @@ class PathsParams(_Group):
     incoming: Path
     pool: Path
     clean: Path
+    clean_cache: Path
     packed: Path
     base_model: Path
     adapter: Path
