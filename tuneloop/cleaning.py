@@ -458,7 +458,11 @@ def _batch_segments(batch: Path, cache: Path) -> list[Segment]:
     meta_path = cache / "batches" / f"{batch.stem}.json"
     try:
         meta = read_json(meta_path)
-        if meta["size"] == stat.st_size and meta["mtime_ns"] == stat.st_mtime_ns:
+        if (meta["size"], meta["mtime_ns"], meta["segment_lines"]) == (
+            stat.st_size,
+            stat.st_mtime_ns,
+            SEGMENT_LINES,
+        ):
             return [
                 Segment(batch, i, start, end, meta["md5"])
                 for i, (start, end) in enumerate(meta["segments"])
@@ -474,7 +478,13 @@ def _batch_segments(batch: Path, cache: Path) -> list[Segment]:
     md5 = hashlib.md5(data).hexdigest()
     write_json(
         meta_path,
-        {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "md5": md5, "segments": bounds},
+        {
+            "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns,
+            "segment_lines": SEGMENT_LINES,
+            "md5": md5,
+            "segments": bounds,
+        },
     )
     return [Segment(batch, i, start, end, md5) for i, (start, end) in enumerate(bounds)]
 
