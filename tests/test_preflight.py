@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import unicodedata
 from pathlib import Path
 from typing import Any, cast
 
@@ -25,6 +24,7 @@ from tuneloop.packing import balance_ranks, pack_samples
 from tuneloop.params import BatchParams, Params, load_params
 from tuneloop.shards import IGNORE_INDEX as IGNORE
 from tuneloop.shards import shard_name, write_shard
+from tuneloop.text import normalise
 from tuneloop.training.plan import Environment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -324,11 +324,6 @@ def test_shards_without_sources_or_from_a_stale_pack_fail(tmp_path: Path, tokeni
 # --- eval contamination ----------------------------------------------------------------------
 
 
-def python_normalise(text: str) -> str:
-    """The clean stage's normalisation, in plain Python."""
-    return re.sub(r"\s+", " ", unicodedata.normalize("NFKC", text).lower()).strip()
-
-
 def test_vectorised_normalisation_matches_python() -> None:
     texts = [
         "Hello\u3000World  ",
@@ -339,7 +334,8 @@ def test_vectorised_normalisation_matches_python() -> None:
         # every character Python's \s matches, between two letters
         *(f"a{chr(c)}b" for c in range(0x3001) if re.match(r"\s", chr(c))),
     ]
-    assert pf.normalise_texts(pa.array(texts)).to_pylist() == [python_normalise(t) for t in texts]
+    # Preflight's vectorised copy must agree with the project's one normaliser.
+    assert pf.normalise_texts(pa.array(texts)).to_pylist() == [normalise(t) for t in texts]
 
 
 def test_eval_question_in_training_data_fails(tmp_path: Path) -> None:

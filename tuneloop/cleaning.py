@@ -40,6 +40,7 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, fields
+from importlib.metadata import version
 from itertools import pairwise
 from multiprocessing import get_context
 from pathlib import Path
@@ -232,23 +233,21 @@ def features(raw_lines: Sequence[bytes], params: CleanParams, tokenizer: ChatTok
         "badcase_without_correction" if m is None else quick_filter_reason(m, params) for m in chats
     ]
     tokens = np.full(n, -1, dtype=np.int32)
-    to_count = [i for i, r in enumerate(reasons) if r is None]
+    to_count = [(i, m) for i, (m, r) in enumerate(zip(chats, reasons, strict=True)) if m and not r]
     if to_count:
-        counts = tokenizer.count_tokens([render(tokenizer, chats[i]) for i in to_count])  # type: ignore[arg-type]
-        tokens[to_count] = counts
-        for i, count in zip(to_count, counts.tolist(), strict=True):
+        counts = tokenizer.count_tokens([render(tokenizer, m) for _, m in to_count])
+        for (i, _), count in zip(to_count, counts.tolist(), strict=True):
+            tokens[i] = count
             reasons[i] = token_limit_reason(count, params)
     verdict = np.array([0 if r is None else _CODE[r] for r in reasons], dtype=np.uint8)
 
-    passing = [i for i, r in enumerate(reasons) if r is None]
+    passing = [(i, m) for i, (m, r) in enumerate(zip(chats, reasons, strict=True)) if m and not r]
     key = np.zeros((n, 32), dtype=np.uint8)
     sketch = np.zeros((n, neardup.NUM_PERM), dtype=np.uint32)
     lines = [""] * n
     users_per_record = np.zeros(n, dtype=np.int64)
     user_texts: list[str] = []
-    for i in passing:
-        messages = chats[i]
-        assert messages is not None  # passing records have a chat
+    for i, messages in passing:
         digest = text_digest(messages)
         key[i] = np.frombuffer(digest, dtype=np.uint8)
         lines[i] = json.dumps({"id": digest.hex()[:16], "messages": messages}, ensure_ascii=False)
@@ -257,8 +256,8 @@ def features(raw_lines: Sequence[bytes], params: CleanParams, tokenizer: ChatTok
         users_per_record[i] = len(turns)
         user_texts.extend(turns)
     if passing:
-        sketch[passing] = neardup.sketch_texts(
-            ["\n".join(m["content"] for m in chats[i]) for i in passing]  # type: ignore[union-attr]
+        sketch[[i for i, _ in passing]] = neardup.sketch_texts(
+            ["\n".join(m["content"] for m in messages) for _, messages in passing]
         )
     user_key = np.zeros((len(user_texts), USER_KEY_BYTES), dtype=np.uint8)
     for row, text in enumerate(user_texts):
@@ -299,6 +298,7 @@ def features_fingerprint(params: CleanParams, tokenizer: ChatTokenizer) -> str:
         params.max_tokens,
         tokenizer.fingerprint,
         neardup.SKETCH_VERSION,
+        version("rensa"),
         neardup.NUM_PERM,
         neardup.NGRAM,
         neardup.SEED,
@@ -723,6 +723,15 @@ def _prune(cache: Path, segments: list[Segment]) -> None:
     for entry in cache.iterdir():
         if entry.is_dir() and entry.name != "batches" and entry.name not in keep:
             shutil.rmtree(entry)
+        elif entry.name in keep:
+            # What an interrupted write left beside the two entries.
+            for part in entry.iterdir():
+                if part.name in ("features", "decisions"):
+                    continue
+                if part.is_dir():
+                    shutil.rmtree(part)
+                else:
+                    part.unlink()
     for meta in (cache / "batches").glob("*.json"):
         if meta.stem not in batches:
             meta.unlink()
