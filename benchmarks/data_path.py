@@ -75,6 +75,7 @@ def metrics(project: Path, stage: str) -> dict[str, Any]:
 
 def template(folder: Path) -> Path:
     """A project with params, eval suites, the built base model and an MLflow store."""
+    folder.mkdir(parents=True)
     shutil.copy(ROOT / "params.yaml", folder / "params.yaml")
     shutil.copytree(ROOT / "eval", folder / "eval")
     run_stage(folder, "base")

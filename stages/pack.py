@@ -1,28 +1,27 @@
 """Stage ``pack``: chats into packed, rank-balanced training shards.
 
-Reads:  ``paths.clean``/train.jsonl and val.jsonl; the base model's tokenizer.
+Reads:  ``paths.clean``/train.jsonl and val.jsonl; the base model's tokenizer;
+        ``paths.pack_cache``.
 Writes: ``paths.packed``/rank-NNNNN.parquet (one shard per training rank, each
         with exactly the same number of micro-batches), val.parquet,
-        manifest.json (counts, tokens per rank, efficiency); ``metrics/pack.json``.
+        manifest.json (counts, tokens per rank, efficiency); ``paths.pack_cache`` (the
+        token ids and labels of each line, reused for the lines clean left as they were);
+        ``metrics/pack.json``.
 Params: ``pack``, ``batch``, ``model.base``, ``paths``.
 
 The shard schema (one row per bin of ``pack.seq_len`` tokens at most, with the layout TRL's
 padding-free collator reads) is ``tuneloop.shards``'s. Tokens go from the tokenizer into flat
-numpy arrays and from there into Arrow columns, chunk by chunk.
+numpy arrays and from there into Arrow columns, without a Python object per token.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from itertools import islice
-from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 
-from tuneloop import lineage, shards
-from tuneloop.chat import ChatTokenizer, load_chat_tokenizer, tokenize_chats
+from tuneloop import lineage, shards, tokencache
+from tuneloop.chat import ChatTokenizer, load_chat_tokenizer
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.models import base_model_ref
 from tuneloop.packing import PackResult, balance_ranks, pack_samples
@@ -31,32 +30,21 @@ from tuneloop.stage import logged_after, setup_logging, write_metrics
 
 STAGE = "pack"
 log = logging.getLogger(__name__)
-# Chats tokenized per batch call; bounds the Python objects alive at once.
-CHUNK = 4096
 
 
-def tokenize_file(path: Path, tokenizer: ChatTokenizer) -> tuple[pa.ListArray, pa.ListArray]:
-    """Every chat of a clean file as (input ids, labels) list columns, in file order."""
-    ids, labels, lengths = [], [], []
-    with path.open(encoding="utf-8") as lines:
-        while chunk := [json.loads(line)["messages"] for line in islice(lines, CHUNK)]:
-            chunk_ids, chunk_labels, offsets = tokenize_chats(tokenizer, chunk)
-            ids.append(chunk_ids)
-            labels.append(chunk_labels)
-            lengths.append(np.diff(offsets))
-    if not lengths:
-        empty = pa.array([], pa.list_(pa.int64()))
-        return empty, empty
-    offsets = pa.array(np.concatenate([[0], np.cumsum(np.concatenate(lengths))]), pa.int32())
-    return (
-        pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(ids))),
-        pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(labels))),
+def pack_split(split: str, tokenizer: ChatTokenizer, params: Params) -> PackResult:
+    """Tokenize (new lines only, the rest from ``paths.pack_cache``) and pack a clean file."""
+    tokens = tokencache.tokens_of(
+        params.paths.clean / f"{split}.jsonl", params.paths.pack_cache / split, tokenizer
     )
-
-
-def pack_split(path: Path, tokenizer: ChatTokenizer, params: Params) -> PackResult:
-    ids, labels = tokenize_file(path, tokenizer)
-    return pack_samples(ids, labels, params.pack.seq_len, params.pack.overlong)
+    log.info("pack: %s: %d lines tokenized, the rest cached", split, tokens.lines_tokenized)
+    offsets = pa.array(tokens.offsets, pa.int32())
+    return pack_samples(
+        pa.ListArray.from_arrays(offsets, pa.array(tokens.ids)),
+        pa.ListArray.from_arrays(offsets, pa.array(tokens.labels)),
+        params.pack.seq_len,
+        params.pack.overlong,
+    )
 
 
 def main() -> None:
@@ -64,8 +52,8 @@ def main() -> None:
     params = load_params()
     with logged_after(STAGE, params):
         tokenizer = load_chat_tokenizer(base_model_ref(params))
-        train = pack_split(params.paths.clean / "train.jsonl", tokenizer, params)
-        val = pack_split(params.paths.clean / "val.jsonl", tokenizer, params)
+        train = pack_split("train", tokenizer, params)
+        val = pack_split("val", tokenizer, params)
         batch = params.batch
         plan = balance_ranks(
             train.bins.tokens_per_bin,

@@ -79,6 +79,7 @@ class PathsParams(_Group):
     clean: Path
     clean_cache: Path
     packed: Path
+    pack_cache: Path
     base_model: Path
     adapter: Path
     merged: Path
