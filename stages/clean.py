@@ -10,8 +10,8 @@ Params: ``clean``, ``model.base``, ``paths``.
 
 Every pooled record is accounted for: kept, or removed with a counted reason (reply too
 short, degenerate repetition, over the token limit, an eval item's near-duplicate, an
-exact or near duplicate, outside the pilot sample). The rules and the cache are
-``tuneloop.cleaning``'s; the output is the same bytes with the cache or without it.
+exact or near duplicate, outside the pilot sample). The rules are ``tuneloop.cleaning``'s,
+the cache ``tuneloop.cleancache``'s; the output is the same bytes with the cache or without.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import logging
 
 from tuneloop import lineage, suites
 from tuneloop.chat import load_chat_tokenizer
-from tuneloop.cleaning import clean_pool
+from tuneloop.cleancache import clean_pool
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.models import base_model_ref
 from tuneloop.params import load_params

@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tuneloop import cleaning, demo, tiny
+from tuneloop import cleancache, demo, tiny
 from tuneloop.chat import ChatTokenizer
-from tuneloop.cleaning import CleanReport, clean_pool
+from tuneloop.cleancache import CleanReport, clean_pool
 from tuneloop.io import write_jsonl
 from tuneloop.params import CleanParams
 from tuneloop.records import Badcase, PoolRecord, content_hash, parse_record
@@ -121,7 +121,7 @@ def uncached(root: Path, tokenizer: ChatTokenizer, **kwargs: Any) -> Run:
 @pytest.fixture
 def small_segments(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # Several segments per batch file, so segment boundaries and chains are exercised.
-    monkeypatch.setattr(cleaning, "SEGMENT_LINES", 37)
+    monkeypatch.setattr(cleancache, "SEGMENT_LINES", 37)
     yield
 
 
@@ -267,9 +267,9 @@ def test_features_on_worker_processes_equal_inline(
     write_pool(tmp_path / "pool", [demo_lines(3, 300)])
     tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
     inline = uncached(tmp_path, tokenizer)
-    monkeypatch.setattr(cleaning, "CHUNK_LINES", 50)
-    monkeypatch.setattr(cleaning, "PARALLEL_MIN_RECORDS", 100)
-    monkeypatch.setattr(cleaning, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(cleancache, "CHUNK_LINES", 50)
+    monkeypatch.setattr(cleancache, "PARALLEL_MIN_RECORDS", 100)
+    monkeypatch.setattr(cleancache, "_usable_cores", lambda: 2)
     parallel = uncached(tmp_path, tokenizer)
     assert parallel.files == inline.files
     assert parallel.report.records_in == inline.report.records_in > 300
