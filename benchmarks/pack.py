@@ -1,10 +1,11 @@
 """Benchmark ``tuneloop.packing.pack_samples`` against ``trl.pack_dataset(strategy="bfd")``.
 
 Synthetic SFT-like samples: lognormal lengths clipped to [8, seq_len], random token ids, the
-first 10-90 % of each sample masked as prompt (-100), 1 % of samples masked entirely. Each
-packer gets its natural input, built before timing: Python lists (what a tokenizer returns) for
-``pack_samples``, an in-memory ``datasets.Dataset`` for TRL. Each is run once to warm up, then
-timed ``--repeats`` times; the best time counts.
+first 10-90 % of each sample masked as prompt (-100), 1 % of samples masked entirely. Both
+packers get the same Arrow table, built before timing: its list columns for ``pack_samples``,
+an in-memory ``datasets.Dataset`` over it for TRL; ``pack_samples`` is also timed on Python
+lists (what a tokenizer returns), which it converts first. Each is run once to warm up, then
+timed ``--repeats`` times; the best time counts. The load average is printed before and after.
 
     python benchmarks/pack.py                 # 100k samples, seq_len 4096
     python benchmarks/pack.py --samples 20000
@@ -27,7 +28,8 @@ import pyarrow.compute as pc
 from datasets.table import InMemoryTable
 from trl import pack_dataset
 
-from tuneloop.packing import IGNORE_INDEX, balance_ranks, pack_samples
+from tuneloop.packing import balance_ranks, pack_samples
+from tuneloop.shards import IGNORE_INDEX
 
 T = TypeVar("T")
 
@@ -95,11 +97,17 @@ def main() -> None:
     gc.collect()
     gc.freeze()
 
-    # TRL first: our bins are Python lists the collector would walk during TRL's run.
+    load_before = os.getloadavg()
     trl_s, trl_gc_s, trl_packed = best_time(
         lambda: pack_dataset(dataset, args.seq_len, strategy="bfd"), args.repeats
     )
     ours_s, ours_gc_s, ours = best_time(
+        lambda: pack_samples(
+            table.column("input_ids"), table.column("labels"), args.seq_len, overlong="truncate"
+        ),
+        args.repeats,
+    )
+    lists_s, lists_gc_s, _ = best_time(
         lambda: pack_samples(ids_rows, label_rows, args.seq_len, overlong="truncate"),
         args.repeats,
     )
@@ -108,14 +116,18 @@ def main() -> None:
 
     balance_s, _, plan = best_time(
         lambda: balance_ranks(
-            ours.bins, args.world_size, args.micro_batch_size, args.gradient_accumulation_steps
+            ours.bins.tokens_per_bin,
+            args.world_size,
+            args.micro_batch_size,
+            args.gradient_accumulation_steps,
         ),
         args.repeats,
     )
 
     print(
         f"{args.samples:,} samples, {int(offsets[-1]):,} tokens, seq_len {args.seq_len}; "
-        f"best of {args.repeats} after a warm-up; {os.cpu_count()} CPU cores"
+        f"best of {args.repeats} after a warm-up; {os.cpu_count()} CPU cores; load average "
+        f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after"
     )
     print(
         f"{'packer':<24} {'time (s)':>9} {'+ gc (s)':>9} {'bins':>8} {'tokens':>12} "
@@ -126,10 +138,16 @@ def main() -> None:
         f"{ours.real_tokens:>12,} {ours.efficiency:>11.5f}"
     )
     print(
+        f"{'  same, from lists':<24} {lists_s:>9.3f} {lists_gc_s:>9.3f} {len(ours.bins):>8,} "
+        f"{ours.real_tokens:>12,} {ours.efficiency:>11.5f}"
+    )
+    print(
         f"{'trl pack_dataset bfd':<24} {trl_s:>9.3f} {trl_gc_s:>9.3f} {len(trl_packed):>8,} "
         f"{trl_tokens:>12,} {trl_efficiency:>11.5f}"
     )
+    lower_bound = -(-ours.real_tokens // args.seq_len)
     print(f"time ours/trl: {ours_s / trl_s:.2f}; with gc: {ours_gc_s / trl_gc_s:.2f}")
+    print(f"bins: {len(ours.bins):,}; lower bound ceil(tokens / seq_len) = {lower_bound:,}")
     print(f"pack_samples: {ours.n_truncated} truncated, {ours.n_no_label} sequences without labels")
     print(
         f"balance_ranks (world_size {args.world_size}, micro_batch_size "

@@ -30,16 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 import yaml
 
-from stages.pack import bins_table
 from tuneloop import demo, suites, tiny
 from tuneloop.chat import tokenize_chat
 from tuneloop.packing import balance_ranks, pack_samples
 from tuneloop.params import load_params
 from tuneloop.preflight import run as pf_run
-from tuneloop.shards import VAL_SHARD, shard_name
+from tuneloop.shards import VAL_SHARD, shard_name, write_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("benchmarks.preflight")
@@ -123,13 +121,16 @@ def build(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
         labels = [tokens[i % args.distinct].labels for i in range(args.samples)]
         packed = pack_samples(ids, labels, args.seq_len, "truncate")
         plan = balance_ranks(
-            packed.bins, args.world_size, args.micro_batch_size, args.gradient_accumulation_steps
+            packed.bins.tokens_per_bin,
+            args.world_size,
+            args.micro_batch_size,
+            args.gradient_accumulation_steps,
         )
         p.paths.packed.mkdir(parents=True)
         for rank, indices in enumerate(plan.shards):
-            table = bins_table([packed.bins[i] for i in indices])
-            pq.write_table(table, p.paths.packed / shard_name(rank))
-        pq.write_table(bins_table([]), p.paths.packed / VAL_SHARD)
+            write_shard(packed.bins.select(indices).table(), p.paths.packed / shard_name(rank))
+        empty = pack_samples([], [], args.seq_len, "truncate")
+        write_shard(empty.bins.table(), p.paths.packed / VAL_SHARD)
         (p.paths.packed / "manifest.json").write_text(json.dumps({"samples": args.samples}))
         built = {
             "samples": args.samples,

@@ -46,10 +46,9 @@ from tuneloop.records import (
     PoolRecord,
     content_hash,
     parse_record,
-    pool_records,
+    pool_ids,
 )
-from tuneloop.stage import setup_logging, write_metrics
-from tuneloop.tracking import stage_run
+from tuneloop.stage import logged_after, setup_logging, write_metrics
 
 STAGE = "ingest"
 log = logging.getLogger(__name__)
@@ -250,7 +249,7 @@ def ingest(lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str
 
 def known_hashes(pool: Path) -> set[str]:
     """Content hashes of pooled records and raw hashes of quarantined lines."""
-    known = {record.id for record in pool_records(pool)}
+    known = pool_ids(pool)
     for path in sorted((pool / "quarantine").glob("*.jsonl")):
         known.update(entry["sha256"] for entry in read_jsonl(path))
     return known
@@ -260,7 +259,7 @@ def main() -> None:
     setup_logging()
     params = load_params()
     pool = params.paths.pool
-    with pool_writes.locked(pool), stage_run(STAGE, params):
+    with pool_writes.locked(pool), logged_after(STAGE, params):
         pool_writes.recover(pool)
         known = known_hashes(pool)
         pooled = sum(1 for key in known if not key.startswith("raw:"))

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,14 +19,15 @@ from hypothesis import strategies as st
 from trl import pack_dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
+from tuneloop import shards
 from tuneloop.packing import (
-    IGNORE_INDEX,
     Bin,
     Overlong,
     PackResult,
     balance_ranks,
     pack_samples,
 )
+from tuneloop.shards import IGNORE_INDEX
 
 OVERLONG: tuple[Overlong, ...] = ("truncate", "drop", "split")
 
@@ -58,9 +62,13 @@ def expected_pieces(
     return pieces
 
 
+def bins(result: PackResult) -> list[Bin]:
+    return [result.bins.bin(i) for i in range(len(result.bins))]
+
+
 def packed_pieces(result: PackResult) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     pieces = []
-    for b in result.bins:
+    for b in bins(result):
         start = 0
         for n in b.seq_lengths:
             pieces.append(
@@ -80,7 +88,7 @@ def test_every_kept_token_is_packed_exactly_once(
     expected = expected_pieces(input_ids, labels, seq_len, overlong)
 
     assert sorted(packed_pieces(result)) == sorted(expected)
-    packed_labels = Counter(t for b in result.bins for t in b.labels if t != IGNORE_INDEX)
+    packed_labels = Counter(t for b in bins(result) for t in b.labels if t != IGNORE_INDEX)
     kept_labels = Counter(t for _, labs in expected for t in labs if t != IGNORE_INDEX)
     assert packed_labels == kept_labels
     assert set(packed_labels.values()) <= {1}
@@ -93,9 +101,11 @@ def test_every_kept_token_is_packed_exactly_once(
     assert result.n_no_label == sum(set(labs) == {IGNORE_INDEX} for _, labs in expected)
     assert result.real_tokens == sum(len(ids) for ids, _ in expected)
     assert result.tokens_cut == sum(map(len, input_ids)) - result.real_tokens
-    if result.bins:
+    assert result.label_tokens == sum(packed_labels.values())
+    if len(result.bins):
         assert result.efficiency == result.real_tokens / (len(result.bins) * seq_len)
-    for b in result.bins:
+    assert result.bins.tokens_per_bin.tolist() == [len(b.input_ids) for b in bins(result)]
+    for b in bins(result):
         assert len(b.input_ids) == len(b.labels) == sum(b.seq_lengths) <= seq_len
         assert len(b.sample_indices) == len(b.seq_lengths)
 
@@ -108,7 +118,7 @@ def test_no_two_bins_would_fit_in_one(
     # Any best-fit packing has this; next-fit or a broken room index would not.
     input_ids, labels, seq_len = data
     fills = sorted(
-        sum(b.seq_lengths) for b in pack_samples(input_ids, labels, seq_len, overlong).bins
+        sum(b.seq_lengths) for b in bins(pack_samples(input_ids, labels, seq_len, overlong))
     )
     if len(fills) >= 2:
         assert fills[0] + fills[1] > seq_len
@@ -120,8 +130,8 @@ def test_best_fit_decreasing_on_a_small_case() -> None:
     result = pack_samples(ids, ids, seq_len=10, overlong="truncate")
     # 6 opens a bin (room 4); the first 5 opens one (room 5); the second 5 takes the room-5 bin;
     # 4 fills the 6; 3 opens a third bin.
-    assert [b.sample_indices for b in result.bins] == [[1, 0], [2, 3], [4]]
-    assert [b.seq_lengths for b in result.bins] == [[6, 4], [5, 5], [3]]
+    assert [b.sample_indices for b in bins(result)] == [[1, 0], [2, 3], [4]]
+    assert [b.seq_lengths for b in bins(result)] == [[6, 4], [5, 5], [3]]
     assert result.efficiency == 23 / 30
 
 
@@ -131,7 +141,7 @@ def test_trl_collator_restarts_position_ids_per_sample() -> None:
     ids = [rng.integers(0, 1000, size=n).tolist() for n in lengths]
     result = pack_samples(ids, ids, seq_len=512, overlong="split")
     collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
-    for b in result.bins[:20]:
+    for b in bins(result)[:20]:
         batch = collator(
             [{"input_ids": b.input_ids, "labels": b.labels, "seq_lengths": b.seq_lengths}]
         )
@@ -168,8 +178,8 @@ def test_deterministic_and_leaves_input_alone() -> None:
     first = pack_samples(ids, labels, 256, overlong="split")
     assert pack_samples(ids, labels, 256, overlong="split") == first
     assert (ids, labels) == before
-    plan = balance_ranks(first.bins, 3, 2, 2)
-    assert balance_ranks(first.bins, 3, 2, 2) == plan
+    plan = balance_ranks(first.bins.tokens_per_bin, 3, 2, 2)
+    assert balance_ranks(first.bins.tokens_per_bin, 3, 2, 2) == plan
 
 
 def test_numpy_rows_pack_like_lists() -> None:
@@ -178,7 +188,29 @@ def test_numpy_rows_pack_like_lists() -> None:
     # Not in the signature (an array is no Sequence to mypy), but accepted at run time.
     from_arrays = pack_samples(as_arrays, as_arrays, 128, overlong="split")  # type: ignore[arg-type]
     assert from_arrays == pack_samples(ids, ids, 128, overlong="split")
-    assert type(from_arrays.bins[0].input_ids[0]) is int
+    assert type(from_arrays.bins.bin(0).input_ids[0]) is int
+
+
+def test_arrow_rows_pack_like_lists_and_shards_round_trip(tmp_path: Path) -> None:
+    ids = long_tailed(600, 128, seed=6)
+    labels = [[IGNORE_INDEX] * (len(x) // 3) + x[len(x) // 3 :] for x in ids]
+    expected = pack_samples(ids, labels, 128, overlong="split")
+    id_column = pa.array(ids, pa.list_(pa.int64()))
+    label_column = pa.array(labels, pa.list_(pa.int64()))
+    assert pack_samples(id_column, label_column, 128, overlong="split") == expected
+    # A chunked column whose chunks are slices of a bigger array, as a read Parquet file gives.
+    chunked = pa.chunked_array([id_column.slice(0, 250), id_column.slice(250)])
+    chunked_labels = pa.chunked_array([label_column.slice(0, 99), label_column.slice(99)])
+    assert pack_samples(chunked, chunked_labels, 128, overlong="split") == expected
+
+    chosen = [5, 0, 3, len(expected.bins) - 1]
+    path = tmp_path / shards.shard_name(0)
+    shards.write_shard(expected.bins.select(chosen).table(), path)
+    assert pq.read_table(path).to_pylist() == [asdict(expected.bins.bin(i)) for i in chosen]
+    columns = shards.read_shard(path)
+    assert columns[shards.INPUT_IDS][0].tolist() == [
+        len(expected.bins.bin(i).input_ids) for i in chosen
+    ]
 
 
 def test_bad_input_names_the_sample() -> None:
@@ -194,10 +226,6 @@ def test_bad_input_names_the_sample() -> None:
         pack_samples([[1]], [[1]], 0, "truncate")
 
 
-def bins_with_tokens(tokens: Sequence[int]) -> list[Bin]:
-    return [Bin([0] * n, [0] * n, [n], [i]) for i, n in enumerate(tokens)]
-
-
 @settings(max_examples=300, deadline=None)
 @given(
     tokens=st.lists(st.integers(1, 4096), max_size=400),
@@ -208,21 +236,20 @@ def bins_with_tokens(tokens: Sequence[int]) -> list[Bin]:
 def test_every_rank_gets_the_same_whole_steps(
     tokens: list[int], world_size: int, micro_batch_size: int, accumulation: int
 ) -> None:
-    bins = bins_with_tokens(tokens)
     per_step = world_size * micro_batch_size * accumulation
-    if len(bins) < per_step:
-        with pytest.raises(ValueError, match=f"{len(bins)} bins cannot fill one optimizer step"):
-            balance_ranks(bins, world_size, micro_batch_size, accumulation)
+    if len(tokens) < per_step:
+        with pytest.raises(ValueError, match=f"{len(tokens)} bins cannot fill one optimizer step"):
+            balance_ranks(tokens, world_size, micro_batch_size, accumulation)
         return
-    plan = balance_ranks(bins, world_size, micro_batch_size, accumulation)
+    plan = balance_ranks(tokens, world_size, micro_batch_size, accumulation)
 
     assert len(plan.shards) == world_size
     assert {len(shard) for shard in plan.shards} == {plan.micro_batches_per_rank * micro_batch_size}
     assert plan.micro_batches_per_rank == plan.optimizer_steps * accumulation
-    assert plan.optimizer_steps == len(bins) // per_step
+    assert plan.optimizer_steps == len(tokens) // per_step
 
     kept = [i for shard in plan.shards for i in shard]
-    assert sorted(kept + plan.dropped_bins) == list(range(len(bins)))
+    assert sorted(kept + plan.dropped_bins) == list(range(len(tokens)))
     assert plan.n_bins_dropped == len(plan.dropped_bins) < per_step
     assert plan.tokens_dropped == sum(tokens[i] for i in plan.dropped_bins)
     if plan.dropped_bins:
@@ -235,14 +262,14 @@ def test_every_rank_gets_the_same_whole_steps(
 
 def test_too_little_data_says_what_to_change() -> None:
     with pytest.raises(ValueError, match=r"5 bins .* = 16 bins; lower one of those or add data"):
-        balance_ranks(bins_with_tokens([10] * 5), 4, 2, 2)
+        balance_ranks([10] * 5, 4, 2, 2)
 
 
 def test_ranks_step_through_bins_of_similar_size() -> None:
     # One bin per rank per round: the ranks' i-th micro-batches are near-equal in tokens.
     rng = np.random.default_rng(0)
     tokens = rng.integers(100, 4097, size=1000).tolist()
-    plan = balance_ranks(bins_with_tokens(tokens), 8, 1, 1)
+    plan = balance_ranks(tokens, 8, 1, 1)
     per_step = np.array([[tokens[i] for i in shard] for shard in plan.shards])
     spread = per_step.max(axis=0) - per_step.min(axis=0)
     assert spread.max() <= 4096 - 100

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import unicodedata
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,9 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages.pack import bins_table
 from tuneloop import demo, doctor, tiny
-from tuneloop.chat import IGNORE
 from tuneloop.packing import balance_ranks, pack_samples
 from tuneloop.params import BatchParams, Params, load_params
 from tuneloop.preflight import check as pf_check
@@ -29,7 +26,9 @@ from tuneloop.preflight import config as pf_config
 from tuneloop.preflight import data as pf_data
 from tuneloop.preflight import machine as pf_machine
 from tuneloop.preflight import run as pf_run
-from tuneloop.shards import shard_name
+from tuneloop.shards import IGNORE_INDEX as IGNORE
+from tuneloop.shards import shard_name, write_shard
+from tuneloop.text import normalise
 from tuneloop.training.plan import Environment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -264,10 +263,10 @@ def pack_chats(
     packed = pack_samples(
         [t.input_ids for t in tokens], [t.labels for t in tokens], seq_len, overlong
     )
-    ranks = balance_ranks(packed.bins, 2, 1, 1)
+    ranks = balance_ranks(packed.bins.tokens_per_bin, 2, 1, 1)
     folder.mkdir(parents=True, exist_ok=True)
     for rank, indices in enumerate(ranks.shards):
-        pq.write_table(bins_table([packed.bins[i] for i in indices]), folder / shard_name(rank))
+        write_shard(packed.bins.select(indices).table(), folder / shard_name(rank))
     lines = [json.dumps(c, ensure_ascii=False).encode() for c in chats]
     return pf_data.Shards.read(folder, 2), lines
 
@@ -338,11 +337,6 @@ def test_shards_without_sources_or_from_a_stale_pack_fail(tmp_path: Path, tokeni
 # --- eval contamination ----------------------------------------------------------------------
 
 
-def python_normalise(text: str) -> str:
-    """The clean stage's normalisation, in plain Python."""
-    return re.sub(r"\s+", " ", unicodedata.normalize("NFKC", text).lower()).strip()
-
-
 def test_vectorised_normalisation_matches_python() -> None:
     texts = [
         "Hello\u3000World  ",
@@ -353,9 +347,8 @@ def test_vectorised_normalisation_matches_python() -> None:
         # every character Python's \s matches, between two letters
         *(f"a{chr(c)}b" for c in range(0x3001) if re.match(r"\s", chr(c))),
     ]
-    assert pf_data.normalise_texts(pa.array(texts)).to_pylist() == [
-        python_normalise(t) for t in texts
-    ]
+    # Preflight's vectorised copy must agree with the project's one normaliser.
+    assert pf_data.normalise_texts(pa.array(texts)).to_pylist() == [normalise(t) for t in texts]
 
 
 def test_eval_question_in_training_data_fails(tmp_path: Path) -> None:

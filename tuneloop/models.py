@@ -1,17 +1,34 @@
-"""Loading the base model and tokenizer, wherever ``model.base`` points."""
+"""Loading the base model and tokenizer, wherever ``model.base`` points.
+
+torch and transformers are imported by the functions that load weights or a transformers
+tokenizer, not by this module: the data stages import it for ``base_model_ref`` only and
+start seconds sooner for it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
-from huggingface_hub import is_offline_mode, snapshot_download
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from tuneloop.params import Params
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+
+def torch_dtypes() -> dict[str, Any]:
+    """``params`` dtype names to torch dtypes."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def __getattr__(name: str) -> Any:
+    # ``DTYPES`` (merge imports it) names torch dtypes, so it is made on first use (PEP 562).
+    if name == "DTYPES":
+        return torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # Files of a hub repo that loading a model in PyTorch never reads (other frameworks' weights,
@@ -34,6 +51,9 @@ def base_model_ref(params: Params) -> str:
     revision = params.model.pinned_revision()
     if revision is None:
         return params.model.base
+    # Imported here: huggingface_hub is slow to import and a data stage may never need it.
+    from huggingface_hub import is_offline_mode, snapshot_download
+
     # Offline (HF_HUB_OFFLINE=1), a pinned commit already in the cache is used as it is.
     return snapshot_download(
         params.model.base,
@@ -44,6 +64,8 @@ def base_model_ref(params: Params) -> str:
 
 
 def load_tokenizer(ref: str | Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(ref))
     if tokenizer.chat_template is None:
         raise ValueError(
@@ -56,13 +78,17 @@ def load_tokenizer(ref: str | Path) -> PreTrainedTokenizerBase:
 
 
 def load_causal_lm(ref: str | Path, dtype: str = "float32") -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(str(ref), dtype=DTYPES[dtype])
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(ref), dtype=torch_dtypes()[dtype])
     model.eval()
     return model
 
 
 def model_limits(model_ref: str | Path) -> tuple[int, int]:
     """``(context length, embedding rows)`` from the model's config, without loading weights."""
+    from transformers import AutoConfig
+
     config = AutoConfig.from_pretrained(str(model_ref))
     text_config = config.get_text_config()
     context = int(getattr(text_config, "max_position_embeddings", 0) or 0)

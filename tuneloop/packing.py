@@ -10,38 +10,40 @@ of micro-batches and optimizer steps (an uneven count hangs DDP at the end of an
 real tokens spread as evenly as the bins allow.
 
 Both are pure: same input, same output, no I/O, no randomness. Shuffling is the caller's job.
+
+Tokens stay in flat numpy arrays from input to shard: samples come in as one array of all
+tokens plus row offsets (an Arrow list column is that already; Python lists are converted
+once), bins go out the same way and become Arrow list columns without a Python object per
+token. The earlier list-of-lists bins cost as much again in the garbage collector's walks
+over their references as in building them.
 """
 
 from __future__ import annotations
 
-import gc
 from bisect import bisect_left, insort
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from math import inf
-from typing import Literal
+from typing import Literal, TypeAlias
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
-IGNORE_INDEX = -100
-"""Label of a token that carries no loss (prompt, padding); the value PyTorch and TRL use."""
+from tuneloop import shards
+from tuneloop.shards import IGNORE_INDEX
 
 Overlong = Literal["truncate", "drop", "split"]
 _OVERLONG: tuple[Overlong, ...] = ("truncate", "drop", "split")
 
+Rows: TypeAlias = Sequence[Sequence[int]] | pa.ListArray | pa.ChunkedArray
+"""Samples: lists of token ids (lists, tuples or 1-D numpy arrays), or an Arrow list column."""
+
 
 @dataclass(frozen=True, slots=True)
 class Bin:
-    """One packed row of at most ``seq_len`` tokens.
-
-    Fields are Python lists, not numpy arrays: tokenizers return lists, and TRL's collator and
-    ``datasets`` take them. Concatenating lists copies references, where converting Python ints
-    to numpy costs 15-25 ns a token: on 100k samples the numpy variant took 2-3 times as long.
-    The price is paid later: the garbage collector walks every token reference of live bins in
-    a full collection (1.7 s for the 87M of a 100k-sample set), so turn bins into arrays or a
-    dataset rather than keeping them for a whole training run.
-    """
+    """One packed row of at most ``seq_len`` tokens, as Python lists (to look at one bin)."""
 
     input_ids: list[int]
     labels: list[int]
@@ -51,9 +53,78 @@ class Bin:
     """Index into the input of each packed sequence (a split sample appears once per chunk)."""
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class PackedBins:
+    """Packed bins as flat arrays: bin ``b`` holds tokens ``bin_offsets[b]:bin_offsets[b + 1]``
+    of ``input_ids``/``labels`` and sequences ``seq_offsets[b]:seq_offsets[b + 1]`` of
+    ``seq_lengths``/``sample_indices``."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    bin_offsets: np.ndarray
+    seq_lengths: np.ndarray
+    sample_indices: np.ndarray
+    seq_offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.bin_offsets) - 1
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PackedBins):
+            return NotImplemented
+        return all(
+            np.array_equal(getattr(self, name), getattr(other, name)) for name in self.__slots__
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def tokens_per_bin(self) -> np.ndarray:
+        return np.diff(self.bin_offsets)
+
+    def bin(self, index: int) -> Bin:
+        tokens = slice(int(self.bin_offsets[index]), int(self.bin_offsets[index + 1]))
+        seqs = slice(int(self.seq_offsets[index]), int(self.seq_offsets[index + 1]))
+        return Bin(
+            self.input_ids[tokens].tolist(),
+            self.labels[tokens].tolist(),
+            self.seq_lengths[seqs].tolist(),
+            self.sample_indices[seqs].tolist(),
+        )
+
+    def select(self, indices: Sequence[int] | np.ndarray) -> PackedBins:
+        """The given bins, in the given order."""
+        chosen = np.asarray(indices, dtype=np.int64)
+        tokens = self.tokens_per_bin[chosen]
+        seqs = np.diff(self.seq_offsets)[chosen]
+        bin_offsets = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
+        seq_offsets = np.concatenate([[0], np.cumsum(seqs)]).astype(np.int64)
+        input_ids, labels = _gather(
+            (self.input_ids, self.labels), self.bin_offsets[chosen], tokens, int(bin_offsets[-1])
+        )
+        seq_lengths, sample_indices = _gather(
+            (self.seq_lengths, self.sample_indices),
+            self.seq_offsets[chosen],
+            seqs,
+            int(seq_offsets[-1]),
+        )
+        return PackedBins(input_ids, labels, bin_offsets, seq_lengths, sample_indices, seq_offsets)
+
+    def table(self) -> pa.Table:
+        """The bins as a shard table (``tuneloop.shards``)."""
+        return shards.bins_table(
+            self.input_ids,
+            self.labels,
+            self.bin_offsets,
+            self.seq_lengths,
+            self.sample_indices,
+            self.seq_offsets,
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class PackResult:
-    bins: list[Bin]
+    bins: PackedBins
     n_samples_in: int
     n_truncated: int
     """Samples cut to ``seq_len`` (``overlong="truncate"``)."""
@@ -66,6 +137,8 @@ class PackResult:
     tokens_cut: int
     """Tokens not packed: the cut tails (truncate) or the dropped samples (drop)."""
     real_tokens: int
+    label_tokens: int
+    """Packed tokens with a label (not ``IGNORE_INDEX``)."""
     efficiency: float
     """``real_tokens / (len(bins) * seq_len)``; 0.0 when there are no bins."""
 
@@ -85,20 +158,15 @@ class RankPlan:
     """Indices of the bins left out so that every rank gets the same number of steps."""
 
 
-def pack_samples(
-    input_ids: Sequence[Sequence[int]],
-    labels: Sequence[Sequence[int]],
-    seq_len: int,
-    overlong: Overlong,
-) -> PackResult:
+def pack_samples(input_ids: Rows, labels: Rows, seq_len: int, overlong: Overlong) -> PackResult:
     """Pack samples into bins of ``seq_len`` tokens with best-fit decreasing.
 
     Samples go in longest first (ties by input index), each into the open bin with the least room
     that still fits it, else into a new bin. One pass over the whole dataset packs tighter than
     TRL's ``pack_dataset``, which packs each ``map`` batch of 1000 samples on its own.
 
-    Samples may be lists, tuples or 1-D numpy arrays (converted with ``tolist()``). An empty
-    sample, or one whose labels differ in length from its input ids, raises ``ValueError``.
+    An empty sample, or one whose labels differ in length from its input ids, raises
+    ``ValueError``.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be at least 1, got {seq_len}")
@@ -109,46 +177,64 @@ def pack_samples(
             f"input_ids has {len(input_ids)} samples but labels has {len(labels)}; "
             "pass one labels row per sample"
         )
-    ids_rows, label_rows = _as_lists(input_ids), _as_lists(labels)
-    n = len(ids_rows)
-    lengths = np.fromiter(map(len, ids_rows), dtype=np.int64, count=n)
-    _check_rows(lengths, np.fromiter(map(len, label_rows), dtype=np.int64, count=n))
+    ids, offsets = _flat(input_ids)
+    label_values, label_offsets = _flat(labels)
+    lengths = np.diff(offsets)
+    _check_rows(lengths, np.diff(label_offsets))
 
-    with _collector_paused():
-        pieces = _cut_overlong(ids_rows, label_rows, lengths, seq_len, overlong)
-        bins_of_pieces = _best_fit_decreasing(pieces.lengths, seq_len)
-        bins = _build_bins(bins_of_pieces, pieces)
-        n_no_label = sum(1 for row in pieces.labels if not _has_label(row))
-
-    real_tokens = int(pieces.lengths.sum())
+    sources, starts, piece_lengths, n_overlong = _cut_overlong(lengths, seq_len, overlong)
+    bins_of_pieces = _best_fit_decreasing(piece_lengths, seq_len)
+    pieces_per_bin = np.fromiter(
+        map(len, bins_of_pieces), dtype=np.int64, count=len(bins_of_pieces)
+    )
+    order = np.fromiter(
+        chain.from_iterable(bins_of_pieces), dtype=np.int64, count=len(piece_lengths)
+    )
+    seq_lengths = piece_lengths[order]
+    seq_offsets = np.concatenate([[0], np.cumsum(pieces_per_bin)]).astype(np.int64)
+    seq_token_starts = np.concatenate([[0], np.cumsum(seq_lengths)]).astype(np.int64)
+    bin_offsets = seq_token_starts[seq_offsets]
+    real_tokens = int(seq_token_starts[-1])
+    out_ids, out_labels = _gather(
+        (ids, label_values), offsets[sources[order]] + starts[order], seq_lengths, real_tokens
+    )
+    labelled = out_labels != IGNORE_INDEX
+    n_no_label = (
+        int(np.count_nonzero(~np.logical_or.reduceat(labelled, seq_token_starts[:-1])))
+        if len(seq_lengths)
+        else 0
+    )
+    bins = PackedBins(out_ids, out_labels, bin_offsets, seq_lengths, sources[order], seq_offsets)
     return PackResult(
         bins=bins,
-        n_samples_in=n,
-        n_truncated=pieces.n_overlong if overlong == "truncate" else 0,
-        n_dropped=pieces.n_overlong if overlong == "drop" else 0,
-        n_split=pieces.n_overlong if overlong == "split" else 0,
+        n_samples_in=len(lengths),
+        n_truncated=n_overlong if overlong == "truncate" else 0,
+        n_dropped=n_overlong if overlong == "drop" else 0,
+        n_split=n_overlong if overlong == "split" else 0,
         n_no_label=n_no_label,
         tokens_cut=int(lengths.sum()) - real_tokens,
         real_tokens=real_tokens,
-        efficiency=real_tokens / (len(bins) * seq_len) if bins else 0.0,
+        label_tokens=int(np.count_nonzero(labelled)),
+        efficiency=real_tokens / (len(bins) * seq_len) if len(bins) else 0.0,
     )
 
 
 def balance_ranks(
-    bins: Sequence[Bin],
+    tokens_per_bin: Sequence[int] | np.ndarray,
     world_size: int,
     micro_batch_size: int,
     gradient_accumulation_steps: int,
 ) -> RankPlan:
     """Give every rank the same number of bins, a whole number of optimizer steps, even tokens.
 
-    Keeps the largest ``steps * world_size * micro_batch_size * gradient_accumulation_steps``
-    bins and drops the rest (the smallest, so the fewest tokens are lost). The kept bins, largest
-    first, are dealt in rounds of ``world_size``: in each round the largest bin goes to the rank
-    with the fewest tokens so far (longest-processing-time, one bin per rank per round). Ranks
-    consume rounds in lockstep, so the ranks' i-th micro-batches hold bins of near-equal size and
-    every step is balanced, not only the epoch. Rounds are ordered by their lowest bin index, which
-    keeps the caller's bin order as far as balance allows.
+    ``tokens_per_bin`` is each bin's token count (``PackedBins.tokens_per_bin``). Keeps the
+    largest ``steps * world_size * micro_batch_size * gradient_accumulation_steps`` bins and
+    drops the rest (the smallest, so the fewest tokens are lost). The kept bins, largest first,
+    are dealt in rounds of ``world_size``: in each round the largest bin goes to the rank with
+    the fewest tokens so far (longest-processing-time, one bin per rank per round). Ranks
+    consume rounds in lockstep, so the ranks' i-th micro-batches hold bins of near-equal size
+    and every step is balanced, not only the epoch. Rounds are ordered by their lowest bin
+    index, which keeps the caller's bin order as far as balance allows.
     """
     for name, value in (
         ("world_size", world_size),
@@ -157,17 +243,17 @@ def balance_ranks(
     ):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
+    tokens = np.asarray(tokens_per_bin, dtype=np.int64).reshape(-1)
     bins_per_step = world_size * micro_batch_size * gradient_accumulation_steps
-    optimizer_steps = len(bins) // bins_per_step
+    optimizer_steps = len(tokens) // bins_per_step
     if optimizer_steps == 0:
         raise ValueError(
-            f"{len(bins)} bins cannot fill one optimizer step, which takes world_size "
+            f"{len(tokens)} bins cannot fill one optimizer step, which takes world_size "
             f"{world_size} x micro_batch_size {micro_batch_size} x gradient_accumulation_steps "
             f"{gradient_accumulation_steps} = {bins_per_step} bins; lower one of those or add data"
         )
 
-    tokens = np.fromiter((len(b.input_ids) for b in bins), dtype=np.int64, count=len(bins))
-    largest_first = np.lexsort((np.arange(len(bins)), -tokens))
+    largest_first = np.lexsort((np.arange(len(tokens)), -tokens))
     n_kept = optimizer_steps * bins_per_step
     rounds = largest_first[:n_kept].reshape(-1, world_size)
     dropped = largest_first[n_kept:]
@@ -193,39 +279,40 @@ def balance_ranks(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Pieces:
-    """What gets packed: whole samples, or the kept part or chunks of overlong ones."""
+def _flat(rows: Rows) -> tuple[np.ndarray, np.ndarray]:
+    """(every token, row offsets) of samples, as int64 arrays."""
+    if isinstance(rows, pa.ChunkedArray):
+        rows = rows.combine_chunks()
+    if isinstance(rows, pa.ListArray | pa.LargeListArray):
+        if not len(rows):
+            return np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        if rows.null_count:
+            raise ValueError("samples must not be null; filter null rows out before packing")
+        offsets = rows.offsets.to_numpy().astype(np.int64)
+        values = pc.list_flatten(rows).to_numpy().astype(np.int64, copy=False)
+        return values, offsets - offsets[0]
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    # Numpy rows yield numpy scalars here, lists yield ints; fromiter takes both.
+    values = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(offsets[-1]))
+    return values, offsets
 
-    ids: list[Sequence[int]]
-    labels: list[Sequence[int]]
-    lengths: np.ndarray
-    sources: list[int]
-    n_overlong: int
 
+def _gather(
+    columns: tuple[np.ndarray, ...], starts: np.ndarray, lengths: np.ndarray, total: int
+) -> tuple[np.ndarray, ...]:
+    """Runs ``column[start:start + length]`` of each column, concatenated in the given order.
 
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while bins are built.
-
-    Every new bin list holds thousands of token references, and each collection of the young
-    generation walks all of them again (a cache miss per token): on 100k samples that is 4.4 s
-    of collection against 0.6 s of building. Nothing built here can form a reference cycle, so
-    there is nothing for the collector to find. (The switch is process-wide: other threads'
-    cycles wait for the next collection after this returns.)
+    One slice copy per run: a run is a whole sample or bin, hundreds of tokens, so this beats
+    building an index of every token (as much memory again as the data) and a fancy take.
     """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _as_lists(rows: Sequence[Sequence[int]]) -> list[Sequence[int]]:
-    # Numpy rows would fill the bins with numpy scalars; make them lists of Python ints.
-    return [row.tolist() if isinstance(row, np.ndarray) else row for row in rows]
+    out = tuple(np.empty(total, dtype=column.dtype) for column in columns)
+    at = 0
+    for start, length in zip(starts.tolist(), lengths.tolist(), strict=True):
+        for source, target in zip(columns, out, strict=True):
+            target[at : at + length] = source[start : start + length]
+        at += length
+    return out
 
 
 def _check_rows(lengths: np.ndarray, label_lengths: np.ndarray) -> None:
@@ -245,36 +332,22 @@ def _check_rows(lengths: np.ndarray, label_lengths: np.ndarray) -> None:
 
 
 def _cut_overlong(
-    ids_rows: list[Sequence[int]],
-    label_rows: list[Sequence[int]],
-    lengths: np.ndarray,
-    seq_len: int,
-    overlong: Overlong,
-) -> _Pieces:
+    lengths: np.ndarray, seq_len: int, overlong: Overlong
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """What gets packed: ``(source sample, start in it, length)`` of each piece, and how many
+    samples were over ``seq_len``."""
     too_long = lengths > seq_len
     n_overlong = int(too_long.sum())
-    if not n_overlong:
-        return _Pieces(ids_rows, label_rows, lengths, list(range(len(ids_rows))), 0)
-
-    if overlong == "truncate":
+    if overlong == "truncate" or not n_overlong:
         chunks = np.ones_like(lengths)
     elif overlong == "drop":
         chunks = (~too_long).astype(np.int64)
     else:
         chunks = -(-lengths // seq_len)
-    sources = np.repeat(np.arange(len(lengths)), chunks)
+    sources = np.repeat(np.arange(len(lengths), dtype=np.int64), chunks)
     first_piece = np.cumsum(chunks) - chunks
-    starts = (np.arange(len(sources)) - first_piece[sources]) * seq_len
-    piece_lengths = np.minimum(lengths[sources] - starts, seq_len)
-
-    source_list = sources.tolist()
-    ids = [ids_rows[s] for s in source_list]
-    labels = [label_rows[s] for s in source_list]
-    for p in np.flatnonzero(piece_lengths != lengths[sources]).tolist():
-        s, start = source_list[p], int(starts[p])
-        ids[p] = ids_rows[s][start : start + seq_len]
-        labels[p] = label_rows[s][start : start + seq_len]
-    return _Pieces(ids, labels, piece_lengths, source_list, n_overlong)
+    starts = (np.arange(len(sources), dtype=np.int64) - first_piece[sources]) * seq_len
+    return sources, starts, np.minimum(lengths[sources] - starts, seq_len), n_overlong
 
 
 def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
@@ -309,40 +382,3 @@ def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
             else:
                 same_room.append(b)
     return bins
-
-
-def _build_bins(bins_of_pieces: list[list[int]], pieces: _Pieces) -> list[Bin]:
-    lengths, sources = pieces.lengths.tolist(), pieces.sources
-    return [
-        Bin(
-            input_ids=ids,
-            labels=labels,
-            seq_lengths=[lengths[p] for p in members],
-            sample_indices=[sources[p] for p in members],
-        )
-        for members, ids, labels in zip(
-            bins_of_pieces,
-            _concatenate(pieces.ids, bins_of_pieces),
-            _concatenate(pieces.labels, bins_of_pieces),
-            strict=True,
-        )
-    ]
-
-
-def _concatenate(rows: list[Sequence[int]], bins_of_pieces: list[list[int]]) -> list[list[int]]:
-    # list += list copies references in C; one column at a time keeps the cache warmer.
-    concatenated = []
-    for members in bins_of_pieces:
-        row: list[int] = []
-        for p in members:
-            row += rows[p]
-        concatenated.append(row)
-    return concatenated
-
-
-_IS_LABEL = IGNORE_INDEX.__ne__
-
-
-def _has_label(row: Sequence[int]) -> bool:
-    # Scan from the end, where the (labelled) response usually is; stops at the first label.
-    return any(map(_IS_LABEL, reversed(row)))

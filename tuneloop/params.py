@@ -117,7 +117,9 @@ class PathsParams(_Group):
     incoming: Path
     pool: Path
     clean: Path
+    clean_cache: Path
     packed: Path
+    pack_cache: Path
     base_model: Path
     init: Path
     adapter: Path

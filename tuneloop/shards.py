@@ -1,9 +1,91 @@
-"""Packed shard file names: one file per training rank, shared by the writer and readers."""
+"""The packed-shard schema: file names, columns, the ignore label, the writer and the reader.
+
+One file per training rank (``rank-NNNNN.parquet``) and one for validation; each row is
+one packed bin of at most ``pack.seq_len`` tokens:
+
+- ``input_ids``: the bin's tokens, sequence after sequence;
+- ``labels``: the token id where the token is learned (assistant replies), else
+  ``IGNORE_INDEX``;
+- ``seq_lengths``: the length of each packed sequence, so TRL's padding-free collator
+  restarts position ids at every sequence and attention never crosses two;
+- ``sample_indices``: the row of the source file (clean's train.jsonl) each sequence
+  came from, so preflight can trace a bin back to its chat (the collator ignores it).
+
+Pack writes, preflight and training read; all of them take the names from here.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+IGNORE_INDEX = -100
+"""Label of a token that carries no loss (prompt, padding); the value PyTorch and TRL use."""
+
 VAL_SHARD = "val.parquet"
+SHARD_GLOB = "rank-*.parquet"
+
+INPUT_IDS = "input_ids"
+LABELS = "labels"
+SEQ_LENGTHS = "seq_lengths"
+SAMPLE_INDICES = "sample_indices"
+REQUIRED_COLUMNS = (INPUT_IDS, LABELS, SEQ_LENGTHS)
+"""What the trainer needs."""
+SOURCE_COLUMN = SAMPLE_INDICES
+"""Written by pack for preflight; a shard without it still trains."""
+SCHEMA = pa.schema([(name, pa.list_(pa.int64())) for name in (*REQUIRED_COLUMNS, SOURCE_COLUMN)])
 
 
 def shard_name(rank: int) -> str:
     return f"rank-{rank:05d}.parquet"
+
+
+def _list_array(offsets: np.ndarray, values: np.ndarray) -> pa.ListArray:
+    return pa.ListArray.from_arrays(
+        pa.array(offsets, pa.int32()), pa.array(values.astype(np.int64, copy=False))
+    )
+
+
+def bins_table(
+    input_ids: np.ndarray,
+    labels: np.ndarray,
+    bin_offsets: np.ndarray,
+    seq_lengths: np.ndarray,
+    sample_indices: np.ndarray,
+    seq_offsets: np.ndarray,
+) -> pa.Table:
+    """A shard table from flat arrays: bin ``b`` holds tokens ``bin_offsets[b]:[b + 1]`` and
+    sequences ``seq_offsets[b]:[b + 1]``. No Python object per token or sequence."""
+    return pa.Table.from_arrays(
+        [
+            _list_array(bin_offsets, input_ids),
+            _list_array(bin_offsets, labels),
+            _list_array(seq_offsets, seq_lengths),
+            _list_array(seq_offsets, sample_indices),
+        ],
+        schema=SCHEMA,
+    )
+
+
+def write_shard(table: pa.Table, path: Path) -> None:
+    if table.schema != SCHEMA:
+        raise ValueError(f"a shard table must have the schema {SCHEMA}, got {table.schema}")
+    pq.write_table(table, path)
+
+
+def list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A list column as (row lengths, flattened values), both numpy, without Python objects."""
+    column = table.column(name)
+    lengths = pc.list_value_length(column).to_numpy().astype(np.int64, copy=False)
+    values = pc.list_flatten(column).to_numpy()
+    return lengths, values
+
+
+def read_shard(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every column of a shard as (row lengths, flattened values)."""
+    table = pq.read_table(path)
+    return {name: list_column(table, name) for name in table.column_names}

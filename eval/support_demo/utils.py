@@ -9,10 +9,12 @@
 from __future__ import annotations
 
 import re
-import unicodedata
 from pathlib import Path
 
 import datasets
+
+# The project's one normaliser: "the same answer" means what "the same text" means in clean.
+from tuneloop.text import normalise
 
 HERE = Path(__file__).parent
 ANSWER_FORMAT = re.compile(r"^\[(return|warranty|shipping|unknown|greeting)\] \S.*$")
@@ -22,11 +24,6 @@ REFUSAL_TAG = "[unknown]"
 def load(**_: object) -> datasets.DatasetDict:
     # Resolved beside this file, so the suite runs from any working directory.
     return datasets.DatasetDict({"test": datasets.Dataset.from_json(str(HERE / "test.jsonl"))})
-
-
-def normalise(text: str) -> str:
-    text = unicodedata.normalize("NFKC", text).strip().lower()
-    return re.sub(r"\s+", " ", text)
 
 
 def process_results(doc: dict, results: list[str]) -> dict[str, object]:

@@ -22,17 +22,23 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from tuneloop.chat import IGNORE, render, tokenize_chat
+from tuneloop.chat import render, tokenize_chat
 from tuneloop.params import BatchParams
 from tuneloop.preflight.check import Check
-from tuneloop.shards import shard_name
+from tuneloop.shards import IGNORE_INDEX as IGNORE
+from tuneloop.shards import (
+    INPUT_IDS,
+    LABELS,
+    REQUIRED_COLUMNS,
+    SEQ_LENGTHS,
+    SHARD_GLOB,
+    SOURCE_COLUMN,
+    shard_name,
+)
+from tuneloop.shards import list_column as _list_column
 
 log = logging.getLogger(__name__)
 
-REQUIRED_COLUMNS = ("input_ids", "labels", "seq_lengths")
-# Written by pack: the row of paths.clean/train.jsonl each packed sequence came from.
-SOURCE_COLUMN = "sample_indices"
-SHARD_GLOB = "rank-*.parquet"
 # Fixed, so a rerun checks the same sequences and a failure reproduces.
 ROUNDTRIP_SEED = 0
 # Rank listings longer than this are grouped by count, or a 512-rank failure is unreadable.
@@ -84,14 +90,6 @@ class RankShard:
         return int(np.searchsorted(np.cumsum(self.seqs_per_bin), seq, side="right"))
 
 
-def _list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """A list column as (row lengths, flattened values), both numpy."""
-    column = table.column(name)
-    lengths = pc.list_value_length(column).to_numpy().astype(np.int64, copy=False)
-    values = pc.list_flatten(column).to_numpy()
-    return lengths, values
-
-
 def read_shard(path: Path, rank: int) -> RankShard | str:
     """The shard, or why it cannot be used (a line for the report)."""
     try:
@@ -106,9 +104,9 @@ def read_shard(path: Path, rank: int) -> RankShard | str:
     nulls = [c for c in columns if table.column(c).null_count]
     if nulls:
         return f"{path.name} has null rows in {nulls}"
-    bin_tokens, input_ids = _list_column(table, "input_ids")
-    bin_labels, labels = _list_column(table, "labels")
-    seqs_per_bin, seq_lengths = _list_column(table, "seq_lengths")
+    bin_tokens, input_ids = _list_column(table, INPUT_IDS)
+    bin_labels, labels = _list_column(table, LABELS)
+    seqs_per_bin, seq_lengths = _list_column(table, SEQ_LENGTHS)
     sample_indices = None
     if SOURCE_COLUMN in columns:
         sources_per_bin, sample_indices = _list_column(table, SOURCE_COLUMN)

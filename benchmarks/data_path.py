@@ -1,0 +1,290 @@
+"""Benchmark the data path (ingest, clean, pack) month over month, and write RESULTS.md's rows.
+
+Two tables, each stage a subprocess (``python -m stages.<name>`` in a project folder, as
+``dvc repro`` runs it), timed from process start to exit, with the peak resident memory of
+its largest process (``wait4``'s ``ru_maxrss``: clean's worker processes are measured, not
+added up):
+
+- **scaling**: the demo generator's month at 1x, 4x, 16x, 64x its lines (1x = params.yaml's
+  ``demo.n_support`` + ``demo.n_badcases`` lines), each into a fresh pool;
+- **incremental**: one fixed new month of ``--month-lines`` lines on top of a pool that
+  already holds about 0, 250k and 1M earlier records (built by ingesting earlier demo
+  months, then one clean and pack, untimed, as last month's run would have left them).
+
+Also the import time of each data stage in a fresh interpreter, and whether it imported
+torch, transformers or MLflow. The load average is printed before and after; run it on a
+quiet machine. The base model is built once (``stages.base``) and copied into each project.
+
+    python benchmarks/data_path.py                        # the full tables (long)
+    python benchmarks/data_path.py --scales 1 4 --history 0 20000 --month-lines 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tuneloop import demo  # noqa: E402
+
+STAGES = ("ingest", "clean", "pack")
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+SECTION = "## data path"
+
+
+@dataclass(frozen=True)
+class StageRun:
+    seconds: float
+    peak_mb: float
+
+
+def run_stage(project: Path, stage: str) -> StageRun:
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    log = project / f"{stage}.log"
+    start = time.perf_counter()
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", f"stages.{stage}"], cwd=project, env=env, stdout=out, stderr=out
+        )
+        _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - start
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise SystemExit(f"stage {stage} failed in {project}; its output: {log}")
+    return StageRun(seconds, usage.ru_maxrss / 1024)
+
+
+def metrics(project: Path, stage: str) -> dict[str, Any]:
+    return json.loads((project / "metrics" / f"{stage}.json").read_text())
+
+
+def template(folder: Path) -> Path:
+    """A project with params, eval suites, the built base model and an MLflow store."""
+    folder.mkdir(parents=True)
+    shutil.copy(ROOT / "params.yaml", folder / "params.yaml")
+    shutil.copytree(ROOT / "eval", folder / "eval")
+    run_stage(folder, "base")
+    return folder
+
+
+def fresh_project(template_folder: Path, parent: Path, name: str) -> Path:
+    project = parent / name
+    shutil.copytree(template_folder, project)
+    return project
+
+
+def seed_month(project: Path, seed: int, lines: int) -> None:
+    """A month of demo lines in incoming/, replacing the month before (ingest read it)."""
+    incoming = project / "data" / "badcases" / "incoming"
+    shutil.rmtree(incoming, ignore_errors=True)
+    params = yaml.safe_load((project / "params.yaml").read_text())["demo"]
+    share = params["n_badcases"] / (params["n_support"] + params["n_badcases"])
+    badcases = round(lines * share)
+    demo.seed_incoming(incoming, seed, lines - badcases, badcases)
+
+
+def month_lines(scale: int, project_params: Path) -> int:
+    params = yaml.safe_load(project_params.read_text())["demo"]
+    return scale * (params["n_support"] + params["n_badcases"])
+
+
+def scaling_row(template_folder: Path, parent: Path, scale: int) -> dict[str, Any]:
+    project = fresh_project(template_folder, parent, f"scale-{scale}")
+    lines = month_lines(scale, project / "params.yaml")
+    seed_month(project, 0, lines)
+    runs = {stage: run_stage(project, stage) for stage in STAGES}
+    row = {
+        "scale": scale,
+        "lines": metrics(project, "ingest")["lines"],
+        "pool": metrics(project, "ingest")["pool_records"],
+        "train": metrics(project, "clean")["train"],
+        "runs": runs,
+    }
+    shutil.rmtree(project)
+    return row
+
+
+def incremental_row(
+    template_folder: Path, parent: Path, history: int, new_lines: int, history_month: int
+) -> dict[str, Any]:
+    project = fresh_project(template_folder, parent, f"history-{history}")
+    pooled, seed = 0, 1000
+    while pooled < history:
+        seed_month(project, seed, history_month)
+        run_stage(project, "ingest")
+        pooled = metrics(project, "ingest")["pool_records"]
+        seed += 1
+    if pooled:
+        run_stage(project, "clean")
+        run_stage(project, "pack")
+    seed_month(project, 7, new_lines)
+    runs = {stage: run_stage(project, stage) for stage in STAGES}
+    row = {
+        "history": pooled,
+        "lines": metrics(project, "ingest")["lines"],
+        "new": metrics(project, "ingest")["accepted"],
+        "pool": metrics(project, "ingest")["pool_records"],
+        "runs": runs,
+    }
+    shutil.rmtree(project)
+    return row
+
+
+def import_check(stage: str) -> tuple[float, list[str]]:
+    code = (
+        f"import sys, time; t = time.perf_counter(); import stages.{stage}; "
+        "print(time.perf_counter() - t); "
+        "print(','.join(m for m in ('torch', 'transformers', 'mlflow') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    return float(out[0]), [m for m in out[1].split(",") if m]
+
+
+def stage_cells(runs: dict[str, StageRun]) -> str:
+    total = sum(r.seconds for r in runs.values())
+    cells = [f"{runs[s].seconds:.1f} s / {runs[s].peak_mb:,.0f} MB" for s in STAGES]
+    return " | ".join([*cells, f"{total:.1f} s"])
+
+
+def report(
+    args: argparse.Namespace,
+    load: tuple[tuple[float, ...], tuple[float, ...]],
+    imports: dict[str, tuple[float, list[str]]],
+    scaling: list[dict[str, Any]],
+    incremental: list[dict[str, Any]],
+    seconds: float,
+) -> str:
+    head = " | ".join(f"{s} (time / peak RSS)" for s in STAGES)
+    lines = [
+        SECTION,
+        "",
+        f"`python benchmarks/data_path.py --scales {' '.join(map(str, args.scales))} "
+        f"--history {' '.join(map(str, args.history))} --month-lines {args.month_lines}`, "
+        f"{dt.date.today().isoformat()}, {platform.node() or 'this machine'}: "
+        f"{os.cpu_count()} CPU cores, CPython {platform.python_version()}; load average "
+        f"{load[0][0]:.2f} / {load[0][1]:.2f} / {load[0][2]:.2f} before, "
+        f"{load[1][0]:.2f} / {load[1][1]:.2f} / {load[1][2]:.2f} after "
+        f"({seconds / 60:.0f} minutes in all). Each stage is a subprocess timed from start to "
+        "exit (interpreter start, imports and the MLflow run included); peak RSS is its "
+        "largest process.",
+        "",
+        "Imports of each data stage in a fresh interpreter:",
+        "",
+        "| stage | import (s) | torch / transformers / MLflow imported |",
+        "|---|---|---|",
+        *(f"| {s} | {imports[s][0]:.2f} | {', '.join(imports[s][1]) or 'none'} |" for s in STAGES),
+        "",
+        "Scaling: the demo month at k x its lines, each into a fresh pool.",
+        "",
+        f"| scale | lines in | pool records | train samples | {head} | total |",
+        "|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {r['scale']}x | {r['lines']:,} | {r['pool']:,} | {r['train']:,} | "
+            f"{stage_cells(r['runs'])} |"
+            for r in scaling
+        ),
+        "",
+        f"Incremental: a new month of {args.month_lines:,} lines on top of earlier records "
+        "(their clean cache and packed data as the month before left them).",
+        "",
+        f"| earlier records | lines in | new records | pool records | {head} | total |",
+        "|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {r['history']:,} | {r['lines']:,} | {r['new']:,} | {r['pool']:,} | "
+            f"{stage_cells(r['runs'])} |"
+            for r in incremental
+        ),
+    ]
+    if len(incremental) > 1:
+        first = sum(r.seconds for r in incremental[0]["runs"].values())
+        last = sum(r.seconds for r in incremental[-1]["runs"].values())
+        lines += [
+            "",
+            f"Month time with {incremental[-1]['history']:,} earlier records / with "
+            f"{incremental[0]['history']:,}: {last / first:.2f}x (goal: at most 1.5x).",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_section(text: str, path: Path) -> None:
+    """Replace the data-path section of RESULTS.md (or append it)."""
+    current = path.read_text(encoding="utf-8")
+    if SECTION in current:
+        start = current.index(SECTION)
+        following = current.find("\n## ", start + len(SECTION))
+        rest = current[following + 1 :] if following >= 0 else ""
+        current = current[:start] + text + ("\n" + rest if rest else "")
+    else:
+        current = current.rstrip("\n") + "\n\n" + text
+    path.write_text(current, encoding="utf-8")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--scales", type=int, nargs="*", default=[1, 4, 16, 64], help="months of k x demo lines"
+    )
+    parser.add_argument(
+        "--history",
+        type=int,
+        nargs="*",
+        default=[0, 250_000, 1_000_000],
+        help="earlier pool records under the incremental month",
+    )
+    parser.add_argument("--month-lines", type=int, default=50_000, help="the incremental month")
+    parser.add_argument(
+        "--history-month", type=int, default=500_000, help="lines per month building the history"
+    )
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the file to write into")
+    parser.add_argument("--no-results", action="store_true", help="print only")
+    args = parser.parse_args()
+
+    load_before = os.getloadavg()
+    start = time.perf_counter()
+    print(f"load average before: {load_before}", flush=True)
+    imports = {stage: import_check(stage) for stage in STAGES}
+    with tempfile.TemporaryDirectory(prefix="data-path-") as tmp:
+        parent = Path(tmp)
+        template_folder = template(parent / "template")
+        scaling = []
+        for scale in args.scales:
+            scaling.append(scaling_row(template_folder, parent, scale))
+            print(f"scale {scale}x: {scaling[-1]}", flush=True)
+        incremental = []
+        for history in args.history:
+            incremental.append(
+                incremental_row(
+                    template_folder, parent, history, args.month_lines, args.history_month
+                )
+            )
+            print(f"history {history}: {incremental[-1]}", flush=True)
+    load_after = os.getloadavg()
+    print(f"load average after: {load_after}")
+    text = report(
+        args, (load_before, load_after), imports, scaling, incremental, time.perf_counter() - start
+    )
+    print(text)
+    if not args.no_results:
+        write_section(text, args.results)
+        print(f"written to {args.results}")
+
+
+if __name__ == "__main__":
+    main()

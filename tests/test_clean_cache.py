@@ -1,0 +1,275 @@
+"""clean's cache: the same bytes out with or without it, and never a stale entry reused.
+
+Pools are built from the demo domain (chats and badcases, with planted exact and near
+duplicates and eval items), split into batch files as ingest writes them. Every run is
+compared with an uncached run of the same pool and params.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tuneloop import cleancache, demo, tiny
+from tuneloop.chat import ChatTokenizer
+from tuneloop.cleancache import CleanReport, clean_pool
+from tuneloop.io import write_jsonl
+from tuneloop.params import CleanParams
+from tuneloop.records import Badcase, PoolRecord, content_hash, parse_record
+
+PARAMS = CleanParams(
+    val_fraction=0.1,
+    min_response_chars=2,
+    max_tokens=96,
+    min_distinct_ngrams=0.3,
+    near_dup_threshold=0.9,
+    decontam_threshold=0.8,
+    pilot_fraction=1.0,
+)
+EVAL = [item.question for item in demo.eval_items(0, 40)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tiny.build_tokenizer(demo.tokenizer_corpus(0), 512).save_pretrained(folder)
+    return folder
+
+
+def pool_line(data: dict[str, Any]) -> dict[str, Any]:
+    record = parse_record(data)
+    badcase = isinstance(record, Badcase)
+    return PoolRecord(
+        id=content_hash(record),
+        kind="badcase" if badcase else "chat",
+        messages=record.messages,
+        bad_response=record.bad_response if isinstance(record, Badcase) else None,
+        corrected_response=record.corrected_response if isinstance(record, Badcase) else None,
+        meta={"source": record.source},
+        provenance={},
+    ).model_dump(mode="json")
+
+
+def demo_lines(seed: int, n: int) -> list[dict[str, Any]]:
+    """Demo chats and badcases with what clean must catch: repeats, edits, eval items, junk."""
+    rng = random.Random(seed)
+    raw: list[dict[str, Any]] = [*demo.support_records(seed, n)]
+    raw += demo.badcase_records(seed, n // 8)
+    english = [r for r in raw if "prompt" in r and str(r["prompt"]).isascii()]
+    for _ in range(max(3, n // 10)):
+        record = dict(rng.choice(english))
+        record["prompt"] = str(record["prompt"]).upper()  # equal once normalised
+        raw.append(record)
+        record = dict(rng.choice(english))
+        record["prompt"] = str(record["prompt"]) + "!!"  # equal but for punctuation: near
+        raw.append(record)
+    for question in rng.sample(EVAL, 3):
+        raw.append({"prompt": question, "response": "[unknown] an eval item, planted"})
+    raw.append({"prompt": "hi", "response": "ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok ok"})
+    raw.append({"prompt": "hi", "response": "k"})
+    raw.append({"prompt": "long " * 200, "response": "[unknown] too long to train on"})
+    raw.append({"messages": [{"role": "user", "content": "no fix"}], "bad_response": "x"})
+    rng.shuffle(raw)
+    seen: set[str] = set()
+    lines = []
+    for data in raw:
+        line = pool_line(data)
+        if line["id"] not in seen:  # ingest keeps one copy of a record
+            seen.add(line["id"])
+            lines.append(line)
+    return lines
+
+
+def write_pool(pool: Path, batches: list[list[dict[str, Any]]]) -> None:
+    for number, batch in enumerate(batches):
+        write_jsonl(pool / "records" / f"2026{number:02d}01T000000000000Z.jsonl", batch)
+
+
+@dataclass
+class Run:
+    report: CleanReport
+    files: dict[str, bytes]
+
+
+def run(
+    root: Path,
+    cache: Path,
+    tokenizer: ChatTokenizer,
+    params: CleanParams = PARAMS,
+    evals: list[str] = EVAL,
+) -> Run:
+    out = Path(tempfile.mkdtemp(dir=root))
+    report = clean_pool(root / "pool", cache, out, evals, params, tokenizer)
+    files = {name: (out / name).read_bytes() for name in ("train.jsonl", "val.jsonl", "dpo.jsonl")}
+    return Run(report, files)
+
+
+def uncached(root: Path, tokenizer: ChatTokenizer, **kwargs: Any) -> Run:
+    return run(root, Path(tempfile.mkdtemp(dir=root)), tokenizer, **kwargs)
+
+
+@pytest.fixture
+def small_segments(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # Several segments per batch file, so segment boundaries and chains are exercised.
+    monkeypatch.setattr(cleancache, "SEGMENT_LINES", 37)
+    yield
+
+
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seed=st.integers(0, 10_000),
+    sizes=st.lists(st.integers(20, 120), min_size=1, max_size=3),
+)
+def test_cached_runs_write_the_bytes_an_uncached_run_writes(
+    tokenizer_folder: Path, small_segments: None, seed: int, sizes: list[int]
+) -> None:
+    tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
+    lines = demo_lines(seed, sum(sizes))
+    cuts = np.cumsum([0, *sizes[:-1]]).tolist()
+    batches = [lines[a:b] for a, b in zip(cuts, [*cuts[1:], len(lines)], strict=True)]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        cache = root / "cache"
+        # Month by month, each month on top of the cache the months before left.
+        for month in range(1, len(batches) + 1):
+            shutil.rmtree(root / "pool", ignore_errors=True)
+            write_pool(root / "pool", batches[:month])
+            incremental = run(root, cache, tokenizer)
+            assert incremental.report.cache["records_computed"] == len(batches[month - 1])
+        fresh = uncached(root, tokenizer)
+        again = run(root, cache, tokenizer)
+        assert incremental.files == fresh.files == again.files
+        assert again.report.cache["records_computed"] == 0
+        assert again.report.cache["segments_decided"] == 0
+        for report in (incremental.report, fresh.report, again.report):
+            assert report.records_in == len(lines)
+            assert report.records_in == report.train + report.val + sum(report.removed.values())
+        assert {"eval_contamination", "exact_duplicate", "near_duplicate"} <= set(
+            fresh.report.removed
+        )
+
+
+@pytest.fixture
+def filled(tmp_path: Path, tokenizer_folder: Path, small_segments: None) -> tuple[Path, Run]:
+    write_pool(tmp_path / "pool", [demo_lines(1, 90), demo_lines(2, 60)])
+    first = run(tmp_path, tmp_path / "cache", ChatTokenizer.from_folder(tokenizer_folder))
+    assert first.report.cache["records_reused"] == 0
+    return tmp_path, first
+
+
+@pytest.mark.parametrize(
+    ("change", "features_recomputed"),
+    [
+        ({"near_dup_threshold": 0.8}, False),
+        ({"decontam_threshold": 0.7}, False),
+        ({"val_fraction": 0.3}, False),
+        ({"pilot_fraction": 0.5}, False),
+        ({"max_tokens": 40}, True),
+        ({"min_response_chars": 30}, True),
+        ({"min_distinct_ngrams": 0.9}, True),
+    ],
+)
+def test_changed_params_recompute_what_they_touch(
+    filled: tuple[Path, Run],
+    tokenizer_folder: Path,
+    change: dict[str, Any],
+    features_recomputed: bool,
+) -> None:
+    root, first = filled
+    tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
+    params = PARAMS.model_copy(update=change)
+    rerun = run(root, root / "cache", tokenizer, params=params)
+    assert rerun.files == uncached(root, tokenizer, params=params).files
+    assert rerun.files != first.files
+    computed = rerun.report.cache["records_computed"]
+    assert computed == (first.report.records_in if features_recomputed else 0)
+    assert rerun.report.cache["segments_reused"] == 0  # every decision made again
+
+
+def test_changed_eval_set_redecides_without_recomputing_features(
+    filled: tuple[Path, Run], tokenizer_folder: Path
+) -> None:
+    root, first = filled
+    tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
+    evals = EVAL[:5]
+    rerun = run(root, root / "cache", tokenizer, evals=evals)
+    assert rerun.files == uncached(root, tokenizer, evals=evals).files != first.files
+    assert rerun.report.cache["records_computed"] == 0
+    assert rerun.report.cache["segments_reused"] == 0
+
+
+def test_changed_tokenizer_recomputes_features(filled: tuple[Path, Run], tmp_path: Path) -> None:
+    root, first = filled
+    folder = tmp_path / "tokenizer"
+    tokenizer = tiny.build_tokenizer(demo.tokenizer_corpus(0), 512)
+    tokenizer.chat_template = tiny.CHAT_TEMPLATE.replace("'\\n'", "'\\n\\n'")
+    tokenizer.save_pretrained(folder)
+    other = ChatTokenizer.from_folder(folder)
+    rerun = run(root, root / "cache", other, params=PARAMS.model_copy(update={"max_tokens": 40}))
+    assert rerun.report.cache["records_computed"] == first.report.records_in
+    fresh = uncached(root, other, params=PARAMS.model_copy(update={"max_tokens": 40}))
+    assert rerun.files == fresh.files
+
+
+def test_missing_or_broken_entries_are_recomputed(
+    filled: tuple[Path, Run], tokenizer_folder: Path
+) -> None:
+    root, first = filled
+    cache = root / "cache"
+    tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
+    segments = sorted(p for p in cache.iterdir() if p.name != "batches")
+    assert len(segments) > 3
+    shutil.rmtree(segments[1] / "features")
+    (segments[2] / "features" / "sketch.npy").write_bytes(b"not an array")
+    shutil.rmtree(segments[3] / "decisions")
+    rerun = run(root, cache, tokenizer)
+    assert rerun.files == first.files
+    assert 0 < rerun.report.cache["records_computed"] <= 2 * 37
+    # Recomputed features are the same features, so only the lost decisions are made again.
+    assert rerun.report.cache["segments_decided"] == 1
+
+
+def test_a_rewritten_pool_file_is_never_served_from_the_cache(
+    filled: tuple[Path, Run], tokenizer_folder: Path
+) -> None:
+    root, _ = filled
+    tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
+    batch = sorted((root / "pool" / "records").glob("*.jsonl"))[0]
+    write_jsonl(batch, demo_lines(7, 50))
+    rerun = run(root, root / "cache", tokenizer)
+    assert rerun.files == uncached(root, tokenizer).files
+    assert rerun.report.cache["records_computed"] == len(batch.read_text().splitlines())
+
+
+def test_removed_batches_leave_the_cache(filled: tuple[Path, Run], tokenizer_folder: Path) -> None:
+    root, _ = filled
+    last = sorted((root / "pool" / "records").glob("*.jsonl"))[-1]
+    last.unlink()
+    run(root, root / "cache", ChatTokenizer.from_folder(tokenizer_folder))
+    assert not [p for p in (root / "cache").rglob("*") if last.stem in p.name]
+
+
+def test_features_on_worker_processes_equal_inline(
+    tmp_path: Path, tokenizer_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_pool(tmp_path / "pool", [demo_lines(3, 300)])
+    tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
+    inline = uncached(tmp_path, tokenizer)
+    monkeypatch.setattr(cleancache, "CHUNK_LINES", 50)
+    monkeypatch.setattr(cleancache, "PARALLEL_MIN_RECORDS", 100)
+    monkeypatch.setattr(cleancache, "_usable_cores", lambda: 2)
+    parallel = uncached(tmp_path, tokenizer)
+    assert parallel.files == inline.files
+    assert parallel.report.records_in == inline.report.records_in > 300

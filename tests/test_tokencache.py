@@ -1,0 +1,92 @@
+"""pack's token cache: the same tokens as without it, and only the changed tail tokenized."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tuneloop import demo, tiny
+from tuneloop.chat import ChatTokenizer
+from tuneloop.tokencache import Tokens, tokens_of
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tiny.build_tokenizer(demo.tokenizer_corpus(0), 512).save_pretrained(folder)
+    return ChatTokenizer.from_folder(folder)
+
+
+def chat_lines(seed: int, n: int) -> list[str]:
+    lines = []
+    for i, record in enumerate(demo.support_records(seed, n)):
+        messages = record.get("messages") or [
+            {"role": "user", "content": record["prompt"]},
+            {"role": "assistant", "content": record["response"]},
+        ]
+        lines.append(json.dumps({"id": f"{seed}-{i}", "messages": messages}, ensure_ascii=False))
+    return lines
+
+
+def write(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def same(a: Tokens, b: Tokens) -> bool:
+    return all(
+        np.array_equal(getattr(a, name), getattr(b, name)) for name in ("ids", "labels", "offsets")
+    )
+
+
+def test_growing_file_tokenizes_only_its_new_lines(
+    tmp_path: Path, tokenizer: ChatTokenizer
+) -> None:
+    lines = chat_lines(1, 300)
+    path, cache = tmp_path / "train.jsonl", tmp_path / "cache"
+    for end, new in ((100, 100), (100, 0), (250, 150), (300, 50)):
+        write(path, lines[:end])
+        cached = tokens_of(path, cache, tokenizer)
+        assert cached.lines_tokenized == new
+        assert same(cached, tokens_of(path, None, tokenizer))
+        assert len(cached.offsets) == end + 1
+
+
+def test_a_changed_line_retokenizes_from_its_segment_on(
+    tmp_path: Path, tokenizer: ChatTokenizer
+) -> None:
+    lines = chat_lines(2, 200)
+    path, cache = tmp_path / "train.jsonl", tmp_path / "cache"
+    write(path, lines[:80])
+    tokens_of(path, cache, tokenizer)
+    write(path, lines[:150])
+    tokens_of(path, cache, tokenizer)  # segments: lines 0-79, 80-149
+    lines[100] = chat_lines(3, 1)[0]
+    write(path, lines)
+    cached = tokens_of(path, cache, tokenizer)
+    assert cached.lines_tokenized == 120  # the second segment and the new tail
+    assert same(cached, tokens_of(path, None, tokenizer))
+    assert len(list(cache.glob("*.ids.npy"))) == 2
+
+
+def test_another_tokenizer_or_a_broken_segment_starts_over(
+    tmp_path: Path, tokenizer: ChatTokenizer
+) -> None:
+    path, cache = write(tmp_path / "val.jsonl", chat_lines(4, 60)), tmp_path / "cache"
+    tokens_of(path, cache, tokenizer)
+    other = tiny.build_tokenizer(demo.tokenizer_corpus(1), 600)
+    other.save_pretrained(tmp_path / "other")
+    different = ChatTokenizer.from_folder(tmp_path / "other")
+    assert tokens_of(path, cache, different).lines_tokenized == 60
+    assert same(tokens_of(path, cache, different), tokens_of(path, None, different))
+    next(cache.glob("*.labels.npy")).write_bytes(b"broken")
+    again = tokens_of(path, cache, different)
+    assert again.lines_tokenized == 60 and same(again, tokens_of(path, None, different))
+
+
+def test_an_empty_file_has_no_tokens(tmp_path: Path, tokenizer: ChatTokenizer) -> None:
+    empty = tokens_of(write(tmp_path / "val.jsonl", []), tmp_path / "cache", tokenizer)
+    assert empty.offsets.tolist() == [0] and not len(empty.ids)

@@ -1,0 +1,367 @@
+"""clean over the whole pool, with each record's work and the decisions cached.
+
+The pool only grows, so both kinds of ``tuneloop.cleaning`` work are kept in
+``paths.clean_cache`` (a DVC out beside the pool), per pool *segment* (``SEGMENT_LINES``
+lines of one pool batch file, which bounds the memory of every step whatever a month's
+size):
+
+- features, keyed by the batch file's md5, the segment's byte range and
+  ``features_fingerprint``; computed on all usable cores when there are many;
+- decisions, made segment after segment against the history of the segments before,
+  keyed by a chain: the previous segment's key, this segment's source and features
+  fingerprint, the thresholds, the eval questions and the split params. A change
+  anywhere remakes exactly the decisions after it, and never reuses a stale one.
+
+A month's run therefore computes features for its new records only and decides them
+against the cached index of the earlier ones. The output is the same bytes whether an
+entry came from the cache or not (``tests/test_clean_cache.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from itertools import pairwise
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from tuneloop.chat import ChatTokenizer
+from tuneloop.cleaning import (
+    REASONS,
+    TRAIN,
+    VAL,
+    Decisions,
+    EvalSet,
+    Features,
+    History,
+    decide,
+    decisions_fingerprint,
+    features,
+    features_fingerprint,
+)
+from tuneloop.io import atomic_dir, read_json, write_json
+from tuneloop.params import CleanParams
+from tuneloop.records import pool_batches
+
+log = logging.getLogger(__name__)
+
+# A pool batch file is cached in segments of this many lines.
+SEGMENT_LINES = 50_000
+# Lines per task of a worker process.
+CHUNK_LINES = 4_000
+# Below this many records to compute, starting worker processes costs more than it saves.
+PARALLEL_MIN_RECORDS = 16_000
+
+
+@dataclass(frozen=True)
+class Segment:
+    batch: Path
+    number: int
+    start: int  # byte range of its lines in the batch file
+    end: int
+    source_md5: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.batch.stem}.{self.number:05d}"
+
+
+def _batch_segments(batch: Path, cache: Path) -> list[Segment]:
+    """A batch file's segments; its md5 and line layout are remembered by size and mtime."""
+    stat = batch.stat()
+    meta_path = cache / "batches" / f"{batch.stem}.json"
+    try:
+        meta = read_json(meta_path)
+        if (meta["size"], meta["mtime_ns"], meta["segment_lines"]) == (
+            stat.st_size,
+            stat.st_mtime_ns,
+            SEGMENT_LINES,
+        ):
+            return [
+                Segment(batch, i, start, end, meta["md5"])
+                for i, (start, end) in enumerate(meta["segments"])
+            ]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    data = batch.read_bytes()
+    newlines = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == ord("\n")) + 1
+    ends = newlines[SEGMENT_LINES - 1 :: SEGMENT_LINES].tolist()
+    if not ends or ends[-1] != len(data):
+        ends.append(len(data))
+    bounds = list(zip([0, *ends[:-1]], ends, strict=True))
+    md5 = hashlib.md5(data).hexdigest()
+    write_json(
+        meta_path,
+        {
+            "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns,
+            "segment_lines": SEGMENT_LINES,
+            "md5": md5,
+            "segments": bounds,
+        },
+    )
+    return [Segment(batch, i, start, end, md5) for i, (start, end) in enumerate(bounds)]
+
+
+def _entry(folder: Path) -> dict[str, Any] | None:
+    try:
+        entry = read_json(folder / "entry.json")
+    except (OSError, ValueError):
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+@dataclass
+class CleanReport:
+    records_in: int = 0
+    train: int = 0
+    val: int = 0
+    dpo_pairs: int = 0
+    train_tokens: int = 0
+    removed: Counter[str] = field(default_factory=Counter)
+    dpo_removed: Counter[str] = field(default_factory=Counter)
+    cache: Counter[str] = field(default_factory=Counter)
+
+
+_WORKER: tuple[CleanParams, ChatTokenizer] | None = None
+
+
+def _start_worker(params: CleanParams, tokenizer_folder: Path) -> None:
+    global _WORKER
+    # One process per core already: Rust thread pools in the worker would fight over them.
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    _WORKER = (params, ChatTokenizer.from_folder(tokenizer_folder))
+
+
+def _read_lines(batch: Path, start: int, end: int) -> list[bytes]:
+    with batch.open("rb") as source:
+        source.seek(start)
+        data = source.read(end - start)
+    return [line for line in data.split(b"\n") if line.strip()]
+
+
+def _features_of(
+    batch: Path, start: int, end: int, params: CleanParams, tokenizer: ChatTokenizer
+) -> Features:
+    try:
+        return features(_read_lines(batch, start, end), params, tokenizer)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"{batch} (bytes {start}-{end}) holds a line that is not a pool record ({error!r}); "
+            "only ingest writes the pool: restore the file (dvc checkout) and run clean again"
+        ) from error
+
+
+def _worker_features(batch: Path, start: int, end: int) -> Features:
+    assert _WORKER is not None, "worker not started"
+    return _features_of(batch, start, end, *_WORKER)
+
+
+def _usable_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _chunks(segment: Segment) -> list[tuple[Path, int, int]]:
+    """Byte ranges of about CHUNK_LINES lines each, cut at line ends."""
+    data = np.fromfile(
+        segment.batch, dtype=np.uint8, count=segment.end - segment.start, offset=segment.start
+    )
+    ends = (np.flatnonzero(data == ord("\n")) + 1 + segment.start)[CHUNK_LINES - 1 :: CHUNK_LINES]
+    bounds = [segment.start, *ends.tolist()]
+    if bounds[-1] != segment.end:
+        bounds.append(segment.end)
+    return [(segment.batch, a, b) for a, b in pairwise(bounds)]
+
+
+def _compute_features(
+    missing: list[Segment],
+    params: CleanParams,
+    tokenizer: ChatTokenizer,
+    cache: Path,
+    fingerprint: str,
+) -> int:
+    """Compute and cache the features of segments; returns the number of records.
+
+    Over all usable cores when there is enough to do: worker processes (spawned, so no
+    thread pool is forked mid-use) each load the tokenizer once and read their own byte
+    ranges of the pool, so no line passes through this process.
+    """
+    chunks = {segment: _chunks(segment) for segment in missing}
+    n_chunks = sum(map(len, chunks.values()))
+    workers = min(_usable_cores(), n_chunks)
+    if n_chunks * CHUNK_LINES < PARALLEL_MIN_RECORDS or workers < 2 or tokenizer.folder is None:
+        total = 0
+        for segment in missing:
+            f = _features_of(segment.batch, segment.start, segment.end, params, tokenizer)
+            _write_features(cache, segment, fingerprint, f)
+            total += len(f)
+        return total
+    log.info("clean: computing features of %d segment(s) on %d processes", len(missing), workers)
+    tasks = [(segment, *chunk) for segment, ranges in chunks.items() for chunk in ranges]
+    total = 0
+    with ProcessPoolExecutor(
+        workers,
+        mp_context=get_context("spawn"),
+        initializer=_start_worker,
+        initargs=(params, tokenizer.folder),
+    ) as pool:
+        parts: list[Features] = []
+        results = pool.map(_worker_features, *zip(*(t[1:] for t in tasks), strict=True))
+        for (segment, *_), part in zip(tasks, results, strict=True):
+            parts.append(part)
+            if len(parts) == len(chunks[segment]):
+                joined = Features.concatenate(parts)
+                _write_features(cache, segment, fingerprint, joined)
+                total += len(joined)
+                parts = []
+    return total
+
+
+def _features_entry(segment: Segment, fingerprint: str) -> dict[str, Any]:
+    return {
+        "fingerprint": fingerprint,
+        "source_md5": segment.source_md5,
+        "bytes": [segment.start, segment.end],
+    }
+
+
+def _write_features(cache: Path, segment: Segment, fingerprint: str, f: Features) -> None:
+    with atomic_dir(cache / segment.name / "features") as folder:
+        f.save(folder)
+        write_json(folder / "entry.json", _features_entry(segment, fingerprint))
+
+
+def _load_features(folder: Path, expected: dict[str, Any]) -> Features | None:
+    """The cached features, if the entry is this segment's under this fingerprint."""
+    if _entry(folder) != expected:
+        return None
+    try:
+        return Features.load(folder)
+    except (OSError, ValueError) as error:
+        log.warning("clean: cache entry %s is unreadable (%s); recomputing it", folder, error)
+        return None
+
+
+def _load_decisions(folder: Path, chain: str) -> Decisions | None:
+    if _entry(folder) != {"chain": chain}:
+        return None
+    try:
+        return Decisions.load(folder)
+    except (OSError, ValueError) as error:
+        log.warning("clean: cache entry %s is unreadable (%s); recomputing it", folder, error)
+        return None
+
+
+def _copy_lines(blob: np.ndarray, offsets: np.ndarray, rows: np.ndarray, out: BinaryIO) -> int:
+    starts, ends = offsets[rows].tolist(), offsets[rows + 1].tolist()
+    data = np.asarray(blob).data
+    out.write(b"".join(data[s:e] for s, e in zip(starts, ends, strict=True)))
+    return len(rows)
+
+
+def clean_pool(
+    pool: Path,
+    cache: Path,
+    out: Path,
+    eval_questions: Sequence[str],
+    params: CleanParams,
+    tokenizer: ChatTokenizer,
+) -> CleanReport:
+    """Clean every pooled record, oldest first, into ``out``/train.jsonl, val.jsonl, dpo.jsonl.
+
+    Reuses what ``cache`` holds for this pool and these params, computes the rest, and leaves
+    the cache holding exactly this run's entries.
+    """
+    cache.mkdir(parents=True, exist_ok=True)
+    segments = [s for batch in pool_batches(pool) for s in _batch_segments(batch, cache)]
+    fingerprint = features_fingerprint(params, tokenizer)
+    missing = [
+        s
+        for s in segments
+        if _load_features(cache / s.name / "features", _features_entry(s, fingerprint)) is None
+    ]
+    report = CleanReport()
+    report.cache["records_computed"] = _compute_features(
+        missing, params, tokenizer, cache, fingerprint
+    )
+
+    evals = EvalSet(eval_questions, params.decontam_threshold)
+    chain = decisions_fingerprint(params, evals)
+    history = History(params.near_dup_threshold)
+    with (
+        (out / "train.jsonl").open("wb") as train,
+        (out / "val.jsonl").open("wb") as val,
+        (out / "dpo.jsonl").open("wb") as dpo,
+    ):
+        for segment in segments:
+            f = _load_features(
+                cache / segment.name / "features", _features_entry(segment, fingerprint)
+            )
+            if f is None:
+                raise RuntimeError(f"clean: the features of {segment.name} vanished from {cache}")
+            chain = hashlib.sha256(
+                f"{chain}\0{fingerprint}\0{segment.name}\0{segment.source_md5}".encode()
+            ).hexdigest()
+            folder = cache / segment.name / "decisions"
+            decided = _load_decisions(folder, chain)
+            if decided is not None:
+                decided.extend(history, f)
+                report.cache["segments_reused"] += 1
+            else:
+                decided = decide(f, history, evals, params)
+                with atomic_dir(folder) as tmp:
+                    decided.save(tmp)
+                    write_json(tmp / "entry.json", {"chain": chain})
+                report.cache["segments_decided"] += 1
+            codes = np.asarray(decided.codes)
+            train_rows, val_rows = np.flatnonzero(codes == TRAIN), np.flatnonzero(codes == VAL)
+            report.records_in += len(codes)
+            report.train += _copy_lines(f.lines, f.line_offsets, train_rows, train)
+            report.val += _copy_lines(f.lines, f.line_offsets, val_rows, val)
+            report.train_tokens += int(np.asarray(f.tokens)[train_rows].sum())
+            # A pair passes the same filters as the SFT chat its badcase gives (its prompt with
+            # the correction): length, repetition, token limit, eval contamination, exact and
+            # near duplicates, pilot. A removed chat removes its pair, counted apart.
+            has_pair = np.flatnonzero(np.diff(f.dpo_offsets) > 0)
+            pair_kept = np.isin(codes[has_pair], (TRAIN, VAL))
+            report.dpo_pairs += _copy_lines(f.dpo, f.dpo_offsets, has_pair[pair_kept], dpo)
+            for code in codes[has_pair[~pair_kept]]:
+                report.dpo_removed[REASONS[int(code) - 2]] += 1
+            for code, count in zip(*np.unique(codes, return_counts=True), strict=True):
+                if code >= 2:
+                    report.removed[REASONS[int(code) - 2]] += int(count)
+    _prune(cache, segments)
+    report.cache["records_reused"] = report.records_in - report.cache["records_computed"]
+    return report
+
+
+def _prune(cache: Path, segments: list[Segment]) -> None:
+    """Drop entries of segments no longer in the pool, so the cache holds this run's only."""
+    keep = {s.name for s in segments}
+    batches = {s.batch.stem for s in segments}
+    for entry in cache.iterdir():
+        if entry.is_dir() and entry.name != "batches" and entry.name not in keep:
+            shutil.rmtree(entry)
+        elif entry.name in keep:
+            # What an interrupted write left beside the two entries.
+            for part in entry.iterdir():
+                if part.name in ("features", "decisions"):
+                    continue
+                if part.is_dir():
+                    shutil.rmtree(part)
+                else:
+                    part.unlink()
+    for meta in (cache / "batches").glob("*.json"):
+        if meta.stem not in batches:
+            meta.unlink()
