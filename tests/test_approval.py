@@ -17,8 +17,8 @@ import pytest
 from prefect import flow
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from tests.conftest import write_params
-from tests.test_router import (
+from tests.helpers import write_params
+from tests.router_helpers import (
     TOKEN,
     StreamGate,
     fake_backend,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import ROOT, write_params
+from tests.helpers import ROOT, write_params
 from tuneloop.params import load_params
 from tuneloop.stage import logged_after, write_metrics
 

@@ -23,7 +23,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from stages import base, clean, evaluate, export, ingest, merge, pack, preflight, train
-from tests.conftest import ROOT, write_params
+from tests.helpers import ROOT, write_params
 from tuneloop import demo, gate, registry, scoring
 from tuneloop.gate import BASE, CANDIDATE, CHAMPION, FP8, GateError, Scores, decide
 from tuneloop.params import GateParams, load_params

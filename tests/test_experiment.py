@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from flows.experiment import check_sets, experiment_sets, override_text
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 PARAMS = ROOT / "params.yaml"
 

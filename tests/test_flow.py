@@ -16,7 +16,7 @@ import yaml
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import ROOT, copy_project
+from tests.helpers import ROOT, copy_project
 from tuneloop import demo
 from tuneloop.params import load_params
 from tuneloop.pipeline import stage_order

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stages import ingest
-from tests.conftest import write_params
+from tests.helpers import write_params
 from tuneloop import pii
 from tuneloop.records import pool_records
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from stages import ingest
-from tests.conftest import write_params
+from tests.helpers import write_params
 from tuneloop.records import pool_records
 
 EMAIL = "zhang.wei.8841@example.com"

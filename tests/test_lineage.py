@@ -21,7 +21,7 @@ import yaml
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import ROOT, copy_project, write_params
+from tests.helpers import ROOT, copy_project, write_params
 from tuneloop import demo, lineage
 from tuneloop.params import ParamsError, load_params, parse_params
 from tuneloop.pipeline import StageOrderError, stage_order

@@ -20,7 +20,7 @@ from peft.tuners.lora import LoraModel
 from safetensors.torch import load_file
 
 from stages import base, export, merge
-from tests.conftest import ROOT, write_params
+from tests.helpers import ROOT, write_params
 from tuneloop.models import load_causal_lm, load_tokenizer
 from tuneloop.params import load_params
 

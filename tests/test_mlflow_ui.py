@@ -19,7 +19,7 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import write_params
+from tests.helpers import write_params
 from tuneloop import tracking
 from tuneloop.params import load_params
 

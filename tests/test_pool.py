@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from stages import ingest
-from tests.conftest import ROOT, write_params
+from tests.helpers import ROOT, write_params
 from tuneloop import pool
 from tuneloop.records import pool_records
 

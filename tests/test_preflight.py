@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.helpers import chat_messages
 from tuneloop import demo, doctor, tiny
 from tuneloop.packing import balance_ranks, pack_samples
 from tuneloop.params import BatchParams, Params, load_params
@@ -234,16 +235,6 @@ def test_tokenizer_larger_than_the_embedding_fails(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
     return tiny.build_tokenizer(demo.tokenizer_corpus(0), 512)
-
-
-def chat_messages(record: dict[str, object]) -> list[dict[str, str]]:
-    """A demo support record as chat messages (what clean makes of it)."""
-    if "messages" in record:
-        return cast(list[dict[str, str]], record["messages"])
-    return [
-        {"role": "user", "content": str(record["prompt"])},
-        {"role": "assistant", "content": str(record["response"])},
-    ]
 
 
 def demo_chats(n: int) -> list[dict[str, Any]]:

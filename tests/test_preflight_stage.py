@@ -26,8 +26,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from stages import pack, preflight
-from tests.conftest import ROOT, copy_project, write_params
-from tests.test_preflight import chat_messages
+from tests.helpers import ROOT, chat_messages, copy_project, write_params
 from tuneloop import demo, suites, tiny
 from tuneloop.params import load_params
 from tuneloop.pipeline import stage_order

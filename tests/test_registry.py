@@ -20,7 +20,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from stages import base, export
-from tests.conftest import ROOT, write_params
+from tests.helpers import ROOT, write_params
 from tuneloop import gate, init_from, registry
 from tuneloop.io import write_json, write_text
 from tuneloop.params import Params, load_params

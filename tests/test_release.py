@@ -23,8 +23,8 @@ from fastapi.responses import StreamingResponse
 from prefect.input import RunInput
 
 from serving.metrics import new_stats
-from tests.conftest import write_params
-from tests.test_router import (
+from tests.helpers import write_params
+from tests.router_helpers import (
     SECRET_ENV,
     TOKEN,
     StreamGate,

@@ -31,8 +31,8 @@ from prefect.states import State
 
 from serving.config import RouterConfig
 from serving.router import create_app
-from tests.conftest import write_params
-from tests.test_router import (
+from tests.helpers import write_params
+from tests.router_helpers import (
     PRODUCER,
     PRODUCER_ENV,
     PRODUCER_TOKEN,

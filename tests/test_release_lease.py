@@ -35,8 +35,8 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from serving.state import load_state
-from tests.conftest import write_params
-from tests.test_router import (
+from tests.helpers import write_params
+from tests.router_helpers import (
     PRODUCER_ENV,
     PRODUCER_TOKEN,
     PRODUCERS,

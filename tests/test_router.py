@@ -11,20 +11,13 @@ import asyncio
 import json
 import math
 import socket
-import threading
 import time
-import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,195 +26,29 @@ from serving.config import RouterConfig, RouterConfigError, load_router_config
 from serving.metrics import percentile
 from serving.router import create_app
 from serving.state import SavedState, arm_for_bucket, bucket, load_state, save_state
+from tests.router_helpers import (  # noqa: F401 (fixtures)
+    MODELS,
+    PRODUCER,
+    PRODUCER_ENV,
+    PRODUCER_TOKEN,
+    PRODUCERS,
+    SECRET,
+    SECRET_ENV,
+    TOKEN,
+    VERSIONS,
+    StreamGate,
+    admin_token,
+    backends,
+    chat,
+    fake_backend,
+    gate,
+    make_config,
+    router_secrets,
+    running_router,
+    serve,
+    served_arm,
+)
 from tuneloop.records import parse_record
-
-TOKEN = "s3cret-admin-token"
-MODELS = {"champion": "champ-model", "challenger": "chall-model"}
-VERSIONS = {"champion": "7", "challenger": "8"}
-# Router secrets of the tests: the request-id key and one feedback producer's token.
-SECRET_ENV, SECRET = "TUNELOOP_ROUTER_SECRET", "router-test-secret"
-PRODUCER_ENV, PRODUCER_TOKEN = "TUNELOOP_FEEDBACK_SUPPORT", "support-tool-token"
-PRODUCERS = [{"name": "support-tool", "token_env": PRODUCER_ENV}]
-PRODUCER = {"Authorization": f"Bearer {PRODUCER_TOKEN}"}
-
-
-# --- servers on loopback ports ----------------------------------------------------------------
-
-
-@contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    """Run ``app`` with uvicorn in a thread on an ephemeral 127.0.0.1 port; yield its URL."""
-    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets that
-    # say TCP, and without it every response waits ~40 ms for a delayed ACK.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("test server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
-
-class StreamGate:
-    """Lets a test hold a backend stream after its first chunk until the client has seen it."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.finished = threading.Event()
-
-
-def fake_backend(arm: str, gate: StreamGate) -> FastAPI:
-    """An OpenAI-compatible backend that reports the arm and the model name it was asked for.
-
-    Test knobs ride in the request body: ``x_status`` (reply with that status),
-    ``x_sleep`` (seconds before replying), ``x_gate`` (hold the stream on ``gate``).
-    """
-    app = FastAPI()
-
-    async def complete(request: Request, kind: str) -> Response:
-        body: dict[str, Any] = await request.json()
-        if body.get("x_sleep"):
-            await asyncio.sleep(float(body["x_sleep"]))
-        if body.get("x_status"):
-            return JSONResponse({"error": {"message": "boom"}}, status_code=int(body["x_status"]))
-        completion_id = f"cmpl-{arm}-{uuid.uuid4().hex[:12]}"
-        text = f"served by {arm}"
-        if body.get("stream"):
-            return StreamingResponse(
-                stream_chunks(completion_id, arm, body, text, kind),
-                media_type="text/event-stream",
-            )
-        message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message} if kind == "chat" else {"index": 0, "text": text}
-        return JSONResponse(
-            {
-                "id": completion_id,
-                "object": "chat.completion" if kind == "chat" else "text_completion",
-                "model": body.get("model"),
-                "choices": [choice],
-                "arm": arm,
-                "request_id": request.headers.get("x-request-id"),
-            }
-        )
-
-    async def stream_chunks(
-        completion_id: str, arm: str, body: dict[str, Any], text: str, kind: str
-    ) -> AsyncIterator[bytes]:
-        for index, word in enumerate(text.split()):
-            delta = {"content": word + " "}
-            chunk = {
-                "id": completion_id,
-                "object": "chat.completion.chunk",
-                "model": body.get("model"),
-                "arm": arm,
-                "choices": [{"index": 0, "delta": delta} if kind == "chat" else {"text": word}],
-            }
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
-            if index == 0 and body.get("x_gate"):
-                # Hold the rest until the client proves it has the first chunk (or 5 s).
-                await asyncio.to_thread(gate.release.wait, 5)
-        yield b"data: [DONE]\n\n"
-        if body.get("x_gate"):
-            gate.finished.set()
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await complete(request, "chat")
-
-    @app.post("/v1/completions")
-    async def legacy(request: Request) -> Response:
-        return await complete(request, "text")
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, object]:
-        return {"object": "list", "data": [{"id": MODELS[arm], "object": "model"}]}
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    return app
-
-
-@pytest.fixture(scope="module")
-def gate() -> StreamGate:
-    return StreamGate()
-
-
-@pytest.fixture(scope="module")
-def backends(gate: StreamGate) -> Iterator[dict[str, str]]:
-    with (
-        serve(fake_backend("champion", gate)) as champion,
-        serve(fake_backend("challenger", gate)) as challenger,
-    ):
-        yield {"champion": champion, "challenger": challenger}
-
-
-def make_config(
-    backends: dict[str, str], feedback_dir: Path, percent: int = 0, **extra: Any
-) -> RouterConfig:
-    arms = {
-        arm: {"base_url": url, "model": MODELS[arm], "model_version": VERSIONS[arm]}
-        for arm, url in backends.items()
-    }
-    return RouterConfig.model_validate(
-        {
-            "arms": arms,
-            "challenger_percent": percent,
-            "feedback_dir": feedback_dir,
-            "feedback_producers": PRODUCERS,
-            **extra,
-        }
-    )
-
-
-@contextmanager
-def running_router(config: RouterConfig) -> Iterator[httpx.Client]:
-    with serve(create_app(config)) as url, httpx.Client(base_url=url, timeout=10) as client:
-        yield client
-
-
-@pytest.fixture
-def admin_token(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
-    return {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture(autouse=True)
-def router_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The request-id key and the producer token, as a deployed router has them."""
-    monkeypatch.setenv(SECRET_ENV, SECRET)
-    monkeypatch.setenv(PRODUCER_ENV, PRODUCER_TOKEN)
-
-
-def chat(client: httpx.Client, user: str | None = None, **body: Any) -> httpx.Response:
-    payload: dict[str, Any] = {
-        "model": "tuneloop",
-        "messages": [{"role": "user", "content": "Can I return the Aurora kettle?"}],
-        **body,
-    }
-    if user is not None:
-        payload["user"] = user
-    return client.post("/v1/chat/completions", json=payload)
-
-
-def served_arm(response: httpx.Response) -> str:
-    assert response.status_code == 200, response.text
-    arm: str = response.json()["arm"]
-    assert response.headers["x-tuneloop-arm"] == arm
-    return arm
-
 
 # --- pure parts -------------------------------------------------------------------------------
 

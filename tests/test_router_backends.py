@@ -133,7 +133,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_transformers_serve_behind_the_router(tmp_path: Path) -> None:
     """The CPU backend for real: the tiny model, launched by our command, behind the router."""
-    from tests.test_router import make_config, running_router  # the loopback helpers
+    from tests.router_helpers import make_config, running_router  # the loopback helpers
     from tuneloop.demo import tokenizer_corpus
     from tuneloop.params import TinyModel
     from tuneloop.tiny import save_tiny

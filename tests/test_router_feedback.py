@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from serving.config import Limits, RouterConfig
-from tests.test_router import (
+from tests.router_helpers import (
     PRODUCER,
     PRODUCER_ENV,
     PRODUCERS,

@@ -18,7 +18,7 @@ import pytest
 
 from serving.config import RouterConfig
 from serving.state import FastFail, Lease, SavedState, load_state, save_state
-from tests.test_router import (
+from tests.router_helpers import (
     TOKEN,
     VERSIONS,
     StreamGate,

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import ROOT, write_params
+from tests.helpers import ROOT, write_params
 from tuneloop import demo
 from tuneloop.params import load_params
 from tuneloop.pipeline import stage_order

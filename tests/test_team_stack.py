@@ -38,7 +38,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import ROOT, copy_project, write_params
+from tests.helpers import ROOT, copy_project, write_params
 from tuneloop import demo
 from tuneloop.params import load_params
 

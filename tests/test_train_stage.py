@@ -26,7 +26,7 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from stages import base, clean, ingest, pack, train
-from tests.conftest import ROOT, write_params
+from tests.helpers import ROOT, write_params
 from tuneloop import demo
 from tuneloop.params import load_params
 from tuneloop.telemetry.trace import read_trace
