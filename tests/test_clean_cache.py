@@ -273,3 +273,14 @@ def test_features_on_worker_processes_equal_inline(
     parallel = uncached(tmp_path, tokenizer)
     assert parallel.files == inline.files
     assert parallel.report.records_in == inline.report.records_in > 300
+
+
+def test_a_new_segment_size_recuts_the_cache(
+    filled: tuple[Path, Run], tokenizer_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, first = filled
+    monkeypatch.setattr(cleancache, "SEGMENT_LINES", 23)
+    rerun = run(root, root / "cache", ChatTokenizer.from_folder(tokenizer_folder))
+    assert rerun.files == first.files
+    assert rerun.report.cache["records_computed"] == first.report.records_in
+    assert rerun.report.cache["segments_reused"] == 0

@@ -310,9 +310,8 @@ def clean_pool(
             )
             if f is None:
                 raise RuntimeError(f"clean: the features of {segment.name} vanished from {cache}")
-            chain = hashlib.sha256(
-                f"{chain}\0{fingerprint}\0{segment.name}\0{segment.source_md5}".encode()
-            ).hexdigest()
+            source = f"{segment.name}\0{segment.source_md5}\0{segment.start}-{segment.end}"
+            chain = hashlib.sha256(f"{chain}\0{fingerprint}\0{source}".encode()).hexdigest()
             folder = cache / segment.name / "decisions"
             decided = _load_decisions(folder, chain)
             if decided is not None:
