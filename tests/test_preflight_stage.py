@@ -27,7 +27,7 @@ from mlflow.tracking import MlflowClient
 
 from stages import pack, preflight
 from tests.helpers import ROOT, chat_messages, copy_project, write_params
-from tuneloop import demo, suites, tiny
+from tuneloop import demo, init_from, suites, tiny
 from tuneloop.params import load_params
 from tuneloop.pipeline import stage_order
 from tuneloop.preflight import run as pf_run
@@ -283,6 +283,7 @@ def test_dvc_repro_stops_at_a_failed_preflight_and_never_trains(
         shutil.copytree(project / name, repo / name)
     shutil.copy(project / "mlflow.db", repo / "mlflow.db")
     params = load_params(repo / "params.yaml")
+    init_from.write_base(repo / params.paths.init, init_from.Start("base", "no champion"))
     for folder in (params.paths.incoming, params.paths.pool):
         (repo / folder).mkdir(parents=True)
         (repo / folder / "empty.jsonl").write_text("")

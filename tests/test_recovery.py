@@ -91,7 +91,10 @@ def test_a_resumed_train_run_names_the_run_it_continues(tmp_path: Path, resumed:
     try:
         record = checkpoints.RunRecord("fingerprint", "hash", "killed-run-id")
         prep = checkpoints.Preparation(resumed, record, "resuming" if resumed else "fresh")
-        with mlflow.start_run() as run:
+        # An explicit experiment of this store: an earlier test's active experiment (set
+        # process-wide by mlflow.set_experiment) does not exist here.
+        experiment = MlflowClient().create_experiment("resume", artifact_location=tmp_path.as_uri())
+        with mlflow.start_run(experiment_id=experiment) as run:
             name_continued_run(prep, run.info.run_id)
         tags = MlflowClient().get_run(run.info.run_id).data.tags
     finally:
