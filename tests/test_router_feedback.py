@@ -11,7 +11,6 @@ import json
 import os
 import stat
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +23,12 @@ from tests.router_helpers import (
     PRODUCERS,
     SECRET_ENV,
     TOKEN,
-    StreamGate,
+    backends,  # noqa: F401  (the two fake backends, module-scoped)
     chat,
-    fake_backend,
+    gate,  # noqa: F401
     make_config,
     router_secrets,  # noqa: F401  (autouse: the request-id key and producer token)
     running_router,
-    serve,
 )
 from tuneloop import pii
 from tuneloop.params import load_params
@@ -46,13 +44,6 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/feedback", "/admin/
 @pytest.fixture(autouse=True)
 def admin_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
-
-
-@pytest.fixture(scope="module")
-def backends() -> Iterator[dict[str, str]]:
-    gate = StreamGate()
-    with serve(fake_backend("champion", gate)) as a, serve(fake_backend("challenger", gate)) as b:
-        yield {"champion": a, "challenger": b}
 
 
 def written(folder: Path) -> list[dict[str, Any]]:

@@ -21,13 +21,12 @@ from serving.state import FastFail, Lease, SavedState, load_state, save_state
 from tests.router_helpers import (
     TOKEN,
     VERSIONS,
-    StreamGate,
+    backends,  # noqa: F401  (the two fake backends, module-scoped)
     chat,
-    fake_backend,
+    gate,  # noqa: F401
     make_config,
     router_secrets,  # noqa: F401  (autouse: the request-id key and producer token)
     running_router,
-    serve,
     served_arm,
 )
 
@@ -37,13 +36,6 @@ HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 @pytest.fixture(autouse=True)
 def admin_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
-
-
-@pytest.fixture(scope="module")
-def backends() -> Iterator[dict[str, str]]:
-    gate = StreamGate()
-    with serve(fake_backend("champion", gate)) as a, serve(fake_backend("challenger", gate)) as b:
-        yield {"champion": a, "challenger": b}
 
 
 def with_versions(config: RouterConfig, champion: str, challenger: str) -> RouterConfig:
