@@ -10,12 +10,31 @@ import pytest
 
 from tests.helpers import ROOT, TINY_OVERRIDES, copy_project, write_params  # noqa: F401
 
+TRACKING_ENV = (
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_RUN_ID",
+    "MLFLOW_EXPERIMENT_NAME",
+    "MLFLOW_EXPERIMENT_ID",
+    "TUNELOOP_FLOW_RUN_ID",
+)
+
+
+def _drop_tracking_env() -> None:
+    for name in TRACKING_ENV:
+        os.environ.pop(name, None)
+
 
 @pytest.fixture(autouse=True)
-def _no_inherited_tracking(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test writes MLflow runs to its own project folder, never a user's server."""
-    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "TUNELOOP_FLOW_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
+def _no_inherited_tracking() -> Iterator[None]:
+    """Each test writes MLflow runs to its own project folder, never a user's server.
+
+    Cleared after the test too: `mlflow.set_tracking_uri()` writes MLFLOW_TRACKING_URI into
+    the process's environment, and the next module's fixtures (set up before any
+    function-scoped fixture) would otherwise hand it to their `dvc repro` subprocesses.
+    """
+    _drop_tracking_env()
+    yield
+    _drop_tracking_env()
 
 
 @pytest.fixture(scope="module")

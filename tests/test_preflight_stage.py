@@ -279,10 +279,13 @@ def test_dvc_repro_stops_at_a_failed_preflight_and_never_trains(
     write_params(repo, OVERRIDES)
     # The upstream stages' outputs come from the module's project and are recorded in dvc.lock
     # as they are (`dvc commit`), so `dvc repro` runs preflight, not the whole pipeline.
-    for name in ("models/base", "data/clean", "data/packed"):
-        shutil.copytree(project / name, repo / name)
-    shutil.copy(project / "mlflow.db", repo / "mlflow.db")
     params = load_params(repo / "params.yaml")
+    paths = params.paths
+    for name in (paths.base_model, paths.clean, paths.packed):
+        shutil.copytree(project / name, repo / name)
+    for cache in (paths.clean_cache, paths.pack_cache):  # outs too; empty is a valid cache
+        (repo / cache).mkdir(parents=True)
+    shutil.copy(project / "mlflow.db", repo / "mlflow.db")
     init_from.write_base(repo / params.paths.init, init_from.Start("base", "no champion"))
     for folder in (params.paths.incoming, params.paths.pool):
         (repo / folder).mkdir(parents=True)

@@ -41,6 +41,7 @@ import pytest
 from tests.helpers import ROOT, copy_project, write_params
 from tuneloop import demo
 from tuneloop.params import load_params
+from tuneloop.pipeline import stage_order
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +55,7 @@ PASSING = {
 }
 # Trust on loopback: a throwaway cluster with no password to leak.
 INITDB = ["-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"]
-STAGES = ["base", "ingest", "clean", "pack", "preflight", "train", "merge", "export", "evaluate"]
+STAGES = stage_order(ROOT)
 
 
 def postgres_bin() -> Path | None:

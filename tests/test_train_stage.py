@@ -29,7 +29,7 @@ from stages import base, clean, ingest, pack, train
 from tests.helpers import ROOT, write_params
 from tuneloop import demo
 from tuneloop.params import load_params
-from tuneloop.telemetry.trace import read_trace
+from tuneloop.telemetry.trace import TraceError, read_trace
 from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE
 from tuneloop.training import checkpoints, methods
 from tuneloop.training import run as train_run
@@ -414,8 +414,20 @@ def test_sigkill_mid_run_then_rerun_continues_to_the_same_final_step(
         stderr=subprocess.DEVNULL,
     )
     try:
+
+        def traced() -> bool:
+            """The watcher's live trace has rows: it sampled the job at least once."""
+            for trace in (folder / paths.watch).glob("*/trace.csv"):
+                try:
+                    return bool(read_trace(trace).ticks)
+                except TraceError:  # the header is still being written
+                    return False
+            return False
+
         deadline = time.monotonic() + 240
-        while not marker.exists() and stage.poll() is None and time.monotonic() < deadline:
+        while stage.poll() is None and time.monotonic() < deadline:
+            if marker.exists() and traced():
+                break
             time.sleep(0.05)
         # The watcher's live trace, written beside a job that has set up its checkpoints.
         (live,) = (folder / paths.watch).glob("*/trace.csv")
