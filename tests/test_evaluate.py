@@ -54,7 +54,7 @@ def test_backend_auto_is_hf_without_vllm_and_a_gpu() -> None:
 PRETRAIN_STEPS = load_params(ROOT / "params.yaml").model.tiny.pretrain_steps
 OVERRIDES: dict[str, dict[str, Any]] = {
     "model": {"tiny": {"pretrain_steps": PRETRAIN_STEPS}},  # the default: a real general skill
-    "train": {"max_steps": 40, "learning_rate": 1.0e-2, "logging_steps": 10},
+    "train": {"max_steps": 60, "learning_rate": 1.0e-2, "logging_steps": 10},
     "evaluate": {"limit": 12, "batch_size": 12, "general_limit": None},
     "gate": {"primary_metric": "format_compliance", "min_gain": 0.05},
 }
@@ -86,6 +86,14 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.chdir(previous)
 
 
+def set_params(**groups: dict[str, Any]) -> None:
+    """Change the project's params.yaml in place, key by key."""
+    data = yaml.safe_load(Path("params.yaml").read_text())
+    for group, values in groups.items():
+        data[group].update(values)
+    Path("params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
 def test_the_trained_candidate_beats_the_base(project: Path) -> None:
     scores = read(project, "evaluate.json")
     decision = read(project, "decision.json")
@@ -97,7 +105,6 @@ def test_the_trained_candidate_beats_the_base(project: Path) -> None:
     [gain] = [c for c in decision["checks"] if c["rule"] == "beats_base"]
     assert gain["status"] == "pass" and gain["low"] >= 0.05
     assert scores[CANDIDATE][SUITE][metric] >= scores[BASE][SUITE][metric] + 0.05
-    assert decision["verdict"] == "pass" and decision["passed"], decision["reasons"][:3]
     assert decision["champion"] is None
     assert decision["higher_is_better"][SUITE]["hallucination_rate"] is False
     assert read(project, "merge.json")["passed"] is True
@@ -107,7 +114,7 @@ def test_the_trained_candidate_beats_the_base(project: Path) -> None:
 def test_the_base_has_a_general_skill_well_above_chance(project: Path) -> None:
     base_metrics = read(project, "base.json")
     assert base_metrics["pretrain_steps"] == PRETRAIN_STEPS
-    assert base_metrics["pretrain_last_loss"] < base_metrics["pretrain_first_loss"] / 5
+    assert base_metrics["pretrain_last_loss"] < base_metrics["pretrain_first_loss"] - 1.0
     # Picking one of the two numbers (a digit, for sums) at random.
     items = general.items("eval")
     chance = sum(0.1 if item.skill == "sum" else 0.5 for item in items) / len(items)
@@ -115,15 +122,23 @@ def test_the_base_has_a_general_skill_well_above_chance(project: Path) -> None:
     assert accuracy >= chance + 0.25, (accuracy, chance)
 
 
-def test_forgetting_is_measured_after_domain_training(project: Path) -> None:
+def test_a_candidate_that_forgot_the_general_skill_is_refused(project: Path) -> None:
+    """Sixty steps at a high learning rate teach the format and wipe the digits skill."""
     decision = read(project, "decision.json")
     [kept] = [c for c in decision["checks"] if c["rule"] == "forgetting"]
     assert (kept["suite"], kept["reference"], kept["items"]) == (GENERAL, BASE, 175)
-    assert kept["low"] <= kept["diff"] <= kept["high"]
+    assert kept["status"] == "fail" and kept["high"] < -0.05, kept["reason"]
+    assert decision["verdict"] == "fail" and not decision["passed"]
+    assert {c["rule"] for c in decision["checks"] if c["status"] == "fail"} == {"forgetting"}
     assert decision["forgetting"] == {"suites": [GENERAL], "reference": BASE, "could_not_run": {}}
     text = (project / "reports/eval.md").read_text()
     assert "## Forgetting: general suites, candidate vs base" in text
     assert f"| {GENERAL} | accuracy | {kept['reference_value']:.3f} | {kept['value']:.3f} |" in text
+
+    done = registry.register_candidate(load_params())
+    assert not done.registered
+    assert done.reasons[0] == "gate fail: nothing registered"
+    assert done.reasons[1].startswith(f"{GENERAL}/accuracy (higher is better): candidate ")
 
 
 def test_every_item_is_kept_and_judges_the_same_again(project: Path) -> None:
@@ -157,9 +172,10 @@ def test_the_cards_describe_the_candidate_and_its_data(project: Path) -> None:
     for section in ("## Gate", "## Compute", "## Lineage"):
         assert section in card
     # The demo's month, by source, as ingest recorded it.
-    assert "| month | router-feedback | support-export |" in card
-    assert "| 2026-10 | 40 |" in card
-    assert "Verdict: **PASS**" in card and "git commit:" in card
+    assert "| month | general-replay | router-feedback | support-export |" in card
+    assert "| 2026-10 |" in card
+    assert "Verdict: **FAIL**" in card and "git commit:" in card
+    assert "general_demo/accuracy" in card
     data = (project / "reports/dataset-card.md").read_text()
     front = yaml.safe_load(data.split("---\n")[1])
     assert front["task_categories"] == ["text-generation"] and "dpo" in front["tags"]
@@ -199,7 +215,14 @@ def test_lm_eval_runs_the_suite_on_the_merged_model_offline(project: Path) -> No
     assert found["higher_is_better"][SUITE]["hallucination_rate"] is False
 
 
-def test_a_passed_candidate_is_registered_as_challenger(project: Path) -> None:
+def test_a_team_that_accepts_the_loss_registers_the_candidate(project: Path) -> None:
+    # A larger forgetting budget is a decision a person makes in params.yaml, and it is
+    # recorded in the decision like every other threshold.
+    set_params(gate={"max_forgetting": 1.0})
+    evaluate.main()
+    decision = read(project, "decision.json")
+    assert decision["verdict"] == "pass", decision["reasons"][:3]
+    assert decision["thresholds"]["max_forgetting"] == 1.0
     params = load_params()
     done = registry.register_candidate(params, flow_run_id="flow-1")
     assert done.registered and done.version == "1" and done.alias == registry.CHALLENGER
@@ -238,9 +261,7 @@ def test_a_candidate_worse_than_the_champion_is_not_registered(project: Path) ->
     name = params.tracking.registered_model
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     client.set_registered_model_alias(name, "champion", "1")
-    data = yaml.safe_load(Path("params.yaml").read_text())
-    data["train"]["max_steps"] = 2
-    Path("params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    set_params(train={"max_steps": 2})
     shutil.rmtree("checkpoints", ignore_errors=True)  # a fresh run, not a resumed one
     for stage in (train, merge, export, evaluate):
         stage.main()

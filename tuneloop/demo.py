@@ -13,6 +13,9 @@ that did not:
 
 The eval suite uses customer names, order numbers and unknown products that the
 training generator never produces, so the two are disjoint by construction.
+
+The support export also carries a share of general-skill chats (``GENERAL_EVERY``), the
+replay that keeps a fine-tuned candidate from forgetting what the base knew.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from tuneloop import general
 
 Lang = Literal["en", "zh"]
 Intent = Literal["return", "warranty", "shipping"]
@@ -187,13 +192,30 @@ class _Generator:
         return Item(question, answer(product, intent, lang), True, lang, intent)
 
 
+# One exported record in ten is a general-skill chat (tuneloop.general) instead, as teams mix
+# general data into a domain fine-tune so that it does not erode what the base model knew.
+# Without it the demo's candidate forgets the base's skill, and the gate's forgetting budget
+# (gate.max_forgetting) refuses it.
+GENERAL_EVERY = 10
+
+
 def support_records(seed: int, n: int) -> Iterator[dict[str, object]]:
-    """Chats as a support tool exports them: prompt/response pairs and multi-turn chats."""
+    """Chats as a support tool exports them: prompt/response pairs and multi-turn chats,
+    and one in ``GENERAL_EVERY`` a general-skill chat (source ``general-replay``)."""
     gen = _Generator(seed, "train")
-    for _ in range(n):
+    replay = general.train_chats(seed, n // GENERAL_EVERY)
+    for index in range(n):
         item = gen.item()
-        if gen.rng.random() < 0.25:
-            greeting = gen.rng.choice(GREETINGS[item.lang])
+        multi = gen.rng.random() < 0.25
+        greeting = gen.rng.choice(GREETINGS[item.lang]) if multi else ""
+        if index % GENERAL_EVERY == GENERAL_EVERY - 1:
+            question, reply = next(replay)
+            yield {
+                "prompt": question["content"],
+                "response": reply["content"],
+                "source": "general-replay",
+            }
+        elif multi:
             yield {
                 "messages": [
                     {"role": "user", "content": greeting},

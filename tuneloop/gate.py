@@ -108,7 +108,8 @@ class SuiteItems:
             )
         if len(set(ids)) != len(ids):
             raise GateError(f"{what}: item ids repeat; each item needs a unique id")
-        order = np.array([self.ids.index(i) for i in ids])
+        position = {item: i for i, item in enumerate(self.ids)}
+        order = np.array([position[i] for i in ids])
         return SuiteItems(
             ids=ids,
             values={m: v[order] for m, v in self.values.items()},
@@ -163,6 +164,10 @@ class _Suite:
             for name, labels in sorted(candidate.slices.items())
             for label in sorted(set(labels))
         ]
+        masks = {
+            (name, label): np.array([x == label for x in candidate.slices[name]], dtype=float)
+            for name, label in self.labels
+        }
         keys: list[tuple[str, str, tuple[str, str] | None]] = []
         values, weights = [], []
         for model, found in aligned.items():
@@ -173,7 +178,7 @@ class _Suite:
                 if model not in slice_models:
                     continue
                 for name, label in self.labels:
-                    mask = np.array([x == label for x in candidate.slices[name]], dtype=float)
+                    mask = masks[(name, label)]
                     keys.append((model, metric, (name, label)))
                     values.append(found.values[metric])
                     weights.append(found.weights[metric] * mask)
@@ -226,7 +231,7 @@ class _Suite:
 
 
 def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 6)
+    return None if value is None else round(value, 6) + 0.0  # + 0.0: no "-0.000" in reasons
 
 
 def _signed(value: float | None) -> str:
