@@ -11,8 +11,8 @@ Writes: ``metrics/evaluate.json`` (model -> suite -> metric), ``metrics/eval-ite
         verdict, pass, fail or inconclusive, every check with its interval, and a reason
         for each), ``reports/eval.md``, ``reports/eval.png``, ``reports/model-card.md`` and
         ``reports/dataset-card.md``.
-Params: ``evaluate``, ``gate``, ``model``, ``train``, ``batch``, ``pack.seq_len``,
-        ``tracking.registered_model``, ``paths``.
+Params: ``evaluate``, ``gate``, ``model.base``, ``tracking.registered_model``, ``paths``;
+        for the cards ``train``, ``batch``, ``pack.seq_len``, ``export`` and two of ``clean``.
 
 Scoring runs through lm-eval (``tuneloop/scoring.py``); the rules that judge the scores
 are ``tuneloop/gate.py``; the cards are ``tuneloop/cards.py``.
@@ -102,7 +102,7 @@ def main() -> None:
         write_text(reports / "eval.md", text)
         plot(scores, directions, reports / "eval.png")
         facts = cards.gather(params, Path(), watch_root=CHECKPOINTS / "watch")
-        write_text(reports / "model-card.md", cards.model_card(params, facts, scores, decision))
+        write_text(reports / "model-card.md", cards.model_card(params, facts, decision))
         write_text(reports / "dataset-card.md", cards.dataset_card(params, facts))
         for path in (
             reports / "eval.md",

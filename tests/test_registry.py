@@ -63,9 +63,7 @@ def write_evaluation(params: Params, items: gate.Items, champion: str | None) ->
     write_text(params.paths.reports / "eval.md", gate.report(scores, decision, DIRECTIONS))
     gate.plot(scores, DIRECTIONS, params.paths.reports / "eval.png")
     facts = cards.gather(params, Path())
-    write_text(
-        params.paths.reports / "model-card.md", cards.model_card(params, facts, scores, decision)
-    )
+    write_text(params.paths.reports / "model-card.md", cards.model_card(params, facts, decision))
     write_text(params.paths.reports / "dataset-card.md", cards.dataset_card(params, facts))
 
 

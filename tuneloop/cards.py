@@ -181,7 +181,7 @@ def _compute_lines(facts: Facts) -> list[str]:
     return lines
 
 
-def _eval_lines(scores: dict[str, Any], decision: dict[str, Any]) -> list[str]:
+def _eval_lines(decision: dict[str, Any]) -> list[str]:
     conf = decision["statistics"]["confidence"]
     rows = []
     for c in decision["comparisons"]:
@@ -228,9 +228,7 @@ def _eval_lines(scores: dict[str, Any], decision: dict[str, Any]) -> list[str]:
     return lines
 
 
-def model_card(
-    params: Params, facts: Facts, scores: dict[str, Any], decision: dict[str, Any]
-) -> str:
+def model_card(params: Params, facts: Facts, decision: dict[str, Any]) -> str:
     """The candidate's model card (Hugging Face README.md layout)."""
     train = params.train
     method = train.method
@@ -297,7 +295,7 @@ def model_card(
         "",
         "## Evaluation",
         "",
-        *_eval_lines(scores, decision),
+        *_eval_lines(decision),
         "",
         "## Gate",
         "",
