@@ -3,7 +3,8 @@
 The rules themselves are tested on hand-made per-item scores in tests/test_gate.py. Here
 the base gets its general skill (the default pre-training) and the candidate is trained
 just long enough to learn the reply format (format_compliance 0 -> 1; exact answers need
-the full demo), so the project's gate judges on ``format_compliance``.
+the full demo), so the project's gate judges on ``format_compliance``. Trained that hard
+on so little data, the candidate forgets the base's skill, and the gate says so.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def test_backend_auto_is_hf_without_vllm_and_a_gpu() -> None:
 PRETRAIN_STEPS = load_params(ROOT / "params.yaml").model.tiny.pretrain_steps
 OVERRIDES: dict[str, dict[str, Any]] = {
     "model": {"tiny": {"pretrain_steps": PRETRAIN_STEPS}},  # the default: a real general skill
-    "train": {"max_steps": 60, "learning_rate": 1.0e-2, "logging_steps": 10},
+    # A pre-trained base takes longer to pick up the format than a random one: two bins a step.
+    "batch": {"micro_batch_size": 2, "effective_batch": 2},
+    "train": {"max_steps": 100, "learning_rate": 1.0e-2, "logging_steps": 10},
     "evaluate": {"limit": 12, "batch_size": 12, "general_limit": None},
     "gate": {"primary_metric": "format_compliance", "min_gain": 0.05},
 }
@@ -123,7 +126,7 @@ def test_the_base_has_a_general_skill_well_above_chance(project: Path) -> None:
 
 
 def test_a_candidate_that_forgot_the_general_skill_is_refused(project: Path) -> None:
-    """Sixty steps at a high learning rate teach the format and wipe the digits skill."""
+    """A hundred steps at a high learning rate teach the format and wipe the digits skill."""
     decision = read(project, "decision.json")
     [kept] = [c for c in decision["checks"] if c["rule"] == "forgetting"]
     assert (kept["suite"], kept["reference"], kept["items"]) == (GENERAL, BASE, 175)

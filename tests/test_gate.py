@@ -234,8 +234,9 @@ def test_forgetting_is_judged_against_the_champion_when_there_is_one() -> None:
     assert decision["verdict"] == "pass"
 
 
-def test_forgetting_that_cannot_be_ruled_out_blocks() -> None:
-    # 20 items, the candidate lost 2: the interval reaches far past the budget.
+def test_forgetting_that_cannot_be_settled_is_named_without_blocking() -> None:
+    # 20 items, the candidate lost 2: the interval reaches past the budget, but nothing
+    # shows that it lost more than the budget.
     ids = [str(i) for i in range(20)]
     few = {
         BASE: SuiteItems.of(ids, {"accuracy": [1.0] * 20}),
@@ -248,9 +249,10 @@ def test_forgetting_that_cannot_be_ruled_out_blocks() -> None:
     for name, found in few.items():
         items[name][GENERAL] = found
     decision = decide(items, DIRECTIONS, GATE, [SUITE], [GENERAL])
-    assert decision["verdict"] == "inconclusive"
-    assert statuses(decision, "forgetting") == {"accuracy": "inconclusive"}
-    assert decision["more_items"][GENERAL] > 0
+    assert decision["verdict"] == "pass"
+    [check] = [c for c in decision["checks"] if c["rule"] == "forgetting"]
+    assert check["status"] == "inconclusive" and not check["blocking"]
+    assert check["more_items"] > 0 and check["reason"] in decision["reasons"]
 
 
 def test_a_general_suite_that_could_not_run_is_named_not_dropped() -> None:

@@ -23,10 +23,12 @@ The rules (params ``gate``), each a threshold on such a difference:
 
 A check *passes* when its whole interval clears the threshold, *fails* when none of it
 does, and is otherwise *inconclusive*. The verdict is ``fail`` when any check fails,
-else ``inconclusive`` when a check that must be settled is not (every check on the
-primary metric, every forgetting check), else ``pass``. An inconclusive check says about
-how many more eval items would settle it. Other metrics' inconclusive checks, and
-slices, are reported and named without blocking (unless ``max_slice_regression``).
+else ``inconclusive`` when a check on the primary metric of a business suite is, else
+``pass``. An inconclusive check says about how many more eval items would settle it.
+Inconclusive checks on other metrics and on the general suites (a forgetting budget
+refuses a candidate shown to lose more than it; a small general suite cannot always show
+that it did not) are named in the reasons without blocking, and so are regressed slices
+unless ``max_slice_regression`` is set.
 
 ``decide`` returns the verdict with every check and comparison, its numbers and a reason
 for each; ``report`` and ``plot`` show them.
@@ -387,7 +389,7 @@ def decide(
             comparisons.append(kept)
             if general_reference != BASE:
                 comparisons.append(boot.compare(CANDIDATE, BASE, metric, higher))
-            checks.append(_check("forgetting", kept, -gate.max_forgetting, True, boot.n, conf))
+            checks.append(_check("forgetting", kept, -gate.max_forgetting, False, boot.n, conf))
 
     return _verdict(
         gate, checks, comparisons, slices, counts, reference, general, could_not_run or {}

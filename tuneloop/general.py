@@ -6,7 +6,8 @@ demo: ``eval/general_demo`` scores how much of the skill a fine-tuned candidate
 kept. A real base model brings its general skills with it and is scored on
 standard lm-eval tasks instead (``evaluate.general_suites``).
 
-Three skills, each asked in four phrasings, answered with one number:
+Three skills, each asked in four phrasings, answered with a short sentence that ends in
+the number (``The larger is 8.``); the suite scores the last number of the reply:
 
 - ``bigger`` / ``smaller``: the larger (smaller) of two different digits; a reply
   that picks one of the two at random is right half the time;
@@ -66,8 +67,16 @@ def _pairs(skill: Skill) -> list[tuple[int, int]]:
     return [(a, b) for a in range(10) for b in range(10) if a != b]
 
 
+REPLIES: dict[Skill, str] = {
+    "bigger": "The larger is {n}.",
+    "smaller": "The smaller is {n}.",
+    "sum": "The sum is {n}.",
+}
+
+
 def _answer(skill: Skill, a: int, b: int) -> str:
-    return str({"bigger": max(a, b), "smaller": min(a, b), "sum": a + b}[skill])
+    number = {"bigger": max(a, b), "smaller": min(a, b), "sum": a + b}[skill]
+    return REPLIES[skill].format(n=number)
 
 
 def split_of(question: str) -> Literal["train", "eval"]:

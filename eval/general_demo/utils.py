@@ -1,15 +1,17 @@
 """Metric of the general_demo suite (loaded by lm-eval through the task YAML).
 
-- accuracy: the reply, stripped, is the expected number.
+- accuracy: the last number in the reply is the reference's (``The larger is 8.``).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import datasets
 
 HERE = Path(__file__).parent
+NUMBER = re.compile(r"\d+")
 
 
 def load(**_: object) -> datasets.DatasetDict:
@@ -17,5 +19,11 @@ def load(**_: object) -> datasets.DatasetDict:
     return datasets.DatasetDict({"test": datasets.Dataset.from_json(str(HERE / "test.jsonl"))})
 
 
+def last_number(text: str) -> str | None:
+    found = NUMBER.findall(text)
+    return found[-1] if found else None
+
+
 def process_results(doc: dict, results: list[str]) -> dict[str, object]:
-    return {"accuracy": float(results[0].strip() == doc["answer"])}
+    said = last_number(results[0])
+    return {"accuracy": float(said is not None and said == last_number(doc["answer"]))}
