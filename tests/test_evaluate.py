@@ -55,8 +55,8 @@ def test_backend_auto_is_hf_without_vllm_and_a_gpu() -> None:
 PRETRAIN_STEPS = load_params(ROOT / "params.yaml").model.tiny.pretrain_steps
 OVERRIDES: dict[str, dict[str, Any]] = {
     "model": {"tiny": {"pretrain_steps": PRETRAIN_STEPS}},  # the default: a real general skill
-    # A pre-trained base takes longer to pick up the format than a random one: two bins a step.
-    "batch": {"micro_batch_size": 2, "effective_batch": 2},
+    # A pre-trained base takes longer to pick up the format than a random one: four bins a step.
+    "batch": {"micro_batch_size": 4, "effective_batch": 4},
     "train": {"max_steps": 100, "learning_rate": 1.0e-2, "logging_steps": 10},
     "evaluate": {"limit": 12, "batch_size": 12, "general_limit": None},
     "gate": {"primary_metric": "format_compliance", "min_gain": 0.05},
