@@ -386,9 +386,10 @@ def with_card(folders: dict[str, Path], card: Path) -> Iterator[dict[str, Path]]
 
     The folders themselves are DVC outs: a card written into them would change what
     ``dvc.lock`` recorded. The copies hard-link every file (no second copy of the
-    weights on disk) and add the card.
+    weights on disk; hence beside the first folder, on its file system) and add the card.
     """
-    with tempfile.TemporaryDirectory(prefix="tuneloop-card-") as tmp:
+    beside = next(iter(folders.values())).parent
+    with tempfile.TemporaryDirectory(prefix=".tuneloop-card-", dir=beside) as tmp:
         copies: dict[str, Path] = {}
         for name, folder in folders.items():
             target = Path(tmp) / name
