@@ -1,16 +1,19 @@
 """Stage ``base``: make the base model available at a fixed place.
 
 Reads:  params ``model``, ``demo.seed`` (the tokenizer's corpus), ``paths``.
-Writes: ``paths.base_model`` — for ``builtin:tiny`` the model itself, built
-        and seeded locally (no model hub is needed); for a hub id or a local
-        folder, a manifest naming it (the weights stay where they are and are
+Writes: ``paths.base_model`` — for ``builtin:tiny`` the model itself, built,
+        seeded and pre-trained locally on its general skill (``tuneloop.general``,
+        ``model.tiny.pretrain_steps``; no model hub is needed); for a hub id or a
+        local folder, a manifest naming it (the weights stay where they are and are
         loaded from there by every later stage).
         ``metrics/base.json``.
 """
 
 from __future__ import annotations
 
-from tuneloop import demo, lineage, tiny
+import itertools
+
+from tuneloop import demo, general, lineage, tiny
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.params import Params, load_params
 from tuneloop.stage import setup_logging, write_metrics
@@ -23,12 +26,14 @@ def build(params: Params) -> dict[str, object]:
     with atomic_dir(params.paths.base_model) as folder:
         metrics: dict[str, object] = {"base": params.model.base}
         if params.model.is_builtin:
-            model = tiny.save_tiny(
-                folder,
-                params.model.tiny,
-                demo.tokenizer_corpus(params.demo.seed),
-                params.model.seed,
-            )
+            shape, seed = params.model.tiny, params.model.seed
+            corpus = itertools.chain(demo.tokenizer_corpus(params.demo.seed), general.corpus())
+            tokenizer = tiny.build_tokenizer(corpus, shape.vocab_size)
+            model = tiny.build_model(shape, tokenizer, seed)
+            chats = list(general.train_chats(seed, shape.pretrain_steps * tiny.PRETRAIN_BATCH))
+            metrics |= tiny.pretrain(model, tokenizer, chats, shape.pretrain_steps, seed)
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
             metrics["parameters"] = sum(p.numel() for p in model.parameters())
             metrics["vocab_size"] = model.config.vocab_size
         write_json(folder / "manifest.json", lineage.manifest(STAGE, params, inputs={}, **metrics))

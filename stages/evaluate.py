@@ -1,18 +1,27 @@
-"""Stage ``evaluate``: the business eval suites, every model side by side, and the gate.
+"""Stage ``evaluate``: every model on the eval suites, item by item, the gate, and the cards.
 
 Reads:  the base model; the registry's ``champion`` (``tracking.registered_model``),
         when there is one; ``paths.merged`` (the candidate); ``paths.fp8`` (its
-        export); the suites named in ``evaluate.suites`` under ``paths.eval_suites``.
-Writes: ``metrics/evaluate.json`` (model -> suite -> metric), ``metrics/decision.json``
-        (the verdict, every check with its numbers, and a reason for each, pass
-        or fail), ``reports/eval.md`` and ``reports/eval.png``.
-Params: ``evaluate``, ``gate``, ``model.base``, ``tracking.registered_model``, ``paths``.
+        export); the business suites (``evaluate.suites``) and the general-capability
+        suites (``evaluate.general_suites``) under ``paths.eval_suites`` or lm-eval's own;
+        for the cards, ``metrics/{ingest,clean,train}.json``, ``paths.pool``, ``dvc.lock``
+        and the newest watchdog summary under ``checkpoints/`` (reported, never judged).
+Writes: ``metrics/evaluate.json`` (model -> suite -> metric), ``metrics/eval-items/<model>.jsonl``
+        (every item's metric values and slice labels), ``metrics/decision.json`` (the
+        verdict, pass, fail or inconclusive, every check with its interval, and a reason
+        for each), ``reports/eval.md``, ``reports/eval.png``, ``reports/model-card.md`` and
+        ``reports/dataset-card.md``.
+Params: ``evaluate``, ``gate``, ``model.base``, ``tracking.registered_model``, ``paths``;
+        for the cards ``train``, ``batch``, ``pack.seq_len``, ``export`` and two of ``clean``.
 
 Scoring runs through lm-eval (``tuneloop/scoring.py``); the rules that judge the scores
-are ``tuneloop/gate.py``.
+are ``tuneloop/gate.py``; the cards are ``tuneloop/cards.py``.
 
 The champion is scored here, on today's suites, from its registered merged
 folder: numbers stored when it was registered may come from an older suite.
+General suites are scored for the base, the champion and the candidate (not the FP8
+export: the forgetting budget judges what training did). A general suite that cannot
+run here (its data or package is missing) is named in the decision, not dropped.
 Registering a candidate that passed is the retrain flow's job (see
 ``tuneloop/registry.py`` for why it is not done in this stage).
 """
@@ -26,12 +35,22 @@ from pathlib import Path
 import mlflow
 from lm_eval.tasks import TaskManager
 
-from tuneloop import registry
-from tuneloop.gate import BASE, CANDIDATE, CHAMPION, FP8, Directions, Scores, decide, plot, report
-from tuneloop.io import write_json, write_text
+from tuneloop import cards, registry, scoring
+from tuneloop.gate import (
+    BASE,
+    CANDIDATE,
+    CHAMPION,
+    FP8,
+    Directions,
+    Items,
+    Scores,
+    decide,
+    plot,
+    report,
+)
+from tuneloop.io import atomic_dir, write_json, write_text
 from tuneloop.models import base_model_ref
 from tuneloop.params import load_params
-from tuneloop.scoring import backend, score
 from tuneloop.stage import setup_logging, write_metrics
 from tuneloop.tracking import stage_run
 
@@ -44,9 +63,12 @@ def main() -> None:
     params = load_params()
     with stage_run(STAGE, params):
         tasks = TaskManager(include_path=str(params.paths.eval_suites))
-        kind = backend(params)
+        kind = scoring.backend(params)
         champion = registry.find_alias(params.tracking.registered_model, registry.CHAMPION)
+        could_not_run = scoring.unavailable(params.evaluate.general_suites, tasks)
+        general = [s for s in params.evaluate.general_suites if s not in could_not_run]
         scores: Scores = {}
+        items: Items = {}
         directions: Directions = {}
         # The champion's folder is fetched for this evaluation only, not kept as an output.
         with tempfile.TemporaryDirectory(prefix="tuneloop-champion-") as tmp:
@@ -56,25 +78,42 @@ def main() -> None:
             models |= {CANDIDATE: params.paths.merged, FP8: params.paths.fp8}
             for name, ref in models.items():
                 log.info("evaluate: scoring %s (%s) with %s", name, ref, kind)
-                scores[name], found = score(ref, params, tasks, kind)
-                directions |= found
-        decision = decide(scores, directions, params.gate)
+                scored = scoring.score(ref, params, tasks, kind, () if name == FP8 else general)
+                scores[name], items[name] = scored.scores, scored.items
+                directions |= scored.directions
+                could_not_run |= scored.not_judged
+        # One folder for the run: no model's file is left over from an earlier evaluation.
+        with atomic_dir(params.paths.metrics / "eval-items") as folder:
+            for name, found in items.items():
+                scoring.write_items(folder / f"{name}.jsonl", found)
+        decision = decide(
+            items, directions, params.gate, params.evaluate.suites, general, could_not_run
+        )
         decision["champion"] = registry.describe(champion)
         # Which merged folder was judged: registration refuses any other.
         decision["candidate_key"] = registry.candidate_key(params.paths.merged)
         decision["backend"] = kind
+        decision["higher_is_better"] = directions
         write_json(params.paths.metrics / "decision.json", decision)
         write_metrics(params, STAGE, scores)
-        text = report(scores, decision)
-        write_text(params.paths.reports / "eval.md", text)
-        plot(scores, directions, params.paths.reports / "eval.png")
+        text = report(scores, decision, directions)
+        reports = params.paths.reports
+        write_text(reports / "eval.md", text)
+        plot(scores, directions, reports / "eval.png")
+        facts = cards.gather(params, Path(), watch_root=params.paths.watch)
+        write_text(reports / "model-card.md", cards.model_card(params, facts, decision))
+        write_text(reports / "dataset-card.md", cards.dataset_card(params, facts))
         for path in (
-            params.paths.reports / "eval.md",
-            params.paths.reports / "eval.png",
+            reports / "eval.md",
+            reports / "eval.png",
+            reports / "model-card.md",
+            reports / "dataset-card.md",
             params.paths.metrics / "decision.json",
         ):
             mlflow.log_artifact(str(path))
-        mlflow.set_tag("gate.passed", str(decision["passed"]).lower())
+        mlflow.log_artifacts(str(params.paths.metrics / "eval-items"), "eval-items")
+        mlflow.set_tags({"gate.passed": str(decision["passed"]).lower()})
+        mlflow.set_tag("gate.verdict", decision["verdict"])
         if champion is not None:
             mlflow.set_tag("gate.champion_version", str(champion.version))
         log.info("evaluate:\n%s", text)

@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Small enough for a test, big enough that every stage does real work.
 TINY_OVERRIDES: dict[str, dict[str, Any]] = {
+    # A few steps of the base's general-skill pre-training: the code path, not the skill.
+    "model": {"tiny": {"pretrain_steps": 10}},
     "demo": {"n_support": 500, "n_badcases": 40},
     "pack": {"seq_len": 128},
     "train": {"max_steps": 30, "logging_steps": 5},
@@ -26,8 +28,14 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
 
 def write_params(folder: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Path:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    for group, values in {**TINY_OVERRIDES, **(overrides or {})}.items():
-        params[group].update(values)
+    for source in (TINY_OVERRIDES, overrides or {}):
+        for group, values in source.items():
+            for key, value in values.items():
+                # One level deeper for sub-groups (model.tiny): override keys, keep the rest.
+                if isinstance(value, dict) and isinstance(params[group].get(key), dict):
+                    params[group][key].update(value)
+                else:
+                    params[group][key] = value
     path = folder / "params.yaml"
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path

@@ -21,34 +21,50 @@ from mlflow.tracking import MlflowClient
 
 from stages import base, export
 from tests.helpers import ROOT, write_params
-from tuneloop import gate, init_from, registry
+from tuneloop import cards, gate, init_from, registry
 from tuneloop.io import write_json, write_text
 from tuneloop.params import Params, load_params
 
 SUITE = "support_demo"
 DIRECTIONS = {SUITE: {"accuracy": True, "format_compliance": True, "hallucination_rate": False}}
 NAME = "tuneloop-support"
+ITEMS = 100
 
 
-def planted(candidate: float, champion: float | None = None) -> gate.Scores:
+def planted(candidate: float, champion: float | None = None) -> gate.Items:
+    """Per-item scores: each model right on the first ``share x ITEMS`` items."""
     models = {"base": 0.4, "candidate": candidate, "candidate-fp8": candidate}
     if champion is not None:
         models["champion"] = champion
+    ids = [str(i) for i in range(ITEMS)]
     return {
-        name: {SUITE: {"accuracy": a, "format_compliance": 1.0, "hallucination_rate": 0.1}}
-        for name, a in models.items()
+        name: {
+            SUITE: gate.SuiteItems.of(
+                ids,
+                {
+                    "accuracy": [float(i < round(share * ITEMS)) for i in range(ITEMS)],
+                    "format_compliance": [1.0] * ITEMS,
+                    "hallucination_rate": [0.0] * ITEMS,
+                },
+            )
+        }
+        for name, share in models.items()
     }
 
 
-def write_evaluation(params: Params, scores: gate.Scores, champion: str | None) -> None:
-    """What the evaluate stage leaves behind, for planted scores."""
-    decision = gate.decide(scores, DIRECTIONS, params.gate)
+def write_evaluation(params: Params, items: gate.Items, champion: str | None) -> None:
+    """What the evaluate stage leaves behind, for planted per-item scores."""
+    decision = gate.decide(items, DIRECTIONS, params.gate, [SUITE])
     decision["champion"] = None if champion is None else {"name": NAME, "version": champion}
     decision["candidate_key"] = registry.candidate_key(params.paths.merged)
+    scores = gate.scores_of(items)
     write_json(params.paths.metrics / "decision.json", decision)
     write_json(params.paths.metrics / "evaluate.json", scores)
-    write_text(params.paths.reports / "eval.md", gate.report(scores, decision))
+    write_text(params.paths.reports / "eval.md", gate.report(scores, decision, DIRECTIONS))
     gate.plot(scores, DIRECTIONS, params.paths.reports / "eval.png")
+    facts = cards.gather(params, Path())
+    write_text(params.paths.reports / "model-card.md", cards.model_card(params, facts, decision))
+    write_text(params.paths.reports / "dataset-card.md", cards.dataset_card(params, facts))
 
 
 def client(project: Path) -> MlflowClient:
@@ -100,7 +116,9 @@ def test_no_registered_model_means_no_champion(project: Path) -> None:
     assert registry.find_alias(NAME, registry.CHAMPION, client(project)) is None
 
 
-def test_a_passed_candidate_is_registered_with_its_lineage_and_report(project: Path) -> None:
+def test_a_passed_candidate_is_registered_with_its_lineage_and_report(
+    project: Path, tmp_path: Path
+) -> None:
     params = load_params()
     store = client(project)
     experiment = store.get_experiment_by_name(params.tracking.experiment)
@@ -127,8 +145,25 @@ def test_a_passed_candidate_is_registered_with_its_lineage_and_report(project: P
     assert version.description == (project / "reports/eval.md").read_text()
     logged = {a.path for a in store.list_artifacts(retrain.info.run_id, "evaluation")}
     assert logged == {
-        f"evaluation/{name}" for name in ("eval.md", "eval.png", "decision.json", "evaluate.json")
+        f"evaluation/{name}"
+        for name in (
+            "eval.md",
+            "eval.png",
+            "model-card.md",
+            "dataset-card.md",
+            "decision.json",
+            "evaluate.json",
+        )
     }
+
+    # The model card travels in both exported folders; the DVC outs themselves are untouched.
+    card = (project / "reports/model-card.md").read_text()
+    assert card.startswith("---\nbase_model: builtin:tiny\n")
+    for artifact in (registry.MERGED, registry.FP8):
+        folder = registry.download_folder(version, artifact, tmp_path / artifact)
+        assert (folder / "README.md").read_text() == card
+    assert not (project / "models/merged/README.md").exists()
+    assert not (project / "models/fp8/README.md").exists()
 
     model = mlflow.pyfunc.load_model(f"models:/{NAME}@challenger")
     answers = model.predict(["How long does shipping take for the Pixel camera?"])
@@ -219,17 +254,19 @@ def test_a_decision_about_another_candidate_blocks_registration(project: Path) -
 def test_a_candidate_worse_than_the_champion_is_not_registered(project: Path) -> None:
     params = load_params()
     (params.paths.merged / "manifest.json").write_text('{"stage": "merge", "run": 2}')
-    write_evaluation(params, planted(0.70, champion=0.75), champion="1")
+    write_evaluation(params, planted(0.60, champion=0.75), champion="1")
     decision = json.loads((params.paths.metrics / "decision.json").read_text())
-    assert not decision["passed"]
-    assert decision["failed"] == [
-        "support_demo/accuracy (higher is better): candidate 0.700 vs champion 0.750: "
-        "behind by +0.050 (allowed <= 0.020): FAIL"
-    ]
+    assert decision["verdict"] == "fail" and not decision["passed"]
+    [failed] = decision["failed"]
+    assert failed.startswith(
+        "support_demo/accuracy (higher is better): candidate 0.600 vs champion 0.750: "
+        "better by -0.150 ["
+    )
+    assert failed.endswith("allowed down to -0.020: FAIL")
 
     done = registry.register_candidate(params)
     assert not done.registered and done.version is None and done.alias is None
-    assert done.reasons == ["gate failed: nothing registered", *decision["failed"]]
+    assert done.reasons == ["gate fail: nothing registered", *decision["failed"]]
     store = client(project)
     assert len(store.search_model_versions(f"name = '{NAME}'")) == 1
     assert str(store.get_model_version_by_alias(NAME, "challenger").version) == "1"
@@ -254,3 +291,32 @@ def test_the_base_is_registered_as_the_first_champion_once(project: Path, tmp_pa
         params.paths.base_model / "model.safetensors"
     ).read_bytes()
     assert not registry.register_base(params).registered
+
+
+def test_an_inconclusive_gate_registers_nothing(project: Path) -> None:
+    params = load_params()
+    # 0.74 against 0.75 on 100 items: can't tell whether it fell more than 0.02 behind.
+    items = planted(0.75, champion=0.75)
+    for name in ("candidate", "candidate-fp8"):
+        values = items[name][SUITE].values["accuracy"]
+        values[[5, 7, 9, 11, 13]] = 0.0  # lose five of the champion's items
+        values[[80, 81, 82, 83]] = 1.0  # and win four others
+    write_evaluation(params, items, champion="1")
+    decision = json.loads((params.paths.metrics / "decision.json").read_text())
+    assert decision["verdict"] == "inconclusive" and not decision["passed"]
+    done = registry.register_candidate(params)
+    assert not done.registered
+    assert done.reasons == ["gate inconclusive: nothing registered", *decision["inconclusive"]]
+    assert "more items would settle it" in done.reasons[1]
+
+
+def test_a_decision_without_a_verdict_is_stale(project: Path) -> None:
+    params = load_params()
+    decision = json.loads((params.paths.metrics / "decision.json").read_text())
+    old = {k: v for k, v in decision.items() if k != "verdict"} | {"passed": True}
+    write_json(params.paths.metrics / "decision.json", old)
+    try:
+        with pytest.raises(registry.StaleDecision, match="has no verdict"):
+            registry.register_candidate(params)
+    finally:
+        write_json(params.paths.metrics / "decision.json", decision)

@@ -43,7 +43,7 @@ def _print_summary(result: dict[str, Any]) -> None:
         for suite, metrics in suites.items():
             shown = ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items()))
             print(f"eval   {model:<14} {suite}: {shown}")
-    print(f"gate   {'PASS' if decision['passed'] else 'FAIL'}")
+    print(f"gate   {str(decision['verdict']).upper()}")
     for reason in decision["reasons"]:
         print(f"       {reason}")
     registration = result.get("registration") or {}

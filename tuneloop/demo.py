@@ -18,6 +18,9 @@ The shop changes month by month (``LAUNCHES``): in month 2 it starts selling a n
 which last month's champion refuses as unknown. Month 2's exports talk about it, and the
 demo's customers ask about it while month 1's model is being released, so the router's
 feedback carries corrections for it: the loop has something real to learn.
+
+The support export also carries a share of general-skill chats (``GENERAL_EVERY``), the
+replay that keeps a fine-tuned candidate from forgetting what the base knew.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from tuneloop import general
 
 Lang = Literal["en", "zh"]
 Intent = Literal["return", "warranty", "shipping"]
@@ -222,13 +227,31 @@ class Generator:
         return Item(question, answer(product, intent, lang), True, lang, intent)
 
 
+# One exported record in five is a general-skill chat (tuneloop.general) instead, as teams mix
+# general data into a domain fine-tune so that it does not erode what the base model knew.
+# Without it the demo's candidate forgets the base's skill, and the gate's forgetting budget
+# (gate.max_forgetting) refuses it. clean drops more than half of these as near-duplicates
+# of general_demo's questions (one digit apart), hence the large share.
+GENERAL_EVERY = 5
+
+
 def support_records(seed: int, n: int, month: int = 1) -> Iterator[dict[str, object]]:
-    """Chats as a support tool exports them: prompt/response pairs and multi-turn chats."""
+    """Chats as a support tool exports them: prompt/response pairs and multi-turn chats,
+    and one in ``GENERAL_EVERY`` a general-skill chat (source ``general-replay``)."""
     gen = Generator(seed, "train", month)
-    for _ in range(n):
+    replay = general.train_chats(seed + month - 1, n // GENERAL_EVERY)
+    for index in range(n):
         item = gen.item()
-        if gen.rng.random() < 0.25:
-            greeting = gen.rng.choice(GREETINGS[item.lang])
+        multi = gen.rng.random() < 0.25
+        greeting = gen.rng.choice(GREETINGS[item.lang]) if multi else ""
+        if index % GENERAL_EVERY == GENERAL_EVERY - 1:
+            question, reply = next(replay)
+            yield {
+                "prompt": question["content"],
+                "response": reply["content"],
+                "source": "general-replay",
+            }
+        elif multi:
             yield {
                 "messages": [
                     {"role": "user", "content": greeting},

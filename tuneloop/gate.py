@@ -1,25 +1,55 @@
 """The eval gate: judge the candidate against the base, the champion and its FP8 export.
 
-The rules (params ``gate``), on every suite:
+The gate reads per-item scores (lm-eval's logged samples, ``tuneloop.scoring``) and
+compares models *paired*, item by item, with a bootstrap interval for each difference
+(``tuneloop.stats``; ``gate.confidence``, ``gate.bootstrap_samples``, ``gate.seed``).
+Every difference is "better by": positive when the first model is the better one,
+whichever way the metric points (``higher_is_better`` of the suite, as lm-eval reports it).
 
-- the candidate beats the base by ``min_gain`` on ``primary_metric``;
-- the candidate is behind the champion by at most ``max_regression`` on every
-  metric (skipped when the registry has no champion yet);
-- the FP8 export is behind the candidate by at most ``fp8_max_drop`` on every metric.
+The rules (params ``gate``), each a threshold on such a difference:
 
-``decide`` returns the verdict with every check, its numbers and a reason for each, pass or
-fail; ``report`` and ``plot`` show the scores side by side. Whether a metric is better higher
-or lower comes from the suite's own ``higher_is_better``, as lm-eval reports it.
+- ``beats_base``: on every business suite, the candidate beats the base by ``min_gain``
+  on ``primary_metric``;
+- ``no_regression``: the candidate is behind the champion by at most ``max_regression``
+  on every metric (skipped when the registry has no champion yet);
+- ``fp8_within``: the FP8 export is behind the candidate by at most ``fp8_max_drop`` on
+  every metric;
+- ``forgetting``: on every general-capability suite (``evaluate.general_suites``), the
+  candidate is behind the champion (the base, first month) by at most ``max_forgetting``
+  on every metric;
+- ``slice_regression`` (only when ``max_slice_regression`` is set): in every slice of a
+  business suite (``evaluate.slices``), the candidate is behind its reference (the
+  champion, else the base) by at most that much.
+
+A check *passes* when its whole interval clears the threshold, *fails* when none of it
+does, and is otherwise *inconclusive*. The verdict is ``fail`` when any check fails,
+else ``inconclusive`` when a check on the primary metric of a business suite is, else
+``pass``. An inconclusive check says about how many more eval items would settle it.
+Inconclusive checks on other metrics and on the general suites (a forgetting budget
+refuses a candidate shown to lose more than it; a small general suite cannot always show
+that it did not) are named in the reasons without blocking, and so are regressed slices
+unless ``max_slice_regression`` is set.
+
+``decide`` returns the verdict with every check and comparison, its numbers and a reason
+for each; ``report`` and ``plot`` show them.
 """
 
 from __future__ import annotations
 
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from tuneloop import stats
 from tuneloop.params import GateParams
 
 BASE, CHAMPION, CANDIDATE, FP8 = "base", "champion", "candidate", "candidate-fp8"
+PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
 # Scores are means over items: float error must not turn a tie into a failure.
 EPS = 1e-9
 Scores = dict[str, dict[str, dict[str, float]]]  # model -> suite -> metric -> value
@@ -27,15 +57,85 @@ Directions = dict[str, dict[str, bool]]  # suite -> metric -> higher is better
 
 
 class GateError(ValueError):
-    """The scores cannot be judged as configured (a metric or a direction is missing)."""
+    """The scores cannot be judged as configured (a metric, a direction or items missing)."""
 
 
-# --- the gate ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SuiteItems:
+    """One model's per-item scores on one suite.
+
+    A metric's figure is ``sum(weight * value) / sum(weight)`` over the items: weight 1
+    everywhere for a mean, 0 on the items a rate does not count (see ``tuneloop.stats``).
+    ``slices`` holds each item's label for every slice field the suite's items carry.
+    """
+
+    ids: tuple[str, ...]
+    values: dict[str, np.ndarray]
+    weights: dict[str, np.ndarray]
+    slices: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        ids: Sequence[str],
+        values: Mapping[str, Sequence[float]],
+        weights: Mapping[str, Sequence[float]] | None = None,
+        slices: Mapping[str, Sequence[str]] | None = None,
+    ) -> SuiteItems:
+        """From plain lists; a metric without weights weighs every item 1."""
+        arrays = {m: np.asarray(v, dtype=float) for m, v in values.items()}
+        given = weights or {}
+        return cls(
+            ids=tuple(ids),
+            values=arrays,
+            weights={
+                m: np.asarray(given[m], dtype=float) if m in given else np.ones(len(ids))
+                for m in arrays
+            },
+            slices={f: tuple(labels) for f, labels in (slices or {}).items()},
+        )
+
+    def mean(self, metric: str) -> float | None:
+        return stats.weighted_mean(self.values[metric], self.weights[metric])
+
+    def aligned(self, ids: tuple[str, ...], what: str) -> SuiteItems:
+        """The same scores in the order of ``ids``, which must be exactly this suite's items."""
+        if ids == self.ids:
+            return self
+        if sorted(ids) != sorted(self.ids):
+            missing, extra = sorted(set(ids) - set(self.ids)), sorted(set(self.ids) - set(ids))
+            raise GateError(
+                f"{what} was scored on other items than the candidate (missing {missing[:5]}, "
+                f"extra {extra[:5]}): score every model with the same suites and limit"
+            )
+        if len(set(ids)) != len(ids):
+            raise GateError(f"{what}: item ids repeat; each item needs a unique id")
+        position = {item: i for i, item in enumerate(self.ids)}
+        order = np.array([position[i] for i in ids])
+        return SuiteItems(
+            ids=ids,
+            values={m: v[order] for m, v in self.values.items()},
+            weights={m: w[order] for m, w in self.weights.items()},
+            slices={f: tuple(labels[i] for i in order) for f, labels in self.slices.items()},
+        )
 
 
-def _better_by(value: float, reference: float, higher_is_better: bool) -> float:
-    """How much ``value`` is better than ``reference`` (negative: worse), in metric units."""
-    return value - reference if higher_is_better else reference - value
+Items = dict[str, dict[str, SuiteItems]]  # model -> suite -> per-item scores
+
+
+def scores_of(items: Items) -> Scores:
+    """Every model's figure of every metric (None-weight metrics left out)."""
+    out: Scores = {}
+    for model, suites in items.items():
+        out[model] = {}
+        for suite, found in suites.items():
+            out[model][suite] = {
+                m: value for m in sorted(found.values) if (value := found.mean(m)) is not None
+            }
+    return out
+
+
+# --- the comparisons --------------------------------------------------------------------------
 
 
 def _direction(directions: Directions, suite: str, metric: str) -> bool:
@@ -48,160 +148,440 @@ def _direction(directions: Directions, suite: str, metric: str) -> bool:
         ) from None
 
 
+class _Suite:
+    """One suite's bootstrap: every figure the gate needs, from one set of resamples."""
+
+    def __init__(
+        self,
+        suite: str,
+        aligned: dict[str, SuiteItems],
+        slice_models: tuple[str, ...],
+        gate: GateParams,
+    ) -> None:
+        self.suite, self.gate = suite, gate
+        candidate = aligned[CANDIDATE]
+        self.n = len(candidate.ids)
+        self.labels = [
+            (name, label)
+            for name, labels in sorted(candidate.slices.items())
+            for label in sorted(set(labels))
+        ]
+        masks = {
+            (name, label): np.array([x == label for x in candidate.slices[name]], dtype=float)
+            for name, label in self.labels
+        }
+        keys: list[tuple[str, str, tuple[str, str] | None]] = []
+        values, weights = [], []
+        for model, found in aligned.items():
+            for metric in sorted(found.values):
+                keys.append((model, metric, None))
+                values.append(found.values[metric])
+                weights.append(found.weights[metric])
+                if model not in slice_models:
+                    continue
+                for name, label in self.labels:
+                    mask = masks[(name, label)]
+                    keys.append((model, metric, (name, label)))
+                    values.append(found.values[metric])
+                    weights.append(found.weights[metric] * mask)
+        self.column = {key: i for i, key in enumerate(keys)}
+        self.values = np.stack(values, axis=1) if values else np.zeros((self.n, 0))
+        self.weights = np.stack(weights, axis=1) if weights else np.zeros((self.n, 0))
+        # Seeded per suite: adding a suite does not move another suite's intervals.
+        seed = [gate.seed, zlib.crc32(suite.encode())]
+        self.replicates = stats.bootstrap_means(
+            self.values, self.weights, gate.bootstrap_samples, seed
+        )
+
+    def figure(self, model: str, metric: str, where: tuple[str, str] | None = None) -> float | None:
+        j = self.column[(model, metric, where)]
+        return stats.weighted_mean(self.values[:, j], self.weights[:, j])
+
+    def compare(
+        self,
+        model: str,
+        reference: str,
+        metric: str,
+        higher: bool,
+        where: tuple[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """``model`` vs ``reference`` on ``metric`` (in slice ``where``), paired."""
+        a, b = self.column[(model, metric, where)], self.column[(reference, metric, where)]
+        value, ref = self.figure(model, metric, where), self.figure(reference, metric, where)
+        counted = int(((self.weights[:, a] > 0) & (self.weights[:, b] > 0)).sum())
+        sign = 1.0 if higher else -1.0
+        found = None
+        if value is not None and ref is not None:
+            replicates = sign * (self.replicates[:, a] - self.replicates[:, b])
+            found = stats.interval(sign * (value - ref), replicates, self.gate.confidence)
+        return {
+            "suite": self.suite,
+            "metric": metric,
+            "higher_is_better": higher,
+            "slice": None if where is None else f"{where[0]}={where[1]}",
+            "model": model,
+            "value": _round(value),
+            "reference": reference,
+            "reference_value": _round(ref),
+            "diff": _round(found.diff if found else None),
+            "low": _round(found.low if found else None),
+            "high": _round(found.high if found else None),
+            "se": _round(found.se if found else None),
+            "items": counted,
+            "_interval": found,
+        }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6) + 0.0  # + 0.0: no "-0.000" in reasons
+
+
+def _signed(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.3f}"
+
+
+def _plain(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _figures(c: dict[str, Any], confidence: float) -> str:
+    where = f"[{c['slice']}] " if c["slice"] else ""
+    arrow = "higher is better" if c["higher_is_better"] else "lower is better"
+    return (
+        f"{c['suite']}/{c['metric']} {where}({arrow}): {c['model']} {_plain(c['value'])} vs "
+        f"{c['reference']} {_plain(c['reference_value'])}: better by {_signed(c['diff'])} "
+        f"[{_signed(c['low'])}, {_signed(c['high'])}] ({confidence:.0%}, {c['items']} items)"
+    )
+
+
 def _check(
     rule: str,
-    suite: str,
-    metric: str,
-    higher: bool,
-    model: tuple[str, float],
-    reference: tuple[str, float],
-    delta: float,
-    limit: float,
-    passed: bool,
+    comparison: dict[str, Any],
+    threshold: float,
+    blocking_inconclusive: bool,
+    suite_items: int,
+    confidence: float,
 ) -> dict[str, Any]:
-    arrow = "higher is better" if higher else "lower is better"
-    if rule == "beats_base":
-        what = f"gain {delta:+.3f} (needs >= {limit:+.3f})"
-    elif rule == "no_regression":
-        what = f"behind by {delta:+.3f} (allowed <= {limit:.3f})"
+    """Judge one comparison against ``threshold`` (the least "better by" allowed)."""
+    found: stats.Interval | None = comparison["_interval"]
+    if found is None:
+        status = INCONCLUSIVE
+    elif found.low >= threshold - EPS:
+        status = PASS
+    elif found.high < threshold - EPS:
+        status = FAIL
     else:
-        what = f"drop {delta:+.3f} (allowed <= {limit:.3f})"
-    reason = (
-        f"{suite}/{metric} ({arrow}): {model[0]} {model[1]:.3f} vs {reference[0]} "
-        f"{reference[1]:.3f}: {what}: {'pass' if passed else 'FAIL'}"
-    )
+        status = INCONCLUSIVE
+    more: int | None = None
+    if status == INCONCLUSIVE and found is not None and comparison["items"] > 0:
+        needed = stats.items_to_settle(found, threshold, comparison["items"], confidence)
+        if needed is not None:
+            # In suite items: a rate over a subset (or a slice) needs the whole suite to grow.
+            more = math.ceil((needed - comparison["items"]) * suite_items / comparison["items"])
+    limit = "needs at least" if threshold > 0 else "allowed down to"
+    reason = f"{_figures(comparison, confidence)}, {limit} {threshold:+.3f}: {status.upper()}"
+    if status == INCONCLUSIVE:
+        if found is None:
+            reason += ": no item counts toward it"
+        elif more is None:
+            reason += ": the difference sits on the threshold; no number of items settles it"
+        else:
+            reason += f": about {more} more items would settle it (if the difference holds)"
     return {
+        **{k: v for k, v in comparison.items() if k != "_interval"},
         "rule": rule,
-        "suite": suite,
-        "metric": metric,
-        "higher_is_better": higher,
-        "model": model[0],
-        "value": model[1],
-        "reference": reference[0],
-        "reference_value": reference[1],
-        "delta": round(delta, 6),
-        "limit": limit,
-        "passed": passed,
+        "threshold": round(threshold, 6),
+        "status": status,
+        "passed": status == PASS,
+        "blocking": status == FAIL or blocking_inconclusive,
+        "more_items": more,
         "reason": reason,
     }
 
 
-def decide(scores: Scores, directions: Directions, gate: GateParams) -> dict[str, Any]:
-    """The gate's verdict on ``scores`` (``base``, ``candidate``, ``candidate-fp8``, maybe
-    ``champion``), with every check it made and a reason for each, pass or fail."""
+# --- the gate ---------------------------------------------------------------------------------
+
+
+def decide(
+    items: Items,
+    directions: Directions,
+    gate: GateParams,
+    suites: Sequence[str],
+    general: Sequence[str] = (),
+    could_not_run: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The gate's verdict on per-item ``items`` (``base``, ``candidate``, ``candidate-fp8``,
+    maybe ``champion``) over the business ``suites`` and the ``general`` suites, with every
+    check and comparison it made and a reason for each."""
     for needed in (BASE, CANDIDATE, FP8):
-        if needed not in scores:
-            raise GateError(f"evaluate: no scores for {needed!r} (got {sorted(scores)})")
-    metric = gate.primary_metric
+        if needed not in items:
+            raise GateError(f"evaluate: no scores for {needed!r} (got {sorted(items)})")
+    primary = gate.primary_metric
+    reference = CHAMPION if CHAMPION in items else BASE
     checks: list[dict[str, Any]] = []
-    notes: list[str] = []
-    for suite, candidate in sorted(scores[CANDIDATE].items()):
-        if metric not in candidate:
+    comparisons: list[dict[str, Any]] = []
+    slices: list[dict[str, Any]] = []
+    counts: dict[str, int] = {}
+    conf = gate.confidence
+
+    for suite in suites:
+        models = [m for m in (BASE, CHAMPION, CANDIDATE, FP8) if m in items]
+        found = _aligned(items, suite, models)
+        candidate = found[CANDIDATE]
+        if primary not in candidate.values:
             raise GateError(
-                f"gate.primary_metric={metric!r} is not reported by suite {suite!r}; it reports "
-                f"{sorted(candidate)}"
+                f"gate.primary_metric={primary!r} is not reported by suite {suite!r}; it "
+                f"reports {sorted(candidate.values)}"
             )
-        higher = _direction(directions, suite, metric)
-        base = scores[BASE][suite][metric]
-        gain = _better_by(candidate[metric], base, higher)
-        checks.append(
-            _check(
-                "beats_base",
-                suite,
-                metric,
-                higher,
-                (CANDIDATE, candidate[metric]),
-                (BASE, base),
-                gain,
-                gate.min_gain,
-                gain >= gate.min_gain - EPS,
-            )
-        )
-        for name in sorted(candidate):
-            higher = _direction(directions, suite, name)
-            value = candidate[name]
-            if CHAMPION in scores:
-                champion = scores[CHAMPION][suite][name]
-                behind = _better_by(champion, value, higher)
+        boot = _Suite(suite, found, (CANDIDATE, reference), gate)
+        counts[suite] = boot.n
+        for metric in sorted(candidate.values):
+            higher = _direction(directions, suite, metric)
+            is_primary = metric == primary
+            vs_base = boot.compare(CANDIDATE, BASE, metric, higher)
+            fp8 = boot.compare(FP8, CANDIDATE, metric, higher)
+            comparisons += [vs_base, fp8]
+            if is_primary:
+                checks.append(_check("beats_base", vs_base, gate.min_gain, True, boot.n, conf))
+            if CHAMPION in items:
+                vs_champion = boot.compare(CANDIDATE, CHAMPION, metric, higher)
+                comparisons.append(vs_champion)
                 checks.append(
                     _check(
                         "no_regression",
-                        suite,
-                        name,
-                        higher,
-                        (CANDIDATE, value),
-                        (CHAMPION, champion),
-                        behind,
-                        gate.max_regression,
-                        behind <= gate.max_regression + EPS,
+                        vs_champion,
+                        -gate.max_regression,
+                        is_primary,
+                        boot.n,
+                        conf,
                     )
                 )
-            fp8 = scores[FP8][suite][name]
-            drop = _better_by(value, fp8, higher)
-            checks.append(
-                _check(
-                    "fp8_within",
-                    suite,
-                    name,
-                    higher,
-                    (FP8, fp8),
-                    (CANDIDATE, value),
-                    drop,
-                    gate.fp8_max_drop,
-                    drop <= gate.fp8_max_drop + EPS,
+            checks.append(_check("fp8_within", fp8, -gate.fp8_max_drop, is_primary, boot.n, conf))
+            for where in boot.labels:
+                part = boot.compare(CANDIDATE, reference, metric, higher, where)
+                if part["items"] == 0:
+                    continue  # e.g. a rate over unanswerable items in a slice that has none
+                regressed = part["high"] is not None and part["high"] < -EPS
+                slices.append(
+                    {k: v for k, v in part.items() if k != "_interval"} | {"regressed": regressed}
                 )
-            )
-    if CHAMPION not in scores:
+                if gate.max_slice_regression is not None:
+                    checks.append(
+                        _check(
+                            "slice_regression",
+                            part,
+                            -gate.max_slice_regression,
+                            False,
+                            boot.n,
+                            conf,
+                        )
+                    )
+
+    general_reference = reference
+    for suite in general:
+        models = [m for m in (BASE, CHAMPION, CANDIDATE) if m in items]
+        found = _aligned(items, suite, models)
+        boot = _Suite(suite, found, (), gate)
+        counts[suite] = boot.n
+        for metric in sorted(found[CANDIDATE].values):
+            higher = _direction(directions, suite, metric)
+            kept = boot.compare(CANDIDATE, general_reference, metric, higher)
+            comparisons.append(kept)
+            if general_reference != BASE:
+                comparisons.append(boot.compare(CANDIDATE, BASE, metric, higher))
+            checks.append(_check("forgetting", kept, -gate.max_forgetting, False, boot.n, conf))
+
+    return _verdict(
+        gate, checks, comparisons, slices, counts, reference, general, could_not_run or {}
+    )
+
+
+def _aligned(items: Items, suite: str, models: list[str]) -> dict[str, SuiteItems]:
+    for model in models:
+        if suite not in items[model]:
+            raise GateError(f"evaluate: {model!r} has no scores on suite {suite!r}")
+    ids = items[CANDIDATE][suite].ids
+    return {m: items[m][suite].aligned(ids, f"{m} on {suite}") for m in models}
+
+
+def _verdict(
+    gate: GateParams,
+    checks: list[dict[str, Any]],
+    comparisons: list[dict[str, Any]],
+    slices: list[dict[str, Any]],
+    counts: dict[str, int],
+    reference: str,
+    general: Sequence[str],
+    could_not_run: Mapping[str, str],
+) -> dict[str, Any]:
+    failed = [c for c in checks if c["status"] == FAIL]
+    unsettled = [c for c in checks if c["status"] == INCONCLUSIVE and c["blocking"]]
+    verdict = FAIL if failed else INCONCLUSIVE if unsettled else PASS
+    # Per suite, the most any unsettled check needs; None when one of them cannot say.
+    more: dict[str, int | None] = {}
+    for suite in dict.fromkeys(c["suite"] for c in unsettled):
+        needs = [c["more_items"] for c in unsettled if c["suite"] == suite]
+        more[suite] = None if None in needs else max(needs)
+    regressed = [s for s in slices if s["regressed"]]
+    notes: list[str] = []
+    if reference == BASE:
         notes.append("no champion in the registry yet (first release): no regression check")
-    passed = all(check["passed"] for check in checks)
-    failed = [check["reason"] for check in checks if not check["passed"]]
+    for suite, why in could_not_run.items():
+        notes.append(f"general suite {suite}: {why}")
+    if could_not_run and not general:
+        notes.append("forgetting budget not enforced: no general suite could run")
+    elif not general and not could_not_run:
+        notes.append("no general suites (evaluate.general_suites): forgetting is not measured")
+    slice_lines = [
+        f"slice regressed (reported only): {_figures(s, gate.confidence)}"
+        for s in regressed
+        if gate.max_slice_regression is None
+    ]
+    others = [c for c in checks if c["status"] == INCONCLUSIVE and not c["blocking"]]
+    passes = [c for c in checks if c["status"] == PASS]
     return {
-        "passed": passed,
-        "primary_metric": metric,
+        "verdict": verdict,
+        "passed": verdict == PASS,
+        "primary_metric": gate.primary_metric,
         "thresholds": {
             "min_gain": gate.min_gain,
             "max_regression": gate.max_regression,
             "fp8_max_drop": gate.fp8_max_drop,
+            "max_forgetting": gate.max_forgetting,
+            "max_slice_regression": gate.max_slice_regression,
         },
-        # Failures first: the first lines are the ones a person acts on.
-        "reasons": failed + [c["reason"] for c in checks if c["passed"]] + notes,
-        "failed": failed,
+        "statistics": {
+            "method": "paired bootstrap, percentile interval",
+            "confidence": gate.confidence,
+            "samples": gate.bootstrap_samples,
+            "seed": gate.seed,
+        },
+        # What a person acts on comes first: failures, then what is not settled.
+        "reasons": [c["reason"] for c in failed + unsettled]
+        + slice_lines
+        + [c["reason"] for c in others + passes]
+        + notes,
+        "failed": [c["reason"] for c in failed],
+        "inconclusive": [c["reason"] for c in unsettled],
+        "more_items": more,
+        "regressed_slices": [f"{s['suite']}/{s['metric']} [{s['slice']}]" for s in regressed],
+        "reference": reference,
+        "items": counts,
+        "forgetting": {
+            "suites": list(general),
+            "reference": reference,
+            "could_not_run": dict(could_not_run),
+        },
         "checks": checks,
-        "higher_is_better": directions,
+        "comparisons": [{k: v for k, v in c.items() if k != "_interval"} for c in comparisons],
+        "slices": slices,
     }
 
 
 # --- report -----------------------------------------------------------------------------------
 
 
-def _delta(scores: Scores, model: str, reference: str, suite: str, metric: str) -> str:
-    if model not in scores or reference not in scores:
+def _cell(c: dict[str, Any] | None) -> str:
+    if c is None:
         return ""
-    return f"{scores[model][suite][metric] - scores[reference][suite][metric]:+.3f}"
+    if c["diff"] is None:
+        return "n/a"
+    return f"{c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]"
 
 
-def report(scores: Scores, decision: dict[str, Any]) -> str:
-    """Markdown: the verdict and its reasons, then every model x metric with the gate's deltas."""
-    models = list(scores)
-    verdict = "PASS" if decision["passed"] else "FAIL"
+def _find(
+    decision: dict[str, Any], suite: str, metric: str, model: str, reference: str
+) -> dict[str, Any] | None:
+    for c in decision["comparisons"]:
+        if (c["suite"], c["metric"], c["model"], c["reference"]) == (
+            suite,
+            metric,
+            model,
+            reference,
+        ):
+            return dict(c)
+    return None
+
+
+def report(scores: Scores, decision: dict[str, Any], directions: Directions) -> str:
+    """Markdown: the verdict and its reasons, every model x metric with the paired
+    differences and their intervals, the slices, and the general suites."""
+    verdict = str(decision["verdict"]).upper()
+    conf = decision["statistics"]
     lines = ["# Evaluation", "", f"Gate: **{verdict}**", ""]
     if champion := decision.get("champion"):
         lines += [f"Champion: {champion['name']} v{champion['version']}", ""]
+    lines += [
+        f'Differences are paired, item by item, and read "better by" (positive: the first '
+        f"model is better, whichever way the metric points), with {conf['confidence']:.0%} "
+        f"intervals from a {conf['method']} ({conf['samples']} resamples, seed {conf['seed']}).",
+        "",
+    ]
     lines += [f"- {reason}" for reason in decision["reasons"]]
-    directions = decision["higher_is_better"]
-    deltas = [(CANDIDATE, BASE), (CANDIDATE, CHAMPION), (FP8, CANDIDATE)]
-    deltas = [(m, r) for m, r in deltas if m in scores and r in scores]
+    general = set(decision["forgetting"]["suites"])
+    pairs = [(CANDIDATE, BASE), (CANDIDATE, CHAMPION), (FP8, CANDIDATE)]
     for suite in scores[CANDIDATE]:
-        header = ["metric", *models, *(f"{m} - {r}" for m, r in deltas)]
-        lines += ["", f"## {suite}", "", "| " + " | ".join(header) + " |"]
-        lines.append("|---" * len(header) + "|")
+        if suite in general:
+            continue
+        models = [m for m in scores if suite in scores[m]]
+        shown = [(m, r) for m, r in pairs if m in models and r in models]
+        header = ["metric", *models, *(f"{m} vs {r}" for m, r in shown)]
+        count = decision["items"].get(suite, "?")
+        lines += ["", f"## {suite} ({count} items)", "", _row(header), "|---" * len(header) + "|"]
         for metric in sorted(scores[CANDIDATE][suite]):
             arrow = "↑" if directions.get(suite, {}).get(metric, True) else "↓"
             cells = [f"{metric} {arrow}"]
-            cells += [f"{scores[m][suite][metric]:.3f}" for m in models]
-            cells += [_delta(scores, m, r, suite, metric) for m, r in deltas]
-            lines.append("| " + " | ".join(cells) + " |")
+            cells += [_plain(scores[m][suite].get(metric)) for m in models]
+            cells += [_cell(_find(decision, suite, metric, m, r)) for m, r in shown]
+            lines.append(_row(cells))
+        parts = [s for s in decision["slices"] if s["suite"] == suite]
+        if parts:
+            lines += [
+                "",
+                f"### {suite} by slice: {CANDIDATE} vs {decision['reference']}",
+                "",
+                _row(["slice", "metric", "items", decision["reference"], CANDIDATE, "better by"]),
+                "|---" * 6 + "|",
+            ]
+            for s in parts:
+                mark = " **regressed**" if s["regressed"] else ""
+                lines.append(
+                    _row(
+                        [
+                            s["slice"],
+                            s["metric"],
+                            str(s["items"]),
+                            _plain(s["reference_value"]),
+                            _plain(s["value"]),
+                            _cell(s) + mark,
+                        ]
+                    )
+                )
+    forgetting = decision["forgetting"]
+    if forgetting["suites"] or forgetting["could_not_run"]:
+        budget = decision["thresholds"]["max_forgetting"]
+        lines += [
+            "",
+            f"## Forgetting: general suites, {CANDIDATE} vs {forgetting['reference']} "
+            f"(max_forgetting {budget:.3f})",
+            "",
+        ]
+        rows = [c for c in decision["checks"] if c["rule"] == "forgetting"]
+        if rows:
+            models = [m for m in (BASE, CHAMPION, CANDIDATE) if m in scores]
+            header = ["suite", "metric", *models, "better by", "check"]
+            lines += [_row(header), "|---" * len(header) + "|"]
+            for c in rows:
+                cells = [c["suite"], c["metric"]]
+                cells += [_plain(scores[m].get(c["suite"], {}).get(c["metric"])) for m in models]
+                lines.append(_row([*cells, _cell(c), c["status"]]))
+        for suite, why in forgetting["could_not_run"].items():
+            lines.append(f"\n- {suite}: {why}")
     return "\n".join(lines) + "\n"
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
 def plot(scores: Scores, directions: Directions, path: Path) -> None:
@@ -214,12 +594,13 @@ def plot(scores: Scores, directions: Directions, path: Path) -> None:
     fig, axes = plt.subplots(1, len(suites), figsize=(6 * len(suites), 4), squeeze=False)
     for ax, suite in zip(axes[0], suites, strict=True):
         metrics = sorted(scores[CANDIDATE][suite])
-        width = 0.8 / len(scores)
-        for i, (model, per_suite) in enumerate(scores.items()):
-            values = [per_suite[suite][m] for m in metrics]
+        models = [m for m in scores if suite in scores[m]]
+        width = 0.8 / len(models)
+        for i, model in enumerate(models):
+            values = [scores[model][suite].get(m, 0.0) for m in metrics]
             ax.bar([x + i * width for x in range(len(metrics))], values, width, label=model)
         labels = [f"{m} {'↑' if directions[suite].get(m, True) else '↓'}" for m in metrics]
-        ax.set_xticks([x + width * (len(scores) - 1) / 2 for x in range(len(metrics))], labels)
+        ax.set_xticks([x + width * (len(models) - 1) / 2 for x in range(len(metrics))], labels)
         ax.set_ylim(0, 1)
         ax.set_title(suite)
         ax.legend()

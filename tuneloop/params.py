@@ -47,6 +47,11 @@ class TinyModel(_Group):
     intermediate_size: int = Field(gt=0)
     vocab_size: int = Field(ge=512, description="target size of the locally trained tokenizer")
     max_position_embeddings: int = Field(gt=0)
+    pretrain_steps: int = Field(
+        default=0,
+        ge=0,
+        description="general-skill pre-training steps in the base stage; 0 = random weights",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModel:
@@ -305,6 +310,21 @@ class EvaluateParams(_Group):
     backend: Literal["auto", "hf", "vllm"] = Field(
         description="lm-eval backend; auto = vllm where it is installed and a GPU is present"
     )
+    general_suites: tuple[str, ...] = Field(
+        description="general-capability lm-eval tasks or groups, for the forgetting budget",
+    )
+    general_limit: int | None = Field(
+        default=None, ge=1, description="items per general task (per subtask of a group)"
+    )
+    slices: tuple[str, ...] = Field(
+        description="item fields of the business suites to report figures by"
+    )
+
+    @model_validator(mode="after")
+    def _general_apart(self) -> EvaluateParams:
+        if both := sorted(set(self.suites) & set(self.general_suites)):
+            raise ValueError(f"{both} named in both suites and general_suites; name each once")
+        return self
 
 
 class GateParams(_Group):
@@ -318,6 +338,16 @@ class GateParams(_Group):
     fp8_max_drop: float = Field(
         ge=0, description="FP8 export behind the merged candidate on any metric, at most"
     )
+    max_forgetting: float = Field(
+        ge=0,
+        description="candidate behind the champion (the base, first month) on a general suite",
+    )
+    max_slice_regression: float | None = Field(
+        default=None, ge=0, description="candidate behind its reference in any slice; null = report"
+    )
+    confidence: float = Field(gt=0.5, lt=1, description="of every paired interval")
+    bootstrap_samples: int = Field(ge=100, description="paired bootstrap resamples")
+    seed: int = Field(description="of the bootstrap: the same scores give the same intervals")
 
 
 class TrackingParams(_Group):

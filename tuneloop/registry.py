@@ -4,10 +4,11 @@ The project's registered model (``tracking.registered_model``) holds one version
 per candidate that passed the evaluate gate. Each version is a logged pyfunc
 model whose artifacts are the merged folder (what ``mlflow.pyfunc.load_model``
 serves) and the FP8 folder (what vLLM serves); its tags carry the lineage (git
-commit, params hash, DVC md5s, Prefect flow run) and its description the eval
-report. Aliases live here only: ``challenger`` is set when a candidate is
-registered; ``champion`` and ``previous-champion`` move in :func:`promote`, which
-the release flow calls when a release reaches 100 % and passes.
+commit, params hash, DVC md5s, Prefect flow run), its description the eval
+report, and both folders the model card as their ``README.md``. Aliases live here
+only: ``challenger`` is set when a candidate is registered; ``champion`` and
+``previous-champion`` move in :func:`promote`, which the release flow calls when a
+release reaches 100 % and passes.
 
 Registration runs in the retrain flow after the ``evaluate`` stage, not inside
 it: a DVC stage must be a function of its declared inputs, and writing to the
@@ -49,7 +50,7 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.pyfunc import PythonModel, PythonModelContext
 from mlflow.tracking import MlflowClient
 
-from tuneloop import init_from, lineage, tracking
+from tuneloop import cards, gate, init_from, lineage, tracking
 from tuneloop.io import atomic_dir, read_json, write_json
 from tuneloop.params import Params
 
@@ -307,10 +308,17 @@ def register_candidate(
     """
     name = params.tracking.registered_model
     decision = read_json(params.paths.metrics / "decision.json")
-    if not decision["passed"]:
-        failed = decision.get("failed") or decision["reasons"]
-        log.warning("gate failed; nothing registered: %s", "; ".join(failed))
-        return Registration(False, name, reasons=["gate failed: nothing registered", *failed])
+    verdict = decision.get("verdict")
+    if verdict is None:
+        raise StaleDecision(
+            f"{params.paths.metrics / 'decision.json'} has no verdict (an older gate wrote it); "
+            "run `dvc repro evaluate` before registering"
+        )
+    # Only a pass registers: an inconclusive gate blocks as a failed one does.
+    if verdict != gate.PASS or not decision["passed"]:
+        blocking = decision.get("failed", []) + decision.get("inconclusive", [])
+        log.warning("gate %s; nothing registered: %s", verdict, "; ".join(blocking))
+        return Registration(False, name, reasons=[f"gate {verdict}: nothing registered", *blocking])
 
     key = candidate_key(params.paths.merged)
     if decision.get("candidate_key") != key:
@@ -349,20 +357,28 @@ def register_candidate(
     tags = lineage_tags(params, flow_run_id or os.environ.get("TUNELOOP_FLOW_RUN_ID"))
     tags[TAG_GATE] = "true"
     report = params.paths.reports / "eval.md"
-    with _run(run_id, experiment_id) as run:
+    card = params.paths.reports / "model-card.md"
+    evaluation = [
+        report,
+        params.paths.reports / "eval.png",
+        card,
+        params.paths.reports / "dataset-card.md",
+        params.paths.metrics / "decision.json",
+        params.paths.metrics / "evaluate.json",
+    ]
+    if missing := [str(path) for path in evaluation if not path.exists()]:
+        raise StaleDecision(f"{missing} missing; run `dvc repro evaluate` before registering")
+    folders = {MERGED: params.paths.merged, FP8: params.paths.fp8}
+    # The model card travels inside both exported folders as their README.md.
+    with _run(run_id, experiment_id) as run, cards.with_card(folders, card) as carded:
         info = mlflow.pyfunc.log_model(
             name=MODEL_NAME,
             python_model=CandidateModel(),
-            artifacts={MERGED: str(params.paths.merged), FP8: str(params.paths.fp8)},
+            artifacts={MERGED: str(carded[MERGED]), FP8: str(carded[FP8])},
             pip_requirements=_requirements(),
             tags=tags,
         )
-        for path in (
-            report,
-            params.paths.reports / "eval.png",
-            params.paths.metrics / "decision.json",
-            params.paths.metrics / "evaluate.json",
-        ):
+        for path in evaluation:
             mlflow.log_artifact(str(path), artifact_path="evaluation")
         registered = mlflow.register_model(info.model_uri, name, tags=tags)
         version = str(registered.version)

@@ -1,15 +1,23 @@
 """The embedded default model, ``builtin:tiny``: built here because no model hub is reachable.
 
-A Qwen3-architecture causal LM with random weights (a few hundred thousand
-parameters) and a byte-level BPE tokenizer trained on the demo domain, saved as
-an ordinary Hugging Face folder with a ChatML chat template. Everything
-downstream loads it exactly as it would load ``Qwen/Qwen3-8B``.
+A Qwen3-architecture causal LM (a few hundred thousand parameters) and a
+byte-level BPE tokenizer trained on the demo domain, saved as an ordinary
+Hugging Face folder with a ChatML chat template. Everything downstream loads it
+exactly as it would load ``Qwen/Qwen3-8B``.
+
+Before it is saved, :func:`pretrain` gives it a general skill of its own
+(``tuneloop.general``: comparing digits, small sums), the way a real base model
+arrives knowing things the domain data never teaches; the forgetting budget of
+the gate measures how much of it a fine-tuned candidate keeps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -84,7 +92,110 @@ def build_model(
     return model
 
 
+# Fixed rather than params: they were chosen once so that the default pretrain_steps teach
+# the skill (~0.9 accuracy on general_demo); only the length of the run is a knob.
+PRETRAIN_BATCH = 32
+PRETRAIN_LR = 5e-3
+PRETRAIN_WARMUP = 0.05
+
+
+def pretrain(
+    model: Qwen3ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    chats: Sequence[list[dict[str, str]]],
+    steps: int,
+    seed: int,
+) -> dict[str, float]:
+    """Next-token training on the assistant turns of ``chats``, ``PRETRAIN_BATCH`` per step.
+
+    A plain loop rather than the train stage's trainer: a few hundred steps on short
+    fixed chats need no checkpoints, packing, logging integrations or device plumbing,
+    and the base stage (built many times by the tests) should not pay their set-up.
+    """
+    if steps == 0:
+        return {"pretrain_steps": 0}
+    if len(chats) < steps * PRETRAIN_BATCH:
+        raise ValueError(f"pretrain: {steps} steps need {steps * PRETRAIN_BATCH} chats")
+    encoded: Any = tokenizer.apply_chat_template(
+        list(chats), return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids, masks = encoded["input_ids"], encoded["assistant_masks"]
+    torch.manual_seed(seed)
+    # The embedding (tied to the output layer) stays as built. Trained on a skill whose
+    # answers are digits, it pushed every other token's logit far down, and a LoRA on the
+    # transformer layers (the train stage's default) then could not bring the domain's
+    # tokens back: 300 steps left the domain loss at uniform. Frozen, the skill lives in
+    # the layers, the vocabulary stays open, and fine-tuning can overwrite the skill,
+    # which is what the forgetting budget is there to catch.
+    embedding = model.get_input_embeddings().weight
+    embedding.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=PRETRAIN_LR, weight_decay=0.0)
+    warmup = max(1, int(steps * PRETRAIN_WARMUP))
+
+    def schedule(step: int) -> float:  # linear warm-up, then cosine to zero
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    pad = tokenizer.pad_token_id
+    model.train()
+    started, started_cpu = time.perf_counter(), time.process_time()
+    losses: list[float] = []
+    # One thread: matrices this small gain nothing from a second, and on a busy machine its
+    # spin-waiting made each step several times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for step in range(steps):
+            losses.append(_step(model, optimizer, scheduler, ids, masks, step, pad))
+    finally:
+        torch.set_num_threads(threads)
+        embedding.requires_grad_(True)
+    model.eval()
+    tail = losses[-10:]
+    return {
+        "pretrain_steps": steps,
+        "pretrain_first_loss": round(losses[0], 4),
+        "pretrain_last_loss": round(sum(tail) / len(tail), 4),
+        "pretrain_seconds": round(time.perf_counter() - started, 2),
+        # On a shared machine wall time is mostly waiting; CPU time is what it costs.
+        "pretrain_cpu_seconds": round(time.process_time() - started_cpu, 2),
+    }
+
+
+def _step(
+    model: Qwen3ForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    ids: list[list[int]],
+    masks: list[list[int]],
+    step: int,
+    pad: int,
+) -> float:
+    """One optimizer step on chats ``step * PRETRAIN_BATCH`` onwards, padded on the right."""
+    rows = range(step * PRETRAIN_BATCH, (step + 1) * PRETRAIN_BATCH)
+    width = max(len(ids[row]) for row in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        tokens = torch.tensor(ids[row])
+        input_ids[i, : len(tokens)] = tokens
+        attention[i, : len(tokens)] = 1
+        keep = torch.tensor(masks[row], dtype=torch.bool)
+        labels[i, : len(tokens)] = torch.where(keep, tokens, -100)
+    loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 def save_tiny(folder: Path, shape: TinyModel, corpus: Iterable[str], seed: int) -> Qwen3ForCausalLM:
+    """A tiny model with random weights (no general skill), saved with its tokenizer."""
     tokenizer = build_tokenizer(corpus, shape.vocab_size)
     model = build_model(shape, tokenizer, seed)
     model.save_pretrained(folder)

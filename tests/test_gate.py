@@ -1,0 +1,488 @@
+"""The gate's rules on hand-made per-item scores whose answer is known, and its statistics.
+
+Every test builds items where the right verdict follows from the numbers: a gain far
+past min_gain on 200 items, a 0.01 gain on 200 items, a drop of 30 points on a general
+suite, a slice that lost what the rest gained.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from tuneloop import gate, scoring, stats
+from tuneloop.gate import BASE, CANDIDATE, CHAMPION, FP8, GateError, SuiteItems, decide
+from tuneloop.params import GateParams
+
+SUITE, GENERAL = "support_demo", "general_demo"
+DIRECTIONS = {
+    SUITE: {"accuracy": True, "format_compliance": True, "hallucination_rate": False},
+    GENERAL: {"accuracy": True},
+}
+GATE = GateParams(
+    primary_metric="accuracy",
+    min_gain=0.05,
+    max_regression=0.02,
+    fp8_max_drop=0.02,
+    max_forgetting=0.05,
+    max_slice_regression=None,
+    confidence=0.95,
+    bootstrap_samples=2000,
+    seed=0,
+)
+N = 200
+IDS = [str(i) for i in range(N)]
+LANG = ["zh" if i % 4 == 0 else "en" for i in range(N)]  # 50 zh items, 150 en
+UNANSWERABLE = [i % 5 == 0 for i in range(N)]  # 40 items the hallucination rate counts
+
+
+def right(*indices: range | list[int]) -> list[float]:
+    """1.0 on the given items, 0.0 elsewhere."""
+    hit = {i for group in indices for i in group}
+    return [1.0 if i in hit else 0.0 for i in range(N)]
+
+
+def suite(accuracy: list[float], hallucinated: list[float] | None = None) -> SuiteItems:
+    """A support_demo-shaped suite: accuracy as given, every reply well formed."""
+    invented = hallucinated or [0.0] * N
+    return SuiteItems.of(
+        IDS,
+        {"accuracy": accuracy, "format_compliance": [1.0] * N, "hallucination_rate": invented},
+        weights={"hallucination_rate": [1.0 if u else 0.0 for u in UNANSWERABLE]},
+        slices={"lang": LANG},
+    )
+
+
+def general(accuracy: list[float]) -> SuiteItems:
+    return SuiteItems.of(IDS, {"accuracy": accuracy})
+
+
+def judge(
+    models: dict[str, SuiteItems],
+    params: GateParams = GATE,
+    general_items: dict[str, SuiteItems] | None = None,
+    could_not_run: dict[str, str] | None = None,
+) -> dict:
+    items = {name: {SUITE: found} for name, found in models.items()}
+    for name, found in (general_items or {}).items():
+        items[name][GENERAL] = found
+    return decide(
+        items,
+        DIRECTIONS,
+        params,
+        [SUITE],
+        [GENERAL] if general_items else [],
+        could_not_run or {},
+    )
+
+
+def statuses(decision: dict, rule: str) -> dict[str, str]:
+    return {c["metric"]: c["status"] for c in decision["checks"] if c["rule"] == rule}
+
+
+BASE_40 = suite(right(range(80)))  # 0.40
+CANDIDATE_80 = suite(right(range(160)))  # 0.80, right wherever the base is, and on 80 more
+
+
+# --- the rules --------------------------------------------------------------------------------
+
+
+def test_a_clear_gain_over_the_base_passes() -> None:
+    decision = judge({BASE: BASE_40, CANDIDATE: CANDIDATE_80, FP8: CANDIDATE_80})
+    assert decision["verdict"] == "pass" and decision["passed"] is True
+    assert not decision["failed"] and not decision["inconclusive"]
+    [check] = [c for c in decision["checks"] if c["rule"] == "beats_base"]
+    assert check["diff"] == pytest.approx(0.40)
+    assert check["low"] >= 0.05 and check["low"] < 0.40 < check["high"]
+    assert any("no champion" in reason for reason in decision["reasons"])
+
+
+def test_a_gain_below_min_gain_even_at_its_upper_bound_fails() -> None:
+    # +0.01 on items that never disagree otherwise: certain, and too small.
+    base = SuiteItems.of(IDS, {"accuracy": [0.70] * N}, slices={"lang": LANG})
+    candidate = SuiteItems.of(IDS, {"accuracy": [0.71] * N}, slices={"lang": LANG})
+    decision = judge({BASE: base, CANDIDATE: candidate, FP8: candidate})
+    assert decision["verdict"] == "fail"
+    assert statuses(decision, "beats_base") == {"accuracy": "fail"}
+    assert "needs at least +0.050: FAIL" in decision["failed"][0]
+
+
+def test_a_gain_exactly_at_the_threshold_passes() -> None:
+    # 0.75 - 0.70 is 0.04999999999999993 in floats; a tie must not fail.
+    base = SuiteItems.of(IDS, {"accuracy": [0.70] * N})
+    candidate = SuiteItems.of(IDS, {"accuracy": [0.75] * N})
+    assert judge({BASE: base, CANDIDATE: candidate, FP8: candidate})["verdict"] == "pass"
+
+
+def test_a_one_point_gain_over_the_champion_on_200_items_is_inconclusive() -> None:
+    champion = suite(right(range(150)))  # 0.75
+    # Right on 140 of the champion's items and 12 others: 0.76, ten losses and twelve wins.
+    candidate = suite(right(range(140), range(150, 162)))
+    decision = judge({BASE: BASE_40, CHAMPION: champion, CANDIDATE: candidate, FP8: candidate})
+    assert decision["verdict"] == "inconclusive" and decision["passed"] is False
+    assert statuses(decision, "beats_base")["accuracy"] == "pass"
+    [check] = [
+        c for c in decision["checks"] if c["rule"] == "no_regression" and c["metric"] == "accuracy"
+    ]
+    assert check["status"] == "inconclusive" and check["blocking"]
+    assert check["diff"] == pytest.approx(0.01)
+    assert check["low"] < -0.02 < check["high"]
+    assert check["more_items"] > 0
+    assert decision["more_items"] == {SUITE: check["more_items"]}
+    assert decision["inconclusive"] == [check["reason"]]
+    assert f"about {check['more_items']} more items would settle it" in check["reason"]
+
+
+def test_a_one_point_gain_over_the_base_with_no_min_gain_is_inconclusive() -> None:
+    base = suite(right(range(150)))
+    candidate = suite(right(range(140), range(150, 162)))
+    no_min = GATE.model_copy(update={"min_gain": 0.0})
+    decision = judge({BASE: base, CANDIDATE: candidate, FP8: candidate}, no_min)
+    assert decision["verdict"] == "inconclusive"
+    assert statuses(decision, "beats_base") == {"accuracy": "inconclusive"}
+
+
+def test_the_estimated_items_do_settle_it() -> None:
+    """Repeating the observed pattern up to the estimate puts the interval clear of the limit."""
+    pattern_champion = right(range(150))
+    pattern_candidate = right(range(140), range(150, 162))
+    first = judge(
+        {
+            BASE: BASE_40,
+            CHAMPION: suite(pattern_champion),
+            CANDIDATE: suite(pattern_candidate),
+            FP8: suite(pattern_candidate),
+        }
+    )
+    total = N + first["more_items"][SUITE]
+    copies = -(-total // N)
+    ids = [str(i) for i in range(copies * N)]
+
+    def grown(values: list[float]) -> SuiteItems:
+        return SuiteItems.of(ids, {"accuracy": values * copies})
+
+    items = {
+        BASE: {SUITE: grown(right(range(80)))},
+        CHAMPION: {SUITE: grown(pattern_champion)},
+        CANDIDATE: {SUITE: grown(pattern_candidate)},
+        FP8: {SUITE: grown(pattern_candidate)},
+    }
+    decision = decide(items, DIRECTIONS, GATE, [SUITE])
+    assert decision["verdict"] == "pass", decision["reasons"][:2]
+
+
+def test_falling_behind_the_champion_past_the_limit_fails() -> None:
+    champion = suite(right(range(160)))  # 0.80
+    candidate = suite(right(range(120)))  # 0.60: 40 items lost, none won
+    decision = judge({BASE: BASE_40, CHAMPION: champion, CANDIDATE: candidate, FP8: candidate})
+    assert decision["verdict"] == "fail"
+    assert statuses(decision, "no_regression")["accuracy"] == "fail"
+    assert "candidate 0.600 vs champion 0.800: better by -0.200" in decision["failed"][0]
+
+
+def test_hallucinating_more_than_the_champion_fails_lower_is_better() -> None:
+    unanswerable = [i for i in range(N) if UNANSWERABLE[i]]
+    champion = suite(right(range(160)), right(unanswerable[:2]))  # 2 of 40: 0.05
+    candidate = suite(right(range(160)), right(unanswerable[:20]))  # 20 of 40: 0.50
+    decision = judge({BASE: BASE_40, CHAMPION: champion, CANDIDATE: candidate, FP8: candidate})
+    assert decision["verdict"] == "fail"
+    [check] = [c for c in decision["checks"] if c["status"] == "fail"]
+    assert (check["rule"], check["metric"]) == ("no_regression", "hallucination_rate")
+    assert check["items"] == 40 and check["diff"] == pytest.approx(-0.45)
+    assert "(lower is better)" in check["reason"]
+
+
+def test_an_fp8_export_that_drops_past_the_limit_fails() -> None:
+    fp8 = suite(right(range(130)))  # 0.65 against the candidate's 0.80
+    decision = judge({BASE: BASE_40, CANDIDATE: CANDIDATE_80, FP8: fp8})
+    assert decision["verdict"] == "fail"
+    assert statuses(decision, "fp8_within")["accuracy"] == "fail"
+
+
+def test_a_forgetting_drop_past_the_budget_fails() -> None:
+    base_general = general(right(range(180)))  # 0.90
+    forgot = general(right(range(120)))  # 0.60
+    decision = judge(
+        {BASE: BASE_40, CANDIDATE: CANDIDATE_80, FP8: CANDIDATE_80},
+        general_items={BASE: base_general, CANDIDATE: forgot},
+    )
+    assert decision["verdict"] == "fail"
+    [check] = [c for c in decision["checks"] if c["rule"] == "forgetting"]
+    assert check["status"] == "fail" and check["reference"] == BASE
+    assert check["diff"] == pytest.approx(-0.30)
+    assert check["high"] < -0.05
+    assert decision["forgetting"]["suites"] == [GENERAL]
+
+
+def test_forgetting_is_judged_against_the_champion_when_there_is_one() -> None:
+    base_general = general(right(range(100)))  # 0.50
+    champion_general = general(right(range(190)))  # 0.95
+    candidate_general = general(right(range(188)))  # 0.94: within the budget, surely
+    champion = suite(right(range(160)))
+    decision = judge(
+        {BASE: BASE_40, CHAMPION: champion, CANDIDATE: CANDIDATE_80, FP8: CANDIDATE_80},
+        general_items={
+            BASE: base_general,
+            CHAMPION: champion_general,
+            CANDIDATE: candidate_general,
+        },
+    )
+    [check] = [c for c in decision["checks"] if c["rule"] == "forgetting"]
+    assert check["reference"] == CHAMPION and check["status"] == "pass"
+    assert decision["verdict"] == "pass"
+
+
+def test_forgetting_that_cannot_be_settled_is_named_without_blocking() -> None:
+    # 20 items, the candidate lost 2: the interval reaches past the budget, but nothing
+    # shows that it lost more than the budget.
+    ids = [str(i) for i in range(20)]
+    few = {
+        BASE: SuiteItems.of(ids, {"accuracy": [1.0] * 20}),
+        CANDIDATE: SuiteItems.of(ids, {"accuracy": [1.0] * 18 + [0.0] * 2}),
+    }
+    items = {
+        name: {SUITE: found}
+        for name, found in ((BASE, BASE_40), (CANDIDATE, CANDIDATE_80), (FP8, CANDIDATE_80))
+    }
+    for name, found in few.items():
+        items[name][GENERAL] = found
+    decision = decide(items, DIRECTIONS, GATE, [SUITE], [GENERAL])
+    assert decision["verdict"] == "pass"
+    [check] = [c for c in decision["checks"] if c["rule"] == "forgetting"]
+    assert check["status"] == "inconclusive" and not check["blocking"]
+    assert check["more_items"] > 0 and check["reason"] in decision["reasons"]
+
+
+def test_a_general_suite_that_could_not_run_is_named_not_dropped() -> None:
+    why = "could not run: ConnectionError: Couldn't reach 'cais/mmlu' on the Hub"
+    decision = judge(
+        {BASE: BASE_40, CANDIDATE: CANDIDATE_80, FP8: CANDIDATE_80},
+        could_not_run={"mmlu_stem": why},
+    )
+    assert decision["forgetting"]["could_not_run"] == {"mmlu_stem": why}
+    assert f"general suite mmlu_stem: {why}" in decision["reasons"]
+    assert "forgetting budget not enforced: no general suite could run" in decision["reasons"]
+    text = gate.report(
+        gate.scores_of(
+            {
+                m: {SUITE: s}
+                for m, s in ((BASE, BASE_40), (CANDIDATE, CANDIDATE_80), (FP8, CANDIDATE_80))
+            }
+        ),
+        decision,
+        DIRECTIONS,
+    )
+    assert f"- mmlu_stem: {why}" in text
+
+
+# --- slices -----------------------------------------------------------------------------------
+
+ZH = [i for i in range(N) if LANG[i] == "zh"]
+EN = [i for i in range(N) if LANG[i] == "en"]
+
+
+def regressed_in_zh() -> dict[str, SuiteItems]:
+    """Better overall than the champion, but 25 of the 50 Chinese items lost."""
+    champion = suite(right(ZH[:45], EN[:90]))  # zh 0.90, en 0.60: 0.675
+    candidate = suite(right(ZH[:20], EN[:145]))  # zh 0.40, en 0.97: 0.825
+    return {BASE: BASE_40, CHAMPION: champion, CANDIDATE: candidate, FP8: candidate}
+
+
+def test_a_slice_that_regressed_is_named_even_when_the_whole_passes() -> None:
+    decision = judge(regressed_in_zh())
+    assert decision["verdict"] == "pass"
+    assert decision["regressed_slices"] == ["support_demo/accuracy [lang=zh]"]
+    [zh] = [s for s in decision["slices"] if s["slice"] == "lang=zh" and s["metric"] == "accuracy"]
+    assert zh["items"] == 50 and zh["diff"] == pytest.approx(-0.50) and zh["regressed"]
+    assert any(
+        r.startswith("slice regressed (reported only): support_demo/accuracy [lang=zh]")
+        for r in decision["reasons"]
+    )
+    [en] = [s for s in decision["slices"] if s["slice"] == "lang=en" and s["metric"] == "accuracy"]
+    assert not en["regressed"] and en["diff"] == pytest.approx(0.3667, abs=1e-3)
+    # Unanswerable items fall in both languages: every metric has figures in both slices.
+    assert {s["slice"] for s in decision["slices"]} == {"lang=zh", "lang=en"}
+
+
+def test_max_slice_regression_makes_a_regressed_slice_block() -> None:
+    strict = GATE.model_copy(update={"max_slice_regression": 0.10})
+    decision = judge(regressed_in_zh(), strict)
+    assert decision["verdict"] == "fail"
+    [check] = [c for c in decision["checks"] if c["status"] == "fail"]
+    assert (check["rule"], check["slice"]) == ("slice_regression", "lang=zh")
+
+
+def test_the_report_shows_intervals_slices_and_general_suites() -> None:
+    models = regressed_in_zh()
+    general_items = {
+        BASE: general(right(range(180))),
+        CHAMPION: general(right(range(180))),
+        CANDIDATE: general(right(range(179))),
+    }
+    decision = judge(models, general_items=general_items)
+    decision["champion"] = {"name": "m", "version": "3", "run_id": "", "source": ""}
+    items = {name: {SUITE: found} for name, found in models.items()}
+    for name, found in general_items.items():
+        items[name][GENERAL] = found
+    text = gate.report(gate.scores_of(items), decision, DIRECTIONS)
+    assert f"Gate: **{decision['verdict'].upper()}**" in text and "Champion: m v3" in text
+    header = next(line for line in text.splitlines() if line.startswith("| metric"))
+    assert "candidate vs champion" in header and "candidate-fp8 vs candidate" in header
+    row = next(line for line in text.splitlines() if line.startswith("| accuracy ↑"))
+    assert row.startswith("| accuracy ↑ | 0.400 | 0.675 | 0.825 | 0.825 | +0.425 [")
+    assert (
+        "| lang=zh | accuracy | 50 | 0.900 | 0.400 | -0.500 [" in text and "**regressed**" in text
+    )
+    assert "## Forgetting: general suites, candidate vs champion" in text
+    assert "| general_demo | accuracy | 0.900 | 0.900 | 0.895 |" in text
+
+
+# --- statistics -------------------------------------------------------------------------------
+
+
+def test_the_same_seed_gives_the_same_interval_and_another_seed_another() -> None:
+    models = regressed_in_zh()
+    first, again = judge(models), judge(models)
+    assert first["checks"] == again["checks"]
+    other = judge(models, GATE.model_copy(update={"seed": 1}))
+    lows = [(c["low"], c["high"]) for c in first["checks"]]
+    assert lows != [(c["low"], c["high"]) for c in other["checks"]]
+
+
+def test_bootstrap_means_are_weighted_and_paired() -> None:
+    rng = np.random.default_rng(3)
+    values = rng.random((500, 2))
+    weights = np.stack([np.ones(500), (rng.random(500) < 0.3).astype(float)], axis=1)
+    reps = stats.bootstrap_means(values, weights, 400, 0)
+    assert reps.shape == (400, 2)
+    for j in range(2):
+        exact = stats.weighted_mean(values[:, j], weights[:, j])
+        assert exact is not None and abs(reps[:, j].mean() - exact) < 0.01
+    # Identical columns: every paired difference is exactly zero.
+    same = stats.bootstrap_means(values[:, [0, 0]], np.ones((500, 2)), 200, 0)
+    assert np.all(same[:, 0] == same[:, 1])
+    # A column no resample can weigh is NaN, and has no interval.
+    empty = stats.bootstrap_means(values[:, :1], np.zeros((500, 1)), 50, 0)
+    assert np.isnan(empty).all() and stats.interval(0.0, empty[:, 0], 0.95) is None
+
+
+def test_the_gate_is_fast_on_10k_items() -> None:
+    n = 10_000
+    ids = [str(i) for i in range(n)]
+    rng = np.random.default_rng(0)
+    items = {
+        name: {
+            SUITE: SuiteItems.of(
+                ids,
+                {m: (rng.random(n) < p).astype(float) for m in DIRECTIONS[SUITE]},
+                slices={"lang": [LANG[i % N] for i in range(n)]},
+            )
+        }
+        for name, p in ((BASE, 0.4), (CHAMPION, 0.7), (CANDIDATE, 0.72), (FP8, 0.72))
+    }
+    started = time.perf_counter()
+    decide(items, DIRECTIONS, GATE, [SUITE])
+    assert time.perf_counter() - started < 20  # ~1 s unloaded; benchmarks/gate.py measures it
+
+
+# --- input errors -----------------------------------------------------------------------------
+
+
+def test_a_primary_metric_no_suite_reports_is_an_error() -> None:
+    with pytest.raises(GateError, match=r"gate.primary_metric='f1' is not reported"):
+        judge(
+            {BASE: BASE_40, CANDIDATE: CANDIDATE_80, FP8: CANDIDATE_80},
+            GATE.model_copy(update={"primary_metric": "f1"}),
+        )
+
+
+def test_a_metric_without_a_direction_is_an_error() -> None:
+    items = {
+        m: {SUITE: s} for m, s in ((BASE, BASE_40), (CANDIDATE, CANDIDATE_80), (FP8, CANDIDATE_80))
+    }
+    with pytest.raises(GateError, match="higher_is_better"):
+        decide(items, {SUITE: {"accuracy": True}}, GATE, [SUITE])
+
+
+def test_models_scored_on_other_items_is_an_error() -> None:
+    other = SuiteItems.of([str(i + 1) for i in range(N)], {"accuracy": [0.0] * N})
+    with pytest.raises(GateError, match="scored on other items than the candidate"):
+        judge({BASE: other, CANDIDATE: CANDIDATE_80, FP8: CANDIDATE_80})
+
+
+# --- reading lm-eval's per-item values --------------------------------------------------------
+
+
+def test_per_item_values_are_read_as_lm_eval_aggregates_them() -> None:
+    assert scoring.per_item(True) == (1.0, 1.0)
+    assert scoring.per_item(0.25) == (0.25, 1.0)
+    assert scoring.per_item((True, False)) == (0.0, 1.0)  # counted, not invented
+    assert scoring.per_item((False, True)) == (0.0, 0.0)  # not in the subset
+    assert scoring.per_item([True, False, True, True]) == (0.75, 4.0)  # IFEval instructions
+    assert scoring.per_item("a string") is None
+    assert scoring.per_item({"f1": 1}) is None
+
+
+def lm_eval_results(samples: list[dict], figures: dict[str, float]) -> dict:
+    return {
+        "samples": {"suite": samples},
+        "results": {"suite": figures},
+        "higher_is_better": {"suite": {"accuracy": True, "bleu": True}},
+    }
+
+
+def test_a_metric_lm_eval_does_not_average_is_refused_on_a_business_suite() -> None:
+    samples = [
+        {
+            "doc_id": i,
+            "doc": {"lang": "en"},
+            "filter": "none",
+            "metrics": ["accuracy", "bleu"],
+            "accuracy": float(i % 2),
+            "bleu": ("ref", "hyp"),
+        }
+        for i in range(4)
+    ]
+    results = lm_eval_results(samples, {"accuracy,none": 0.5, "bleu,none": 12.0})
+    with pytest.raises(GateError, match=r"metric 'bleu'.*process_results must return"):
+        scoring._read_suite(results, "suite", ("lang",), True, scoring.Scored())
+    out = scoring.Scored()
+    scoring._read_suite(results, "suite", (), False, out)
+    assert set(out.items["suite"].values) == {"accuracy"}
+    assert out.not_judged["suite/bleu"].startswith("not judged: per-item values of type tuple")
+    assert out.scores["suite"] == {"accuracy": 0.5}
+
+
+def test_per_item_means_must_reproduce_lm_eval_figures() -> None:
+    samples = [
+        {
+            "doc_id": i,
+            "doc": {"id": f"q{i}", "lang": "zh" if i else "en"},
+            "filter": "none",
+            "metrics": ["accuracy"],
+            "accuracy": float(i % 2),
+        }
+        for i in range(4)
+    ]
+    out = scoring.Scored()
+    scoring._read_suite(
+        lm_eval_results(samples, {"accuracy,none": 0.5}), "suite", ("lang", "month"), True, out
+    )
+    found = out.items["suite"]
+    assert found.ids == ("q0", "q1", "q2", "q3")  # the suite's own ids
+    assert found.slices == {"lang": ("en", "zh", "zh", "zh")}  # no item has a month
+    with pytest.raises(GateError, match="is not lm-eval's figure"):
+        scoring._read_suite(
+            lm_eval_results(samples, {"accuracy,none": 0.9}), "suite", (), True, scoring.Scored()
+        )
+
+
+def test_per_item_files_round_trip() -> None:
+    found = regressed_in_zh()[CANDIDATE]
+    back = scoring.items_from_records(scoring.item_records({SUITE: found}))[SUITE]
+    assert back.ids == found.ids and back.slices == found.slices
+    for metric in found.values:
+        assert np.array_equal(back.values[metric], found.values[metric])
+        assert np.array_equal(back.weights[metric], found.weights[metric])

@@ -1,0 +1,73 @@
+"""The embedded model's general skill: its generator, its committed suite, its pre-training.
+
+Whether pre-training at the default size gives the base the skill (well above chance) is
+measured on the real path in tests/test_evaluate.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import ROOT
+from tuneloop import demo, general, tiny
+from tuneloop.io import read_jsonl
+from tuneloop.params import load_params
+
+
+def test_the_committed_suites_are_what_the_generators_write(tmp_path: Path) -> None:
+    general.write_suite(tmp_path / "general.jsonl")
+    assert (tmp_path / "general.jsonl").read_bytes() == (
+        ROOT / "eval/general_demo/test.jsonl"
+    ).read_bytes()
+    params = load_params(ROOT / "params.yaml")
+    committed = ROOT / "eval/support_demo/test.jsonl"
+    n = len(committed.read_text(encoding="utf-8").splitlines())
+    demo.write_eval_suite(tmp_path / "support.jsonl", params.demo.seed, n)
+    assert (tmp_path / "support.jsonl").read_bytes() == (
+        ROOT / "eval/support_demo/test.jsonl"
+    ).read_bytes()
+    # The demo suite's slice labels: every item has an intent and a language.
+    items = list(read_jsonl(ROOT / "eval/support_demo/test.jsonl"))
+    assert {item["lang"] for item in items} == {"en", "zh"}
+    assert {item["intent"] for item in items} == {"return", "warranty", "shipping", "unknown"}
+
+
+def test_train_and_eval_questions_are_disjoint_and_answers_right() -> None:
+    train, held_out = general.items("train"), general.items("eval")
+    assert not {i.question for i in train} & {i.question for i in held_out}
+    assert len(held_out) == 175 and {i.skill for i in held_out} == set(general.SKILLS)
+    for item in held_out:
+        a, b = (int(c) for c in item.question if c.isdigit())
+        expected = {"bigger": max(a, b), "smaller": min(a, b), "sum": a + b}[item.skill]
+        assert item.answer.endswith(f" {expected}."), item
+    chats = list(general.train_chats(0, 50))
+    assert chats == list(general.train_chats(0, 50))  # seeded
+    assert all(chat[0]["content"] in {i.question for i in train} for chat in chats)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_pretraining_trains_the_layers_and_keeps_the_embedding() -> None:
+    shape = load_params(ROOT / "params.yaml").model.tiny.model_copy(
+        update={"hidden_size": 64, "head_dim": 16, "intermediate_size": 128, "vocab_size": 600}
+    )
+    corpus = itertools.chain(general.corpus(), (demo.REFUSAL["en"],))
+    tokenizer = tiny.build_tokenizer(corpus, shape.vocab_size)
+    model = tiny.build_model(shape, tokenizer, seed=0)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    assert tiny.pretrain(model, tokenizer, [], 0, seed=0) == {"pretrain_steps": 0}
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+    steps = 40
+    chats = list(general.train_chats(0, steps * tiny.PRETRAIN_BATCH))
+    metrics = tiny.pretrain(model, tokenizer, chats, steps, seed=0)
+    assert metrics["pretrain_steps"] == steps
+    assert metrics["pretrain_last_loss"] < metrics["pretrain_first_loss"] - 0.5
+    # The layers learn; the embedding (tied to the output layer) stays as built.
+    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    assert changed == set(before) - {"model.embed_tokens.weight"}
+    with pytest.raises(ValueError, match="need 1312 chats"):
+        tiny.pretrain(model, tokenizer, chats, steps + 1, seed=0)
