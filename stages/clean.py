@@ -1,12 +1,18 @@
 """Stage ``clean``: pooled records into training chats, a validation split and DPO pairs.
 
-Reads:  ``paths.pool`` records; eval suite items under ``paths.eval_suites``; the base
-        model's tokenizer (for the token limit); ``paths.clean_cache``.
+Reads:  ``paths.pool`` records; eval suite items under ``paths.eval_suites`` (all but the
+        fixed-badcase suite, see ``tuneloop.suites.held_out_questions``); the base model's
+        tokenizer (for the token limit); ``paths.clean_cache``; ``paths.init``/init.json
+        (the pool batches the start already trained on).
 Writes: ``paths.clean``/train.jsonl, val.jsonl (``{"id", "messages"}``), dpo.jsonl
         (``{"id", "prompt", "chosen", "rejected"}``), manifest.json;
         ``paths.clean_cache`` (each record's work, and the decisions in pool order);
         ``metrics/clean.json``.
 Params: ``clean``, ``model.base``, ``paths``.
+
+Month over month: batches the start (last month's champion) trained on are replayed at
+``clean.replay_fraction``; every other batch is trained on in full. ``metrics/clean.json``
+names the batches and counts the replayed chats; the registry tags the version with them.
 
 Every pooled record is accounted for: kept, or removed with a counted reason (reply too
 short, degenerate repetition, over the token limit, an eval item's near-duplicate, an
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import logging
 
-from tuneloop import lineage, suites
+from tuneloop import init_from, lineage, suites
 from tuneloop.chat import load_chat_tokenizer
 from tuneloop.cleancache import clean_pool
 from tuneloop.io import atomic_dir, write_json
@@ -34,7 +40,14 @@ def main() -> None:
     setup_logging()
     params = load_params()
     with logged_after(STAGE, params):
-        eval_questions = [q for _, q in suites.questions(params.paths.eval_suites)]
+        eval_questions = [
+            q
+            for _, q in suites.held_out_questions(
+                params.paths.eval_suites, params.paths.fixed_badcases
+            )
+        ]
+        # Which pool batches the start already trained on: those are replayed at a share.
+        start = init_from.recorded(params)
         tokenizer = load_chat_tokenizer(base_model_ref(params))
         with atomic_dir(params.paths.clean) as out:
             report = clean_pool(
@@ -44,6 +57,7 @@ def main() -> None:
                 eval_questions,
                 params.clean,
                 tokenizer,
+                seen_batches=start.batches,
             )
             if not report.train:
                 raise SystemExit(
@@ -62,6 +76,10 @@ def main() -> None:
             "dpo_pairs": report.dpo_pairs,
             "removed": dict(report.removed),
             "dpo_removed": dict(report.dpo_removed),
+            # The pool batches this training set drew from (the lineage of what is trained)
+            # and how much of the ones the start already knew it sees again.
+            "batches": report.batches,
+            "replay": report.replay_metrics(params.clean.replay_fraction),
         }
         write_metrics(params, STAGE, metrics)
         log.info("clean: %s; cache: %s", metrics, dict(report.cache))

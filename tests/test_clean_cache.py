@@ -35,6 +35,7 @@ PARAMS = CleanParams(
     near_dup_threshold=0.9,
     decontam_threshold=0.8,
     pilot_fraction=1.0,
+    replay_fraction=0.25,
 )
 EVAL = [item.question for item in demo.eval_items(0, 40)]
 
@@ -107,9 +108,10 @@ def run(
     tokenizer: ChatTokenizer,
     params: CleanParams = PARAMS,
     evals: list[str] = EVAL,
+    seen: tuple[str, ...] = (),
 ) -> Run:
     out = Path(tempfile.mkdtemp(dir=root))
-    report = clean_pool(root / "pool", cache, out, evals, params, tokenizer)
+    report = clean_pool(root / "pool", cache, out, evals, params, tokenizer, seen)
     files = {name: (out / name).read_bytes() for name in ("train.jsonl", "val.jsonl", "dpo.jsonl")}
     return Run(report, files)
 
@@ -284,3 +286,71 @@ def test_a_new_segment_size_recuts_the_cache(
     assert rerun.files == first.files
     assert rerun.report.cache["records_computed"] == first.report.records_in
     assert rerun.report.cache["segments_reused"] == 0
+
+
+# --- replay: batches the start already trained on come back at a share -----------------------
+
+
+def _lines(blob: bytes) -> set[bytes]:
+    return set(blob.splitlines())
+
+
+def test_seen_batches_are_replayed_at_the_share_and_new_ones_in_full(
+    filled: tuple[Path, Run], tokenizer_folder: Path
+) -> None:
+    root, full = filled  # seen nothing: every batch in full
+    tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
+    month1, month2 = (p.stem for p in sorted((root / "pool" / "records").glob("*.jsonl")))
+    # Month 1's training chats are what it gives alone (it is cleaned first either way).
+    write_pool(root / "m1" / "pool", [demo_lines(1, 90)])
+    month1_train = _lines(run(root / "m1", root / "m1" / "cache", tokenizer).files["train.jsonl"])
+    month2_train = _lines(full.files["train.jsonl"]) - month1_train
+
+    replay = run(root, root / "cache", tokenizer, seen=(month1,))
+    train = _lines(replay.files["train.jsonl"])
+    replayed = train & month1_train
+    report = replay.report
+    assert month2_train <= train  # the new month in full
+    assert train <= month1_train | month2_train
+    assert report.replayed == len(replayed)
+    assert 0.1 * len(month1_train) <= len(replayed) <= 0.45 * len(month1_train)
+    assert report.removed["not_replayed"] == len(month1_train) - len(replayed)
+    assert replay.files["val.jsonl"] == full.files["val.jsonl"]  # validation keeps every month
+    assert _lines(replay.files["dpo.jsonl"]) < _lines(full.files["dpo.jsonl"])
+    assert report.dpo_removed["not_replayed"] > 0
+    assert report.records_in == report.train + report.val + sum(report.removed.values())
+    metrics = report.replay_metrics(PARAMS.replay_fraction)
+    assert metrics["seen_batches"] == [month1] and metrics["new_batches"] == [month2]
+    assert metrics["replayed_train"] + metrics["new_train"] == report.train
+
+    # Reproducible, and the same bytes from the cache as without it.
+    assert run(root, root / "cache", tokenizer, seen=(month1,)).files == replay.files
+    assert uncached(root, tokenizer, seen=(month1,)).files == replay.files
+    # The extremes: everything again, or nothing of what the start knew.
+    everything = PARAMS.model_copy(update={"replay_fraction": 1.0})
+    assert run(root, root / "cache", tokenizer, everything, seen=(month1,)).files == full.files
+    nothing = PARAMS.model_copy(update={"replay_fraction": 0.0})
+    none_again = run(root, root / "cache", tokenizer, nothing, seen=(month1,))
+    assert _lines(none_again.files["train.jsonl"]) == month2_train
+    # A batch id the pool does not hold (the champion saw data since dropped) changes nothing.
+    assert run(root, root / "cache", tokenizer, seen=("19990101T000000000000Z",)).files == (
+        full.files
+    )
+
+
+def test_a_new_month_draws_a_new_replay_sample(
+    tmp_path: Path, tokenizer_folder: Path
+) -> None:
+    tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
+    batches = [demo_lines(1, 90), demo_lines(2, 60), demo_lines(3, 60)]
+    write_pool(tmp_path / "pool", batches[:2])
+    month1 = sorted((tmp_path / "pool" / "records").glob("*.jsonl"))[0].stem
+    cache = tmp_path / "cache"
+    before = _lines(run(tmp_path, cache, tokenizer, seen=(month1,)).files["train.jsonl"])
+    write_pool(tmp_path / "pool", batches)
+    after = run(tmp_path, cache, tokenizer, seen=(month1,))
+    assert after.report.cache["records_computed"] == len(batches[2])
+    write_pool(tmp_path / "m1" / "pool", batches[:1])
+    month1_train = _lines(run(tmp_path / "m1", tmp_path / "m1" / "cache", tokenizer).files["train.jsonl"])
+    # Another month, another share of month 1: over the months replay covers more of it.
+    assert before & month1_train != _lines(after.files["train.jsonl"]) & month1_train

@@ -24,7 +24,7 @@ import logging
 import os
 import shutil
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -36,6 +36,8 @@ import numpy as np
 
 from tuneloop.chat import ChatTokenizer
 from tuneloop.cleaning import (
+    DPO_REASONS,
+    NOT_REPLAYED,
     REASONS,
     TRAIN,
     VAL,
@@ -47,6 +49,7 @@ from tuneloop.cleaning import (
     decisions_fingerprint,
     features,
     features_fingerprint,
+    hash_fraction,
 )
 from tuneloop.io import atomic_dir, read_json, write_json
 from tuneloop.params import CleanParams
@@ -130,6 +133,21 @@ class CleanReport:
     removed: Counter[str] = field(default_factory=Counter)
     dpo_removed: Counter[str] = field(default_factory=Counter)
     cache: Counter[str] = field(default_factory=Counter)
+    batches: list[str] = field(default_factory=list)  # the pool's, oldest first
+    seen_batches: list[str] = field(default_factory=list)  # of those, the start trained on
+    replayed: int = 0  # training chats of seen batches kept by the replay share
+    replayed_pairs: int = 0
+
+    def replay_metrics(self, fraction: float) -> dict[str, Any]:
+        return {
+            "fraction": fraction,
+            "seen_batches": self.seen_batches,
+            "new_batches": [b for b in self.batches if b not in self.seen_batches],
+            "replayed_train": self.replayed,
+            "new_train": self.train - self.replayed,
+            "not_replayed": self.removed[NOT_REPLAYED],
+            "replayed_dpo_pairs": self.replayed_pairs,
+        }
 
 
 _WORKER: tuple[CleanParams, ChatTokenizer] | None = None
@@ -277,21 +295,35 @@ def clean_pool(
     eval_questions: Sequence[str],
     params: CleanParams,
     tokenizer: ChatTokenizer,
+    seen_batches: Collection[str] = (),
 ) -> CleanReport:
     """Clean every pooled record, oldest first, into ``out``/train.jsonl, val.jsonl, dpo.jsonl.
 
     Reuses what ``cache`` holds for this pool and these params, computes the rest, and leaves
     the cache holding exactly this run's entries.
+
+    ``seen_batches`` are the pool batches the starting model already trained on (the
+    champion's; none for the base). Their records are cleaned and deduplicated like the rest
+    (a new record that repeats one of them is still a duplicate), but of their kept training
+    chats and DPO pairs only ``params.replay_fraction`` is trained on again: chosen by a hash
+    of the sample's key salted with the newest batch, so the same pool gives the same set, a
+    new month draws a fresh one, and the cached decisions (which do not depend on which
+    batches are new) stay valid. Their validation chats all stay, so the validation loss also
+    watches what earlier months taught.
     """
     cache.mkdir(parents=True, exist_ok=True)
-    segments = [s for batch in pool_batches(pool) for s in _batch_segments(batch, cache)]
+    batches = pool_batches(pool)
+    segments = [s for batch in batches for s in _batch_segments(batch, cache)]
+    report = CleanReport()
+    report.batches = [b.stem for b in batches]
+    report.seen_batches = [b for b in report.batches if b in set(seen_batches)]
+    salt = f"replay:{report.batches[-1] if report.batches else ''}"
     fingerprint = features_fingerprint(params, tokenizer)
     missing = [
         s
         for s in segments
         if _load_features(cache / s.name / "features", _features_entry(s, fingerprint)) is None
     ]
-    report = CleanReport()
     report.cache["records_computed"] = _compute_features(
         missing, params, tokenizer, cache, fingerprint
     )
@@ -324,19 +356,46 @@ def clean_pool(
                     write_json(tmp / "entry.json", {"chain": chain})
                 report.cache["segments_decided"] += 1
             codes = np.asarray(decided.codes)
-            train_rows, val_rows = np.flatnonzero(codes == TRAIN), np.flatnonzero(codes == VAL)
+            replayed = np.ones(len(codes), dtype=bool)
+            if segment.batch.stem in report.seen_batches:
+                replayed = np.array(
+                    [
+                        hash_fraction(key.tobytes().hex(), salt) < params.replay_fraction
+                        for key in np.asarray(f.key)
+                    ],
+                    dtype=bool,
+                )
+            train_rows = np.flatnonzero((codes == TRAIN) & replayed)
+            val_rows = np.flatnonzero(codes == VAL)
             report.records_in += len(codes)
             report.train += _copy_lines(f.lines, f.line_offsets, train_rows, train)
             report.val += _copy_lines(f.lines, f.line_offsets, val_rows, val)
             report.train_tokens += int(np.asarray(f.tokens)[train_rows].sum())
+            if skipped := int(((codes == TRAIN) & ~replayed).sum()):
+                report.removed[NOT_REPLAYED] += skipped
+            if segment.batch.stem in report.seen_batches:
+                report.replayed += len(train_rows)
             # A pair passes the same filters as the SFT chat its badcase gives (its prompt with
             # the correction): length, repetition, token limit, eval contamination, exact and
-            # near duplicates, pilot. A removed chat removes its pair, counted apart.
+            # near duplicates, pilot; a removed chat removes its pair, counted apart with the
+            # chat's reason. Then its rejected side passes the reply filters on its own
+            # (``cleaning.pair_verdicts``), and a pair of a seen batch the replay share.
             has_pair = np.flatnonzero(np.diff(f.dpo_offsets) > 0)
-            pair_kept = np.isin(codes[has_pair], (TRAIN, VAL))
+            chat_kept = np.isin(codes[has_pair], (TRAIN, VAL))
+            own = np.asarray(f.dpo_verdict)[has_pair]
+            pair_kept = chat_kept & (own == 0) & replayed[has_pair]
             report.dpo_pairs += _copy_lines(f.dpo, f.dpo_offsets, has_pair[pair_kept], dpo)
-            for code in codes[has_pair[~pair_kept]]:
-                report.dpo_removed[REASONS[int(code) - 2]] += 1
+            if segment.batch.stem in report.seen_batches:
+                report.replayed_pairs += int(pair_kept.sum())
+            for code, verdict, again in zip(
+                codes[has_pair], own, replayed[has_pair], strict=True
+            ):
+                if code >= 2:
+                    report.dpo_removed[REASONS[int(code) - 2]] += 1
+                elif verdict:
+                    report.dpo_removed[DPO_REASONS[int(verdict) - 1]] += 1
+                elif not again:
+                    report.dpo_removed[NOT_REPLAYED] += 1
             for code, count in zip(*np.unique(codes, return_counts=True), strict=True):
                 if code >= 2:
                     report.removed[REASONS[int(code) - 2]] += int(count)

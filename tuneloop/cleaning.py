@@ -56,6 +56,19 @@ REASONS = (
 )
 TRAIN, VAL = 0, 1
 CODE = {reason: 2 + i for i, reason in enumerate(REASONS)}
+# Why a DPO pair is removed though its badcase's chat (prompt + correction) is kept: the
+# rejected side goes through the same filters as any reply, and a pair whose two answers are
+# the same text teaches nothing. Codes are 1 + index; 0 is a pair that passes.
+DPO_REASONS = (
+    "rejected_response_too_short",
+    "rejected_degenerate_repetition",
+    "rejected_over_token_limit",
+    "chosen_equals_rejected",
+)
+DPO_CODE = {reason: 1 + i for i, reason in enumerate(DPO_REASONS)}
+# A kept training chat of a batch the starting model already trained on, outside the replay
+# share (clean.replay_fraction); decided after the cached decisions, see tuneloop.cleancache.
+NOT_REPLAYED = "not_replayed"
 # Records that reached the exact-duplicate check and were not duplicates of one before.
 _FIRST_SEEN = (TRAIN, VAL, CODE["not_in_pilot"], CODE["near_duplicate"])
 # The modules whose code shapes features and decisions: their bytes key the cache.
@@ -156,6 +169,7 @@ class Features:
     line_offsets: np.ndarray  # (n + 1,) int64
     dpo: np.ndarray  # uint8 blob: each badcase's preference pair line
     dpo_offsets: np.ndarray  # (n + 1,) int64
+    dpo_verdict: np.ndarray  # (n,) uint8: 0, or the DPO_CODE of the pair's own filter
 
     def __len__(self) -> int:
         return len(self.verdict)
@@ -237,6 +251,7 @@ def features(raw_lines: Sequence[bytes], params: CleanParams, tokenizer: ChatTok
     for row, text in enumerate(user_texts):
         user_key[row] = np.frombuffer(_user_digest(text), dtype=np.uint8)
     pairs = [dpo_pair(r) for r in records]
+    dpo_verdict = pair_verdicts(pairs, verdict, params, tokenizer)
     line_blob, line_offsets = _blob(lines)
     dpo_blob, dpo_offsets = _blob(
         ["" if p is None else json.dumps(p, ensure_ascii=False) + "\n" for p in pairs]
@@ -255,7 +270,40 @@ def features(raw_lines: Sequence[bytes], params: CleanParams, tokenizer: ChatTok
         line_offsets=line_offsets,
         dpo=dpo_blob,
         dpo_offsets=dpo_offsets,
+        dpo_verdict=dpo_verdict,
     )
+
+
+def pair_verdicts(
+    pairs: Sequence[dict[str, Any] | None],
+    verdict: np.ndarray,
+    params: CleanParams,
+    tokenizer: ChatTokenizer,
+) -> np.ndarray:
+    """The DPO filters of each pair whose chat passed its own (``DPO_CODE``, 0 = passes).
+
+    The chosen side is the SFT chat, already filtered; the rejected side (the model's bad
+    reply after the same prompt) gets the same length, repetition and token-limit rules, with
+    one batched token count. A pair whose two answers normalise to the same text is removed.
+    """
+    out = np.zeros(len(pairs), dtype=np.uint8)
+    to_count: list[tuple[int, Messages]] = []
+    for i, pair in enumerate(pairs):
+        if pair is None or verdict[i]:
+            continue  # no pair, or its chat is removed (the pair with it, for that reason)
+        rejected: Messages = [*pair["prompt"], {"role": "assistant", "content": pair["rejected"]}]
+        if normalise(pair["chosen"]) == normalise(pair["rejected"]):
+            out[i] = DPO_CODE["chosen_equals_rejected"]
+        elif reason := quick_filter_reason(rejected, params):
+            out[i] = DPO_CODE[f"rejected_{reason}"]
+        else:
+            to_count.append((i, rejected))
+    if to_count:
+        counts = tokenizer.count_tokens([render(tokenizer, m) for _, m in to_count])
+        for (i, _), count in zip(to_count, counts.tolist(), strict=True):
+            if token_limit_reason(count, params):
+                out[i] = DPO_CODE["rejected_over_token_limit"]
+    return out
 
 
 def _user_digest(text: str) -> bytes:

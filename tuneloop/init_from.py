@@ -12,6 +12,10 @@ module only records and reads the result, so training and merging import no regi
 The ``init`` stage is ``always_changed`` in dvc.yaml, since DVC cannot see an alias move: it
 resolves the alias on every ``dvc repro``, but its out changes (and so ``train`` reruns) only
 when the champion changed. ``init.json`` holds no timestamp for that reason.
+
+Month over month, ``init.json`` also names the pool batches the start already trained on
+(the champion's ``tuneloop.data.batches`` tag; none for the base): ``clean`` replays only
+``clean.replay_fraction`` of those and trains on every other batch in full.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ INIT_FILE = "init.json"
 MODEL_DIR = "model"
 # On the init and train runs and on the registered version: what training started from.
 TAG = "tuneloop.init_from"
+# On the registered version: the pool batch ids its training data came from (comma-separated,
+# oldest first), those of them it saw in full (the rest at the replay share), and the share.
+TAG_BATCHES = "tuneloop.data.batches"
+TAG_NEW_BATCHES = "tuneloop.data.new_batches"
+TAG_REPLAY = "tuneloop.data.replay_fraction"
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,7 @@ class Start:
     model: str | None = None  # registered model name, for a champion
     version: str | None = None
     run_id: str | None = None
+    batches: tuple[str, ...] = ()  # pool batches the start already trained on
 
     def describe(self) -> str:
         return describe(asdict(self))
@@ -57,7 +67,8 @@ def read(folder: Path) -> Start | None:
     path = folder / INIT_FILE
     if not path.exists():
         return None
-    return Start(**read_json(path))
+    record = read_json(path)
+    return Start(**(record | {"batches": tuple(record.get("batches", ()))}))
 
 
 def describe(record: dict[str, object]) -> str:
@@ -70,6 +81,11 @@ def describe(record: dict[str, object]) -> str:
 def recorded(params: Params) -> Start:
     """The starting point the ``init`` stage recorded (base when it has not run)."""
     return read(params.paths.init) or Start("base", "the init stage has not run")
+
+
+def split_batches(tag: str | None) -> tuple[str, ...]:
+    """A ``TAG_BATCHES`` value back as batch ids."""
+    return tuple(b for b in (tag or "").split(",") if b)
 
 
 def model_ref(params: Params) -> str:

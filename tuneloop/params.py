@@ -133,6 +133,9 @@ class PathsParams(_Group):
     metrics: Path
     reports: Path
     eval_suites: Path
+    fixed_badcases: Path = Field(
+        description="the fixed-badcase regression suite: an lm-eval task folder in eval_suites"
+    )
     checkpoints: Path = Field(
         description="the train stage's checkpoints and resume state; a fresh run clears its own"
     )
@@ -163,6 +166,16 @@ class PathsParams(_Group):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _fixed_badcases_is_a_suite(self) -> PathsParams:
+        # lm-eval finds tasks under eval_suites only, and the suite's name is its folder's.
+        if self.fixed_badcases.parent != self.eval_suites:
+            raise ValueError(
+                f"paths.fixed_badcases ({self.fixed_badcases}) must be a folder directly in "
+                f"paths.eval_suites ({self.eval_suites}), e.g. {self.eval_suites}/fixed_badcases"
+            )
+        return self
+
 
 class DemoParams(_Group):
     """The synthetic customer-service domain that the embedded default ships."""
@@ -189,6 +202,12 @@ class CleanParams(_Group):
         gt=0, le=1, description="MinHash Jaccard at which a user turn matches an eval item"
     )
     pilot_fraction: float = Field(gt=0, le=1, description="1.0 = the full data set")
+    replay_fraction: float = Field(
+        ge=0,
+        le=1,
+        description="share of the records the starting model already trained on (its pool "
+        "batches) that training sees again; the rest of the pool is trained on in full",
+    )
 
 
 class BatchParams(_Group):
@@ -344,6 +363,10 @@ class GateParams(_Group):
     )
     max_slice_regression: float | None = Field(
         default=None, ge=0, description="candidate behind its reference in any slice; null = report"
+    )
+    max_broken_fixes: int = Field(
+        ge=0,
+        description="fixed badcases (the champion answers them right) the candidate may break",
     )
     confidence: float = Field(gt=0.5, lt=1, description="of every paired interval")
     bootstrap_samples: int = Field(ge=100, description="paired bootstrap resamples")

@@ -119,6 +119,25 @@ def download_folder(version: ModelVersion, artifact: str, dst: Path) -> Path:
     return local / artifacts[artifact]["path"]
 
 
+def champion_batches(version: ModelVersion) -> tuple[str, ...]:
+    """The pool batches a registered version trained on (its ``tuneloop.data.batches`` tag).
+
+    The registered base trained on none. A version registered before the tag existed says
+    nothing: read as none, so ``clean`` trains on the whole pool in full rather than replay
+    a share of data the version may never have seen.
+    """
+    if TAG_BASE in version.tags:
+        return ()
+    if init_from.TAG_BATCHES not in version.tags:
+        log.warning(
+            "%s v%s has no %s tag: taken as having trained on no pool batch",
+            version.name,
+            version.version,
+            init_from.TAG_BATCHES,
+        )
+    return init_from.split_batches(version.tags.get(init_from.TAG_BATCHES))
+
+
 def resolve_start(params: Params, folder: Path) -> init_from.Start:
     """Fill ``folder`` (``paths.init``) with the starting point ``train.init_from`` asks for
     (see ``tuneloop/init_from.py``).
@@ -146,6 +165,7 @@ def resolve_start(params: Params, folder: Path) -> init_from.Start:
         name,
         str(champion.version),
         champion.run_id,
+        champion_batches(champion),
     )
     if init_from.read(folder) == start and (folder / init_from.MODEL_DIR).is_dir():
         log.info("init: %s already in %s", start.describe(), folder)
@@ -247,8 +267,10 @@ def lineage_tags(params: Params, flow_run_id: str | None) -> dict[str, str]:
         # Every group: the version depends on the whole pipeline, not one stage.
         tracking.TAG_PARAMS_HASH: lineage.params_hash(params, list(type(params).model_fields)),
         TAG_CANDIDATE: candidate_key(params.paths.merged),
-        # Month over month: the champion this version's training continued from.
+        # Month over month: the champion this version's training continued from, and the
+        # pool batches its training set drew from (clean's metrics).
         init_from.TAG: init_from.recorded(params).describe(),
+        **data_tags(params),
     }
     if flow_run_id:
         tags[tracking.TAG_FLOW_RUN] = flow_run_id
@@ -261,6 +283,29 @@ def lineage_tags(params: Params, flow_run_id: str | None) -> dict[str, str]:
             if not path.endswith(".py"):
                 tags[f"dvc.dep.{path}"] = md5
     return tags
+
+
+def data_tags(params: Params) -> dict[str, str]:
+    """The pool batches the candidate's training data came from, and the replay share.
+
+    From ``metrics/clean.json``, which the training set and this candidate came from: every
+    batch of the pool at clean time (in full, or at the replay share for the batches the
+    start had trained on), oldest first. Next month's ``init`` reads it back from the
+    champion (``champion_batches``) to know which batches to replay.
+    """
+    path = params.paths.metrics / "clean.json"
+    if not path.exists():
+        raise StaleDecision(f"{path} missing: run `dvc repro` (clean) before registering")
+    clean = read_json(path)
+    if "batches" not in clean or "replay" not in clean:
+        raise StaleDecision(
+            f"{path} names no pool batches (an older clean wrote it); run `dvc repro` first"
+        )
+    return {
+        init_from.TAG_BATCHES: ",".join(clean["batches"]),
+        init_from.TAG_NEW_BATCHES: ",".join(clean["replay"]["new_batches"]),
+        init_from.TAG_REPLAY: str(clean["replay"]["fraction"]),
+    }
 
 
 def _locked_stages(repo: Path = Path()) -> list[str]:
@@ -460,6 +505,7 @@ def register_base(params: Params) -> Registration:
         TAG_BASE: params.model.base,
         tracking.TAG_COMMIT: git.commit,
         tracking.TAG_DIRTY: str(git.dirty).lower(),
+        init_from.TAG_BATCHES: "",  # trained on none of the pool
     }
     with mlflow.start_run(run_name="register-base", experiment_id=experiment_id) as run:
         info = mlflow.pyfunc.log_model(

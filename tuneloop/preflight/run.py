@@ -147,7 +147,9 @@ def run_preflight(
         lambda: check_vocab(shards, embedding_rows, len(tokenizer)),
         roundtrip,
         lambda: check_eval_contamination(
-            paths.clean / "train.jsonl", list(suites.questions(paths.eval_suites))
+            paths.clean / "train.jsonl",
+            # The fixed badcases are trained on by design (suites.held_out_questions).
+            list(suites.held_out_questions(paths.eval_suites, paths.fixed_badcases)),
         ),
         lambda: check_learning_rate(train.method, phase_rates(train)),
         lambda: check_warmup(train.warmup_ratio, plan.total_steps),

@@ -1,0 +1,25 @@
+"""Metrics of the fixed_badcases suite (loaded by lm-eval through the task YAML).
+
+- accuracy: the normalised answer equals the correction a person gave for the badcase, the
+  same test support_demo's accuracy makes. The gate reads it per item: 1 is "answered right".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+
+# The project's one normaliser: "the same answer" means what "the same text" means in clean.
+from tuneloop.text import normalise
+
+HERE = Path(__file__).parent
+
+
+def load(**_: object) -> datasets.DatasetDict:
+    # Resolved beside this file, so the suite runs from any working directory.
+    return datasets.DatasetDict({"test": datasets.Dataset.from_json(str(HERE / "test.jsonl"))})
+
+
+def process_results(doc: dict, results: list[str]) -> dict[str, object]:
+    return {"accuracy": float(normalise(results[0].strip()) == normalise(doc["answer"]))}

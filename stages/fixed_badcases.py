@@ -1,0 +1,57 @@
+"""Stage ``fixed_badcases``: the regression suite of corrections the champion trained on.
+
+Reads:  ``paths.pool`` records; ``metrics/init.json`` (the champion and the pool batches it
+        trained on, which the ``init`` stage reads from the registry).
+Writes: ``paths.fixed_badcases``/test.jsonl (one item per question: ``id``, ``question``,
+        ``answer`` = the newest correction, ``batch``, ``source``, ``arm``,
+        ``model_version``); ``metrics/fixed_badcases.json``.
+Params: ``paths.pool``, ``paths.fixed_badcases``, ``paths.metrics``.
+
+Where it sits in the graph, and why: after ``ingest`` (it reads the pool) and ``init`` (the
+champion), before ``evaluate``, which scores the champion and the candidate on it; the gate
+then counts the fixes the candidate broke (``tuneloop.fixed``, ``tuneloop.gate``). It is a
+stage, not part of ``evaluate``, so that the suite is a DVC out of its own: versioned month
+by month, runnable on its own with ``lm_eval --include_path eval/``, and redone only when the
+pool or the champion changed. It is not part of ``clean`` either: clean's output is what is
+trained on, and this suite is what the trained model is tested on. Clean does not
+decontaminate against it (``tuneloop.suites.held_out_questions``): its items are
+training data in the month they arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from tuneloop import fixed
+from tuneloop.io import read_json, write_jsonl
+from tuneloop.params import load_params
+from tuneloop.stage import logged_after, setup_logging, write_metrics
+
+STAGE = "fixed_badcases"
+log = logging.getLogger(__name__)
+
+
+def main() -> None:
+    setup_logging()
+    params = load_params()
+    with logged_after(STAGE, params):
+        init = params.paths.metrics / "init.json"
+        champion = read_json(init).get("champion") if init.exists() else None
+        batches = champion["batches"] if champion else []
+        suite = fixed.build(params.paths.pool, batches)
+        write_jsonl(params.paths.fixed_badcases / "test.jsonl", suite.items)
+        metrics = {
+            "items": len(suite.items),
+            "champion_version": champion["version"] if champion else None,
+            "champion_batches": batches,
+            "items_by_batch": dict(Counter(item["batch"] for item in suite.items)),
+            "items_by_source": dict(Counter(item["source"] for item in suite.items)),
+            "left_out": dict(suite.left_out),
+        }
+        write_metrics(params, STAGE, metrics)
+        log.info("fixed_badcases: %s", metrics)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The fixed-badcase regression suite: corrected production badcases stay fixed.
+
+A corrected badcase (a pooled ``badcase`` with a ``corrected_response``, mostly router
+feedback) is training data in the month it arrives. Once a model trained on its month is
+the champion, it becomes a regression test: an item of ``paths.fixed_badcases``, an lm-eval
+task like the other suites (its ``<suite>.yaml`` and ``utils.py`` are source, its
+``test.jsonl`` is written here, a DVC out of the ``fixed_badcases`` stage). The suite grows
+with every month the champion has trained on, and DVC versions each month's items.
+
+Which items count is decided at the gate, not here: the suite holds every correction from a
+pool batch the champion trained on (its ``tuneloop.data.batches`` tag, via ``metrics/init.json``),
+and ``tuneloop.gate`` counts as *fixed* only the items the champion answers right today
+(``gate.primary_metric`` 1 on the item). An item the champion gets wrong was never fixed for
+the model that serves, so a candidate cannot break it; each one the champion gets right and
+the candidate does not is a *broken fix*, and more than ``gate.max_broken_fixes`` of them
+fail the gate.
+
+An item is one question and its answer: the newest correction of a question wins (the shop's
+policy may have changed since), dated by the first batch that gave that answer. A badcase
+whose conversation is more than one user turn (or has a system turn) is left out and
+counted: an lm-eval item here is one question, and dropping the rest of the conversation
+would test something the user never asked.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tuneloop.io import read_jsonl
+from tuneloop.records import pool_batches
+from tuneloop.text import normalise
+
+log = logging.getLogger(__name__)
+
+ID_CHARS = 16
+
+
+@dataclass
+class Suite:
+    items: list[dict[str, Any]] = field(default_factory=list)
+    left_out: Counter[str] = field(default_factory=Counter)
+
+
+def build(pool: Path, champion_batches: Collection[str]) -> Suite:
+    """The suite's items: the newest correction of each question, from the champion's batches."""
+    seen = set(champion_batches)
+    latest: dict[str, dict[str, Any]] = {}  # normalised question -> item
+    suite = Suite()
+    for path in pool_batches(pool):
+        for record in read_jsonl(path):
+            if record["kind"] != "badcase" or record.get("corrected_response") is None:
+                continue
+            messages = record["messages"]
+            if len(messages) != 1 or messages[0]["role"] != "user":
+                suite.left_out["not_one_user_turn"] += 1
+                continue
+            question, answer = messages[0]["content"], record["corrected_response"]
+            key = normalise(question)
+            before = latest.get(key)
+            if before is not None and normalise(before["answer"]) == normalise(answer):
+                continue  # the same fix again: it dates from its first batch
+            if before is not None:
+                suite.left_out["superseded_by_a_newer_correction"] += 1
+            meta = record.get("meta") or {}
+            latest[key] = {
+                "id": record["id"][:ID_CHARS],
+                "question": question,
+                "answer": answer,
+                "batch": path.stem,
+                "source": str(meta.get("source") or "unknown"),
+                "arm": meta.get("arm"),
+                "model_version": meta.get("model_version"),
+            }
+    for item in latest.values():
+        if item["batch"] in seen:
+            suite.items.append(item)
+        else:
+            # Training data this month (the champion never trained on it): a test next month.
+            suite.left_out["not_trained_on_by_the_champion"] += 1
+    suite.items.sort(key=lambda item: (item["batch"], item["id"]))
+    return suite
