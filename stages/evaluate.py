@@ -4,6 +4,8 @@ Reads:  the base model; the registry's ``champion`` (``tracking.registered_model
         when there is one; ``paths.merged`` (the candidate); ``paths.fp8`` (its
         export); the business suites (``evaluate.suites``) and the general-capability
         suites (``evaluate.general_suites``) under ``paths.eval_suites`` or lm-eval's own;
+        the fixed-badcase suite (``paths.fixed_badcases``, champion and candidate only, and
+        ``metrics/fixed_badcases.json``: which champion it was built for);
         for the cards, ``metrics/{ingest,clean,train}.json``, ``paths.pool``, ``dvc.lock``
         and the newest watchdog summary under ``checkpoints/`` (reported, never judged).
 Writes: ``metrics/evaluate.json`` (model -> suite -> metric), ``metrics/eval-items/<model>.jsonl``
@@ -42,20 +44,40 @@ from tuneloop.gate import (
     CHAMPION,
     FP8,
     Directions,
+    GateError,
     Items,
     Scores,
     decide,
     plot,
     report,
 )
-from tuneloop.io import atomic_dir, write_json, write_text
+from tuneloop.io import atomic_dir, read_json, write_json, write_text
 from tuneloop.models import base_model_ref
-from tuneloop.params import load_params
+from tuneloop.params import Params, load_params
 from tuneloop.stage import setup_logging, write_metrics
 from tuneloop.tracking import stage_run
 
 STAGE = "evaluate"
 log = logging.getLogger(__name__)
+
+
+def fixed_suite(params: Params, champion: dict[str, str] | None) -> str | None:
+    """The fixed-badcase suite's name when it has items to score, else None.
+
+    The suite holds the corrections the champion of its ``fixed_badcases`` run trained on;
+    scored against another champion it would count fixes that model never made.
+    """
+    folder = params.paths.fixed_badcases
+    built = read_json(params.paths.metrics / "fixed_badcases.json")
+    if not built["items"]:
+        return None
+    version = (champion or {}).get("version")
+    if built["champion_version"] != version:
+        raise GateError(
+            f"{folder} was built for champion {built['champion_version']}, but the champion "
+            f"is {version} now; run `dvc repro` so the suite follows the champion"
+        )
+    return folder.name
 
 
 def main() -> None:
@@ -67,6 +89,7 @@ def main() -> None:
         champion = registry.find_alias(params.tracking.registered_model, registry.CHAMPION)
         could_not_run = scoring.unavailable(params.evaluate.general_suites, tasks)
         general = [s for s in params.evaluate.general_suites if s not in could_not_run]
+        fixed = fixed_suite(params, registry.describe(champion))
         scores: Scores = {}
         items: Items = {}
         directions: Directions = {}
@@ -78,7 +101,14 @@ def main() -> None:
             models |= {CANDIDATE: params.paths.merged, FP8: params.paths.fp8}
             for name, ref in models.items():
                 log.info("evaluate: scoring %s (%s) with %s", name, ref, kind)
-                scored = scoring.score(ref, params, tasks, kind, () if name == FP8 else general)
+                scored = scoring.score(
+                    ref,
+                    params,
+                    tasks,
+                    kind,
+                    () if name == FP8 else general,
+                    [fixed] if fixed and name in (CHAMPION, CANDIDATE) else [],
+                )
                 scores[name], items[name] = scored.scores, scored.items
                 directions |= scored.directions
                 could_not_run |= scored.not_judged
@@ -87,7 +117,13 @@ def main() -> None:
             for name, found in items.items():
                 scoring.write_items(folder / f"{name}.jsonl", found)
         decision = decide(
-            items, directions, params.gate, params.evaluate.suites, general, could_not_run
+            items,
+            directions,
+            params.gate,
+            params.evaluate.suites,
+            general,
+            could_not_run,
+            fixed,
         )
         decision["champion"] = registry.describe(champion)
         # Which merged folder was judged: registration refuses any other.

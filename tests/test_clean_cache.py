@@ -338,9 +338,7 @@ def test_seen_batches_are_replayed_at_the_share_and_new_ones_in_full(
     )
 
 
-def test_a_new_month_draws_a_new_replay_sample(
-    tmp_path: Path, tokenizer_folder: Path
-) -> None:
+def test_a_new_month_draws_a_new_replay_sample(tmp_path: Path, tokenizer_folder: Path) -> None:
     tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
     batches = [demo_lines(1, 90), demo_lines(2, 60), demo_lines(3, 60)]
     write_pool(tmp_path / "pool", batches[:2])
@@ -351,6 +349,8 @@ def test_a_new_month_draws_a_new_replay_sample(
     after = run(tmp_path, cache, tokenizer, seen=(month1,))
     assert after.report.cache["records_computed"] == len(batches[2])
     write_pool(tmp_path / "m1" / "pool", batches[:1])
-    month1_train = _lines(run(tmp_path / "m1", tmp_path / "m1" / "cache", tokenizer).files["train.jsonl"])
+    month1_train = _lines(
+        run(tmp_path / "m1", tmp_path / "m1" / "cache", tokenizer).files["train.jsonl"]
+    )
     # Another month, another share of month 1: over the months replay covers more of it.
     assert before & month1_train != _lines(after.files["train.jsonl"]) & month1_train

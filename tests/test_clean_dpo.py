@@ -44,20 +44,24 @@ CASES: dict[str, tuple[dict[str, Any], str, str]] = {
         "kept",
     ),
     "long": (
-        badcase("How long to return a kettle?", " ".join(str(i * 7919 % 10007) for i in range(150))),
+        badcase(
+            "How long to return a kettle?", " ".join(str(i * 7919 % 10007) for i in range(150))
+        ),
         "rejected_over_token_limit",
         "kept",
     ),
-    "same": (
-        badcase("kettle return time?", GOOD.upper()), "chosen_equals_rejected", "kept"
-    ),
+    "same": (badcase("kettle return time?", GOOD.upper()), "chosen_equals_rejected", "kept"),
     # The chat's own filters remove the pair with it, under the chat's reason.
     "short_fix": (
         badcase("kettle return days?", "[return] 7 days.", corrected="k"),
         "response_too_short",
         "response_too_short",
     ),
-    "eval": (badcase(EVAL_QUESTION, "[return] 7 days."), "eval_contamination", "eval_contamination"),
+    "eval": (
+        badcase(EVAL_QUESTION, "[return] 7 days."),
+        "eval_contamination",
+        "eval_contamination",
+    ),
     "no_fix": (
         badcase("kettle?", "[return] 7 days.", corrected=None),
         None,
@@ -73,9 +77,9 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
     return ChatTokenizer.from_folder(folder)
 
 
-def clean(tmp_path: Path, tokenizer: ChatTokenizer, records: list[dict[str, Any]]) -> tuple[
-    CleanReport, list[dict[str, Any]], list[dict[str, Any]]
-]:
+def clean(
+    tmp_path: Path, tokenizer: ChatTokenizer, records: list[dict[str, Any]]
+) -> tuple[CleanReport, list[dict[str, Any]], list[dict[str, Any]]]:
     write_pool(tmp_path / "pool", [[pool_line(r) for r in records]])
     out = tmp_path / "out"
     out.mkdir()
@@ -101,7 +105,9 @@ def test_each_pair_is_kept_or_removed_with_its_reason(
     assert dict(report.dpo_removed) == {reason: 1 for reason in expected_pairs}
     # A pair removed for its rejected side leaves its SFT chat (the correction) in training.
     questions = {c["messages"][0]["content"] for c in chats}
-    kept_chats = {case["messages"][0]["content"] for case, _, chat in CASES.values() if chat == "kept"}
+    kept_chats = {
+        case["messages"][0]["content"] for case, _, chat in CASES.values() if chat == "kept"
+    }
     assert questions == kept_chats
     removed = [chat for _, _, chat in CASES.values() if chat != "kept"]
     assert dict(report.removed) == {reason: removed.count(reason) for reason in removed}

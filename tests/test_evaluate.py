@@ -24,7 +24,18 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
-from stages import base, clean, evaluate, export, ingest, merge, pack, preflight, train
+from stages import (
+    base,
+    clean,
+    evaluate,
+    export,
+    fixed_badcases,
+    ingest,
+    merge,
+    pack,
+    preflight,
+    train,
+)
 from tests.helpers import ROOT, write_params
 from tuneloop import demo, gate, general, registry, scoring
 from tuneloop.gate import BASE, CANDIDATE, CHAMPION, FP8
@@ -82,7 +93,18 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         demo.seed_incoming(
             params.paths.incoming, params.demo.seed, params.demo.n_support, params.demo.n_badcases
         )
-        for stage in (base, ingest, clean, pack, preflight, train, merge, export, evaluate):
+        for stage in (
+            base,
+            ingest,
+            fixed_badcases,
+            clean,
+            pack,
+            preflight,
+            train,
+            merge,
+            export,
+            evaluate,
+        ):
             stage.main()
         yield folder
     finally:

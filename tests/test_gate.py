@@ -28,6 +28,7 @@ GATE = GateParams(
     fp8_max_drop=0.02,
     max_forgetting=0.05,
     max_slice_regression=None,
+    max_broken_fixes=3,
     confidence=0.95,
     bootstrap_samples=2000,
     seed=0,

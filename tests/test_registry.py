@@ -29,6 +29,7 @@ SUITE = "support_demo"
 DIRECTIONS = {SUITE: {"accuracy": True, "format_compliance": True, "hallucination_rate": False}}
 NAME = "tuneloop-support"
 ITEMS = 100
+BATCHES = ["20261001T020000000000Z", "20261101T020000000000Z"]
 
 
 def planted(candidate: float, champion: float | None = None) -> gate.Items:
@@ -106,6 +107,11 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             },
         }
         Path("dvc.lock").write_text(yaml.safe_dump(lock))
+        # What clean says the training set drew from: month 2 in full, month 1 replayed.
+        write_json(
+            params.paths.metrics / "clean.json",
+            {"batches": BATCHES, "replay": {"fraction": 0.25, "new_batches": BATCHES[1:]}},
+        )
         write_evaluation(params, planted(0.75), champion=None)
         yield folder
     finally:
@@ -142,6 +148,11 @@ def test_a_passed_candidate_is_registered_with_its_lineage_and_report(
     assert tags["dvc.dep.data/badcases/incoming"] == "in.dir"
     assert "dvc.dep.stages/merge.py" not in tags  # code is pinned by the commit
     assert tags["gate.passed"] == "true"
+    # Month over month: where training started, which pool batches, at what replay share.
+    assert tags[init_from.TAG] == "base"
+    assert tags[init_from.TAG_BATCHES] == ",".join(BATCHES)
+    assert tags[init_from.TAG_NEW_BATCHES] == BATCHES[1]
+    assert tags[init_from.TAG_REPLAY] == "0.25"
     assert version.description == (project / "reports/eval.md").read_text()
     logged = {a.path for a in store.list_artifacts(retrain.info.run_id, "evaluation")}
     assert logged == {
@@ -204,6 +215,8 @@ def test_init_from_champion_fetches_the_champion_once(project: Path) -> None:
     assert params.train.init_from == "champion"
     start = registry.resolve_start(params, params.paths.init)
     assert (start.source, start.model, start.version) == ("champion", NAME, "1")
+    # What the champion trained on, read back from its tags: clean replays these at a share.
+    assert start.batches == tuple(BATCHES)
     assert init_from.recorded(params) == start
     assert init_from.model_ref(params) == str(params.paths.init / "model")
     fetched = params.paths.init / "model" / "model.safetensors"
@@ -232,6 +245,18 @@ def test_init_from_base_ignores_the_champion(project: Path) -> None:
         assert first.source == "base" and "no 'champion' alias yet" in first.reason
     finally:
         store.set_registered_model_alias(NAME, registry.CHAMPION, "1")
+
+
+def test_a_candidate_without_clean_metrics_is_not_registered(project: Path) -> None:
+    params = load_params()
+    path = params.paths.metrics / "clean.json"
+    kept = path.read_bytes()
+    path.write_text(json.dumps({"train": 1}))  # from before clean named its batches
+    try:
+        with pytest.raises(registry.StaleDecision, match="names no pool batches"):
+            registry.data_tags(params)
+    finally:
+        path.write_bytes(kept)
 
 
 def test_a_champion_that_moved_after_the_gate_blocks_registration(project: Path) -> None:
@@ -286,6 +311,7 @@ def test_the_base_is_registered_as_the_first_champion_once(project: Path, tmp_pa
     champion = store.get_model_version_by_alias(NAME, registry.CHAMPION)
     assert str(champion.version) == done.version
     assert champion.tags[registry.TAG_BASE] == params.model.base
+    assert registry.champion_batches(champion) == ()  # the base trained on no pool batch
     served = registry.download_folder(champion, registry.MERGED, tmp_path)
     assert (served / "model.safetensors").read_bytes() == (
         params.paths.base_model / "model.safetensors"

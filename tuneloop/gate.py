@@ -20,6 +20,11 @@ The rules (params ``gate``), each a threshold on such a difference:
 - ``slice_regression`` (only when ``max_slice_regression`` is set): in every slice of a
   business suite (``evaluate.slices``), the candidate is behind its reference (the
   champion, else the base) by at most that much.
+- ``fixed_badcases``: of the fixed-badcase suite's items (``tuneloop.fixed``) the champion
+  answers right (``primary_metric`` 1 on the item), the candidate answers at most
+  ``max_broken_fixes`` wrong. A count over a known set, not an estimate, so no interval:
+  each broken fix is a regression a user reported once already. An empty suite (no
+  correction from a month the champion trained on yet) is a note, not a check.
 
 A check *passes* when its whole interval clears the threshold, *fails* when none of it
 does, and is otherwise *inconclusive*. The verdict is ``fail`` when any check fails,
@@ -309,10 +314,13 @@ def decide(
     suites: Sequence[str],
     general: Sequence[str] = (),
     could_not_run: Mapping[str, str] | None = None,
+    fixed_badcases: str | None = None,
 ) -> dict[str, Any]:
     """The gate's verdict on per-item ``items`` (``base``, ``candidate``, ``candidate-fp8``,
-    maybe ``champion``) over the business ``suites`` and the ``general`` suites, with every
-    check and comparison it made and a reason for each."""
+    maybe ``champion``) over the business ``suites``, the ``general`` suites and the
+    ``fixed_badcases`` suite (its name when it has items, scored for the champion and the
+    candidate; None when empty), with every check and comparison it made and a reason for
+    each."""
     for needed in (BASE, CANDIDATE, FP8):
         if needed not in items:
             raise GateError(f"evaluate: no scores for {needed!r} (got {sorted(items)})")
@@ -391,9 +399,83 @@ def decide(
                 comparisons.append(boot.compare(CANDIDATE, BASE, metric, higher))
             checks.append(_check("forgetting", kept, -gate.max_forgetting, False, boot.n, conf))
 
-    return _verdict(
+    fixed = None
+    if fixed_badcases is not None:
+        fixed = _fixed_badcases(items, fixed_badcases, gate)
+        checks.append(fixed.pop("check"))
+        counts[fixed_badcases] = fixed["items"]
+    decision = _verdict(
         gate, checks, comparisons, slices, counts, reference, general, could_not_run or {}
     )
+    decision["thresholds"]["max_broken_fixes"] = gate.max_broken_fixes
+    decision["fixed_badcases"] = fixed or {"suite": None, "items": 0, "status": "empty"}
+    if fixed is None:
+        decision["reasons"].append(
+            "fixed badcases: the suite is empty (no corrected badcase from a month the "
+            "champion trained on yet): nothing to keep fixed"
+        )
+    return decision
+
+
+# Item ids of broken fixes quoted in the decision; the per-item files hold them all.
+BROKEN_SHOWN = 20
+
+
+def _fixed_badcases(items: Items, suite: str, gate: GateParams) -> dict[str, Any]:
+    """Count the fixes the candidate broke: items the champion answers right, it does not."""
+    if CHAMPION not in items:
+        raise GateError(
+            f"suite {suite!r} has items but the registry has no champion to have fixed them; "
+            "rerun `dvc repro` so the fixed_badcases stage reads the registry again"
+        )
+    found = _aligned(items, suite, [CHAMPION, CANDIDATE])
+    metric = gate.primary_metric
+    if metric not in found[CANDIDATE].values:
+        raise GateError(
+            f"gate.primary_metric={metric!r} is not reported by suite {suite!r}; it reports "
+            f"{sorted(found[CANDIDATE].values)}"
+        )
+    champion, candidate = found[CHAMPION], found[CANDIDATE]
+    counted = (champion.weights[metric] > 0) & (candidate.weights[metric] > 0)
+    fixed = counted & (champion.values[metric] >= 1 - EPS)
+    broken = fixed & (candidate.values[metric] < 1 - EPS)
+    n_fixed, n_broken = int(fixed.sum()), int(broken.sum())
+    status = FAIL if n_broken > gate.max_broken_fixes else PASS
+    ids = [item for item, hit in zip(candidate.ids, broken.tolist(), strict=True) if hit]
+    reason = (
+        f"{suite}: the champion answers {n_fixed} of {len(candidate.ids)} corrected badcases "
+        f"right; the candidate breaks {n_broken} of them, allowed {gate.max_broken_fixes}: "
+        f"{status.upper()}"
+    )
+    if ids:
+        shown = ", ".join(ids[:BROKEN_SHOWN])
+        reason += f" (broken: {shown}{', ...' if len(ids) > BROKEN_SHOWN else ''})"
+    check = {
+        "suite": suite,
+        "metric": metric,
+        "slice": None,
+        "model": CANDIDATE,
+        "reference": CHAMPION,
+        "items": n_fixed,
+        "rule": "fixed_badcases",
+        "threshold": gate.max_broken_fixes,
+        "status": status,
+        "passed": status == PASS,
+        "blocking": status == FAIL,
+        "more_items": None,
+        "broken": n_broken,
+        "reason": reason,
+    }
+    return {
+        "suite": suite,
+        "items": len(candidate.ids),
+        "fixed_by_champion": n_fixed,
+        "broken": n_broken,
+        "broken_ids": ids,
+        "max_broken_fixes": gate.max_broken_fixes,
+        "status": status,
+        "check": check,
+    }
 
 
 def _aligned(items: Items, suite: str, models: list[str]) -> dict[str, SuiteItems]:
@@ -521,7 +603,7 @@ def report(scores: Scores, decision: dict[str, Any], directions: Directions) -> 
     general = set(decision["forgetting"]["suites"])
     pairs = [(CANDIDATE, BASE), (CANDIDATE, CHAMPION), (FP8, CANDIDATE)]
     for suite in scores[CANDIDATE]:
-        if suite in general:
+        if suite in general or suite == (decision.get("fixed_badcases") or {}).get("suite"):
             continue
         models = [m for m in scores if suite in scores[m]]
         shown = [(m, r) for m, r in pairs if m in models and r in models]
@@ -557,6 +639,16 @@ def report(scores: Scores, decision: dict[str, Any], directions: Directions) -> 
                         ]
                     )
                 )
+    fixed = decision.get("fixed_badcases") or {}
+    if fixed.get("suite"):
+        lines += [
+            "",
+            f"## Fixed badcases: {fixed['suite']} ({fixed['items']} items, "
+            f"max_broken_fixes {fixed['max_broken_fixes']})",
+            "",
+            f"The champion answers {fixed['fixed_by_champion']} right; the candidate breaks "
+            f"{fixed['broken']} of them: **{fixed['status']}**.",
+        ]
     forgetting = decision["forgetting"]
     if forgetting["suites"] or forgetting["could_not_run"]:
         budget = decision["thresholds"]["max_forgetting"]

@@ -102,18 +102,23 @@ def score(
     tasks: TaskManager,
     kind: str = "hf",
     general: Sequence[str] = (),
+    regression: Sequence[str] = (),
 ) -> Scored:
-    """Every metric of every business suite (and of the ``general`` suites) for one model,
-    per item, with each metric's direction, from lm-eval. The model loads once."""
+    """Every metric of every business suite (and of the ``general`` and ``regression``
+    suites) for one model, per item, with each metric's direction, from lm-eval. The model
+    loads once. Regression suites (the fixed badcases) run whole and are read as strictly as
+    business suites, without slices."""
     lm = get_model(kind).create_from_arg_obj(
         model_args(kind, model_ref),
         {"batch_size": params.evaluate.batch_size, "device": "cuda" if _cuda() else "cpu"},
     )
     scored = Scored()
-    runs = [(params.evaluate.suites, params.evaluate.limit, True)]
+    runs = [(tuple(params.evaluate.suites), params.evaluate.limit, True, True)]
     if general:
-        runs.append((tuple(general), params.evaluate.general_limit, False))
-    for suites, limit, business in runs:
+        runs.append((tuple(general), params.evaluate.general_limit, False, False))
+    if regression:
+        runs.append((tuple(regression), None, False, True))
+    for suites, limit, business, strict in runs:
         results = simple_evaluate(
             model=lm,
             tasks=list(suites),
@@ -127,7 +132,7 @@ def score(
             raise RuntimeError(f"evaluate: lm-eval returned no results for {model_ref}")
         for suite in suites:
             _read_suite(
-                results, suite, params.evaluate.slices if business else (), business, scored
+                results, suite, params.evaluate.slices if business else (), strict, scored
             )
     del lm
     gc.collect()  # a GPU backend holds its memory until the object is gone
