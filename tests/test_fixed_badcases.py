@@ -19,8 +19,8 @@ import pytest
 from stages import fixed_badcases
 from tests.helpers import ROOT, write_params
 from tests.test_clean_cache import PARAMS, pool_line, write_pool
-from tests.test_gate import DIRECTIONS, GATE, IDS, N, SUITE, right, suite
-from tuneloop import demo, fixed, suites, tiny
+from tests.test_gate import DIRECTIONS, GATE, IDS, SUITE, N, right, suite
+from tuneloop import demo, suites, tiny
 from tuneloop.chat import ChatTokenizer
 from tuneloop.cleancache import clean_pool
 from tuneloop.gate import BASE, CANDIDATE, CHAMPION, FP8, SuiteItems, decide, report, scores_of

@@ -387,9 +387,7 @@ def clean_pool(
             report.dpo_pairs += _copy_lines(f.dpo, f.dpo_offsets, has_pair[pair_kept], dpo)
             if segment.batch.stem in report.seen_batches:
                 report.replayed_pairs += int(pair_kept.sum())
-            for code, verdict, again in zip(
-                codes[has_pair], own, replayed[has_pair], strict=True
-            ):
+            for code, verdict, again in zip(codes[has_pair], own, replayed[has_pair], strict=True):
                 if code >= 2:
                     report.dpo_removed[REASONS[int(code) - 2]] += 1
                 elif verdict:

@@ -131,9 +131,7 @@ def score(
         if results is None:  # only on non-zero ranks of a distributed run, which this is not
             raise RuntimeError(f"evaluate: lm-eval returned no results for {model_ref}")
         for suite in suites:
-            _read_suite(
-                results, suite, params.evaluate.slices if business else (), strict, scored
-            )
+            _read_suite(results, suite, params.evaluate.slices if business else (), strict, scored)
     del lm
     gc.collect()  # a GPU backend holds its memory until the object is gone
     return scored
