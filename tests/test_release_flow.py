@@ -65,6 +65,8 @@ RELEASE = {
     "analyses_per_step": 1,
     "failure_limit": 2,
     "min_requests": 3,
+    "min_latency_samples": 3,
+    "min_ttft_samples": 1,
     "max_error_rate_increase": 0.05,
     "max_badcase_rate_increase": 0.05,
     # Two CPU backends on a busy 2-core runner differ by more than any real canary
