@@ -594,3 +594,55 @@ def test_a_crashed_or_cancelled_release_rolls_back_through_its_hooks(
     for status in statuses:
         reason = status["last_change"]["reason"]
         assert "brave-otter" in reason and "Crashed" in reason and "termination" in reason
+
+
+def test_too_few_requests_extend_the_interval_then_count_as_a_failure(
+    backends: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import logging
+
+    from mlflow.tracking import MlflowClient
+
+    from flows.release import Release, ReleaseLog
+
+    monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("t", (tmp_path / "a").as_uri())).info.run_id
+    # Loose latency limits: the two fake backends differ only by the runner's noise.
+    params = release_params(
+        min_requests=5,
+        min_latency_samples=5,
+        max_extensions=2,
+        max_latency_p99_ratio=100.0,
+        max_ttft_p99_ratio=100.0,
+    )
+    with routers(backends, tmp_path, 1) as urls, RouterAdmin(urls, TOKEN) as admin:
+        log = ReleaseLog(client, run_id, "run-1", logging.getLogger("test"))
+        release = Release(params, admin, log, "run-1")
+        release.shift(50, "test")
+        body = {"model": "tuneloop", "messages": [{"role": "user", "content": "hi"}]}
+
+        users = iter(range(10_000))
+
+        def send(n: int) -> None:
+            for _ in range(n):
+                httpx.post(
+                    f"{urls[0]}/v1/chat/completions",
+                    json={**body, "user": f"u{next(users)}"},
+                    trust_env=False,
+                ).raise_for_status()
+
+        outcomes = []
+        for _ in range(3):  # 2 requests an interval: neither arm gets to 5 in the three
+            send(2)
+            outcomes.append((release.analyse(50).outcome, release.extensions, release.failures))
+        send(40)  # a fresh interval with enough on both arms
+        last = release.analyse(50)
+    assert outcomes == [("inconclusive", 1, 0), ("inconclusive", 2, 0), ("inconclusive", 0, 1)]
+    assert last.outcome == "pass" and release.failures == 1
+    messages = [e["message"] for e in log.events if e["kind"] == "analysis"]
+    assert "INCONCLUSIVE, interval extended (1/2)" in messages[0]
+    assert "INCONCLUSIVE after every extension: FAIL" in messages[2]
+    metrics = client.get_run(run_id).data.metrics
+    assert metrics["release.analysis.error_rate.champion"] == 0.0
+    assert "release.analysis.latency_ms.p_value" in metrics

@@ -363,15 +363,17 @@ def rate_check(
     champion: tuple[int, int],
     max_increase: float,
     params: ReleaseParams,
+    alone: bool = False,
 ) -> Check:
     """Challenger's rate (events, requests) against the champion's, at most ``+max_increase``.
 
-    With no champion requests (the 100 % step) the challenger is held to
-    ``max_increase`` as an absolute rate, by an exact binomial test.
+    ``alone`` (the 100 % step, where the champion gets no requests): the
+    challenger is held to ``max_increase`` as an absolute rate, by an exact
+    binomial test.
     """
     (x1, n1), (x2, n2) = challenger, champion
     limit = f"<= champion + {max_increase}"
-    if n2 == 0:
+    if alone:
         limit = f"<= {max_increase} (no champion traffic)"
         if n1 < params.min_requests:
             return _too_few(name, limit, (n1, n2), params.min_requests)
@@ -392,15 +394,17 @@ def distribution_check(
     max_ratio: float,
     minimum: int,
     alpha: float,
+    alone: bool = False,
 ) -> Check:
     """p99 of the challenger's times at most ``max_ratio`` x the champion's; the evidence that
     the challenger is slower is a one-sided Mann-Whitney U test (as Kayenta's judge uses).
 
-    No samples on either arm, or none on the champion's (the 100 % step): skipped.
+    No samples on either arm (no streamed request has a TTFT), or ``alone`` (the
+    100 % step: no champion to compare with): skipped.
     """
     n = (len(challenger), len(champion))
     limit = f"p99 <= {max_ratio} x champion"
-    if n == (0, 0) or n[1] == 0:
+    if n == (0, 0) or alone:
         return Check(name, None, None, limit, None, samples=n)
     if min(n) < minimum:
         return _too_few(name, limit, n, minimum)
@@ -422,6 +426,7 @@ def analyse(traffic: Traffic, params: ReleaseParams, expected_percent: int) -> V
     (a manual rollback): ``interrupted``.
     """
     ch, champ = traffic.arms["challenger"], traffic.arms["champion"]
+    alone = expected_percent == 100
     weight = Check(
         WEIGHT_CHECK,
         float(traffic.challenger_percent),
@@ -437,6 +442,7 @@ def analyse(traffic: Traffic, params: ReleaseParams, expected_percent: int) -> V
             (champ.errors, champ.requests),
             params.max_error_rate_increase,
             params,
+            alone,
         ),
         rate_check(
             "badcase_rate",
@@ -444,6 +450,7 @@ def analyse(traffic: Traffic, params: ReleaseParams, expected_percent: int) -> V
             (champ.badcases, champ.requests),
             params.max_badcase_rate_increase,
             params,
+            alone,
         ),
         distribution_check(
             "latency_ms",
@@ -452,6 +459,7 @@ def analyse(traffic: Traffic, params: ReleaseParams, expected_percent: int) -> V
             params.max_latency_p99_ratio,
             params.min_latency_samples,
             params.alpha,
+            alone,
         ),
         distribution_check(
             "ttft_ms",
@@ -460,6 +468,7 @@ def analyse(traffic: Traffic, params: ReleaseParams, expected_percent: int) -> V
             params.max_ttft_p99_ratio,
             params.min_ttft_samples,
             params.alpha,
+            alone,
         ),
     )
     return Verdict.of(checks)
