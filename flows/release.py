@@ -11,17 +11,26 @@ Reads the registry's ``challenger`` and ``champion`` versions of
 2. **Load test** before the first traffic: candidate and champion backends,
    called directly, on median TTFT and output throughput
    (``release.loadtest``); a regression past the thresholds blocks the release.
-3. **Each step**: set the weight, then analyse every ``analysis_interval``
-   seconds (challenger against champion: error rate, p99 latency and TTFT,
-   badcase rate) until ``analyses_per_step`` have passed. Failed analyses are
-   counted over the whole release; at ``failure_limit`` the flow rolls back by
-   itself. Analysis goes on while the flow waits for a person.
-4. **Before every increase** the flow pauses for a person
+3. **Shadow step** (optional, ``release.shadow_percent`` > 0): the routers
+   mirror that share of users' requests to the challenger; users get the
+   champion's answer only. Every ``analysis_interval`` the two arms' answers to
+   the same requests are compared (errors, latency, the suites' answer format,
+   length, the suites' scores on their own questions) until
+   ``analyses_per_step`` have passed; only then does the first canary step start.
+4. **Each step**: set the weight, then analyse every ``analysis_interval``
+   seconds (challenger against champion on the interval's own requests: error
+   and badcase rates by a two-proportion test, latency and TTFT by Mann-Whitney;
+   ``tuneloop.release.analysis``) until ``analyses_per_step`` have passed. An
+   inconclusive analysis extends its interval (``max_extensions``), then counts
+   as failed. Failed analyses are counted over the whole release; at
+   ``failure_limit`` the flow rolls back by itself. Analysis goes on while the
+   flow waits for a person.
+5. **Before every increase** the flow pauses for a person
    (``pause_flow_run(wait_for_input=...)``): approve (optionally choosing the
    next percent) or reject, with name and comment, from the Prefect UI or
    ``tuneloop approve|reject``. The answer is validated again here. Reject, or
    no answer within ``approval_timeout``, rolls back; it never ramps.
-5. **At 100 %**, after its analyses pass, **promote**: alias ``champion`` moves
+6. **At 100 %**, after its analyses pass, **promote**: alias ``champion`` moves
    to the candidate, ``previous-champion`` marks the old one (kept, for an
    instant return), ``challenger`` is removed.
 
@@ -64,6 +73,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -84,24 +94,26 @@ from prefect.states import Failed, State
 from tuneloop import tracking
 from tuneloop.params import Params, ReleaseParams, load_params, with_overrides
 from tuneloop.registry import CHALLENGER, CHAMPION, PREVIOUS, find_alias, promote
-from tuneloop.release.admin import AdminError, LeaseKeeper, RouterAdmin
+from tuneloop.release import shadow as suite_judges
+from tuneloop.release.admin import AdminError, Batch, Cursor, LeaseKeeper, RouterAdmin
 from tuneloop.release.analysis import (
+    WEIGHT_CHECK,
     Approval,
     Check,
     InvalidAnswer,
-    Snapshot,
     StatsError,
     Verdict,
     analyse,
+    analyse_shadow,
     approval_poll_seconds,
     compare_load,
-    interval,
-    merge,
     next_step,
-    parse_stats,
+    read_pairs,
+    tally,
     validate_answer,
 )
 from tuneloop.release.loadtest import load_test
+from tuneloop.release.shadow import Judges
 
 # The approver name the flow answers its own pause with when analysis rolls back.
 CONTROLLER = "tuneloop-release-controller"
@@ -209,26 +221,40 @@ def candidate_run(client: MlflowClient, version: ModelVersion, params: Params, l
 
 @dataclass
 class Release:
-    """What the flow and its analysis thread share while one release is under way."""
+    """What the flow and its analysis thread share while one release is under way.
+
+    ``pending``: the items (requests, or shadow pairs) of the interval being
+    analysed; an inconclusive analysis keeps them and extends the interval.
+    """
 
     params: ReleaseParams
     admin: RouterAdmin
     log: ReleaseLog
     flow_run_id: str
-    baseline: Snapshot | None = None
+    judges: Judges | None = None
     analyses: int = 0
     failures: int = 0
+    extensions: int = 0
     rolled_back: str | None = None
     rollback_seconds: float | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    pending: list[dict[str, Any]] = field(default_factory=list)
+    dropped: int = 0
+    samples: Cursor = field(init=False)
+    pairs: Cursor = field(init=False)
 
-    def read_stats(self) -> Snapshot:
-        return merge([parse_stats(s) for s in self.admin.stats().values()])
+    def __post_init__(self) -> None:
+        self.samples = Cursor(self.admin, "/admin/samples")
+        self.pairs = Cursor(self.admin, "/admin/shadow")
+
+    def _new_interval(self) -> None:
+        self.pending, self.dropped, self.extensions = [], 0, 0
 
     def shift(self, percent: int, reason: str) -> None:
         self.admin.set_weight(percent, reason)
         # Intervals are measured from here: traffic before the shift is not this step's.
-        self.baseline = self.read_stats()
+        self.samples.skip()
+        self._new_interval()
         self.log.record(
             "shift",
             f"challenger -> {percent} % ({reason})",
@@ -237,65 +263,154 @@ class Release:
         )
         self.history.append({"kind": "shift", "percent": percent})
 
-    def analyse(self, percent: int) -> Verdict:
-        """One analysis of the traffic since the last one, rolling back when it must.
+    def shadow(self, percent: int, reason: str) -> None:
+        self.admin.set_shadow(percent, reason)
+        self.pairs.skip()
+        self._new_interval()
+        self.log.record(
+            "shadow",
+            f"{percent} % of users mirrored to the challenger, its answers seen by nobody "
+            f"({reason})",
+            {"shadow_percent": float(percent)},
+            percent=percent,
+        )
+        self.history.append({"kind": "shadow", "percent": percent})
 
-        A failure counts toward ``failure_limit``. The rollback comes before any
-        bookkeeping, so that MLflow writes never delay it.
+    def _read(self, cursor: Cursor) -> Batch:
+        batch = cursor.read()
+        self.pending.extend(batch.items)
+        self.dropped += batch.dropped
+        if batch.restarted:
+            self.log.record(
+                "router_restarted", f"{batch.restarted} restarted; read again", warn=True
+            )
+        if len(batch.percents) > 1:
+            raise StatsError(
+                f"router replicas disagree on challenger_percent ({sorted(batch.percents)}); "
+                "a weight change reached only some of them: set it again or roll back"
+            )
+        return batch
+
+    def analyse(self, percent: int) -> Verdict:
+        """One analysis of the canary's requests since the last decided one."""
+
+        def judge() -> tuple[Verdict, dict[str, Any]]:
+            batch = self._read(self.samples)
+            current = next(iter(batch.percents), percent)
+            traffic = tally(self.pending, current, self.dropped)
+            metrics: dict[str, float] = {}
+            for arm, figures in traffic.arms.items():
+                metrics[f"{arm}.requests"] = float(figures.requests)
+            if traffic.challenger_share is not None:
+                metrics["analysis.challenger_share"] = traffic.challenger_share
+            fields = {
+                "challenger_share": traffic.challenger_share,
+                "requests": {arm: f.requests for arm, f in traffic.arms.items()},
+            }
+            return analyse(traffic, self.params, percent), {"metrics": metrics, **fields}
+
+        return self._analysis(f"{percent} %", percent, judge)
+
+    def analyse_shadow(self) -> Verdict:
+        """One analysis of the mirrored requests' answer pairs since the last decided one."""
+        shadow_percent = self.params.shadow_percent
+
+        def judge() -> tuple[Verdict, dict[str, Any]]:
+            batch = self._read(self.pairs)
+            judges = self.judges
+            verdict = analyse_shadow(
+                read_pairs(self.pending),
+                self.params,
+                None if judges is None else judges.compliant,
+                None if judges is None else judges.score,
+            )
+            expected = {shadow_percent} if shadow_percent else set()
+            if batch.shadows - expected or batch.percents - {0}:
+                # Rolled back, or moved by someone else: the shadow step must stop.
+                moved = Check(
+                    WEIGHT_CHECK,
+                    float(max(batch.percents | {0})),
+                    None,
+                    f"== 0 with shadow {shadow_percent} % (set by this release); the router "
+                    f"has shadow {sorted(batch.shadows)}",
+                    False,
+                )
+                verdict = Verdict.of((moved, *verdict.checks), verdict.figures)
+            return verdict, {"metrics": {}, "pairs": len(self.pending)}
+
+        return self._analysis("shadow", 0, judge)
+
+    def _analysis(
+        self, where: str, percent: int, judge: Callable[[], tuple[Verdict, dict[str, Any]]]
+    ) -> Verdict:
+        """Judge, count, extend or roll back, and record: shared by canary and shadow steps.
+
+        An inconclusive analysis keeps its interval's items and extends it, up to
+        ``max_extensions`` times; then it counts as a failure. A failure counts
+        toward ``failure_limit``. The rollback comes before any bookkeeping, so that
+        MLflow writes never delay it.
         """
         self.analyses += 1
         try:
-            after = self.read_stats()
+            verdict, extra = judge()
         except (AdminError, StatsError) as error:
             verdict = Verdict(
-                False, (Check(f"router_stats ({error})", None, None, "readable", False),)
+                False, (Check(f"router_samples ({error})", None, None, "readable", False),)
             )
-            window = None
+            extra = {"metrics": {}}
+        outcome = verdict.outcome
+        extend = outcome == "inconclusive" and self.extensions < self.params.max_extensions
+        if extend:
+            self.extensions += 1
+            limit = self.params.max_extensions
+            label = f"INCONCLUSIVE, interval extended ({self.extensions}/{limit})"
         else:
-            window = interval(self.baseline or after, after)
-            self.baseline = after
-            verdict = analyse(window, self.params, percent)
-        if not verdict.passed:
-            self.failures += 1
+            if not verdict.passed:
+                self.failures += 1
+            label = {"pass": "PASS", "fail": "FAIL"}.get(
+                outcome, "INCONCLUSIVE after every extension: FAIL"
+            )
+            self._new_interval()
         reason = self.must_roll_back(verdict)
         if reason is not None:
             self.roll_back(reason)
         metrics = {
             "analysis.passed": float(verdict.passed),
+            "analysis.inconclusive": float(outcome == "inconclusive"),
             "analysis.failures": float(self.failures),
+            **extra.pop("metrics"),
+            **{k: float(v) for k, v in verdict.figures.items()},
         }
-        if window is not None:
-            share = window.challenger_share
-            if share is not None:
-                metrics["analysis.challenger_share"] = share
-            for arm, figures in window.arms.items():
-                metrics[f"{arm}.requests"] = float(figures.requests)
-                for name in ("error_rate", "badcase_rate", "latency_p99_ms", "ttft_p99_ms"):
-                    value = getattr(figures, name)
-                    if value is not None:
-                        metrics[f"{arm}.{name}"] = float(value)
+        for check in verdict.checks:
+            for key, value in (
+                ("challenger", check.challenger),
+                ("champion", check.champion),
+                ("p_value", check.p_value),
+            ):
+                if value is not None and check.name != WEIGHT_CHECK:
+                    metrics[f"analysis.{check.name}.{key}"] = float(value)
         summary = "; ".join(verdict.reasons)
         self.log.record(
-            "analysis",
-            f"#{self.analyses} at {percent} %: {'PASS' if verdict.passed else 'FAIL'} "
+            "shadow_analysis" if where == "shadow" else "analysis",
+            f"#{self.analyses} at {where}: {label} "
             f"(failures {self.failures}/{self.params.failure_limit}): {summary}",
             metrics,
             step=self.analyses,
             warn=not verdict.passed,
             percent=percent,
             number=self.analyses,
-            challenger_share=None if window is None else window.challenger_share,
+            extended=extend,
+            **extra,
             **verdict.as_dict(),
         )
         self.history.append(
             {
-                "kind": "analysis",
+                "kind": "shadow_analysis" if where == "shadow" else "analysis",
                 "percent": percent,
                 "passed": verdict.passed,
-                "challenger_share": None if window is None else window.challenger_share,
-                "requests": None
-                if window is None
-                else {arm: f.requests for arm, f in window.arms.items()},
+                "outcome": outcome,
+                "extended": extend,
+                **{k: v for k, v in extra.items() if k in ("challenger_share", "requests")},
             }
         )
         return verdict
@@ -378,6 +493,17 @@ def shift_traffic(release: Release, percent: int, reason: str) -> None:
 def hold_and_analyse(release: Release, percent: int) -> Verdict:
     time.sleep(release.params.analysis_interval)
     return release.analyse(percent)
+
+
+@task(task_run_name="shadow {percent} %", cache_policy=NONE, retries=0)
+def set_shadow(release: Release, percent: int, reason: str) -> None:
+    release.shadow(percent, reason)
+
+
+@task(task_run_name="shadow analysis", cache_policy=NONE, retries=0)
+def hold_and_analyse_shadow(release: Release) -> Verdict:
+    time.sleep(release.params.analysis_interval)
+    return release.analyse_shadow()
 
 
 # --- the person in the loop --------------------------------------------------------------------
@@ -612,8 +738,11 @@ def release(
             champion_version=pv,
             reason="",
         )
+        judges = None
+        if rp.shadow_percent:
+            judges = suite_judges.judges(params.paths.eval_suites, params.evaluate.suites)
         with RouterAdmin.from_env(rp.routers, rp.admin_token_env) as admin:
-            run = Release(rp, admin, log, flow_run_id)
+            run = Release(rp, admin, log, flow_run_id, judges)
             try:
                 arms = _check_routers(admin, cv, pv)
             except (ReleaseRefused, AdminError) as error:
@@ -656,6 +785,16 @@ def release(
 def _ramp(run: Release, name: str, versions: tuple[str, str], client: MlflowClient) -> Any:
     """Steps, analyses, approvals: the body of the release once traffic may move."""
     rp = run.params
+    if rp.shadow_percent:
+        # Only a passing shadow step leads to the first canary step.
+        set_shadow(run, rp.shadow_percent, "shadow step")
+        passes = 0
+        while passes < rp.analyses_per_step:
+            verdict = hold_and_analyse_shadow(run)
+            if run.rolled_back is not None:
+                return _end(run, "rolled_back", "shadow step: " + run.rolled_back)
+            passes += verdict.passed
+        set_shadow(run, 0, f"shadow step passed {passes} analyses")
     percent = rp.steps[0]
     shift_traffic(run, percent, "canary")
     while True:

@@ -85,6 +85,23 @@ class Limits(_Frozen):
         return self
 
 
+class ShadowConfig(_Frozen):
+    """Mirroring to the challenger during a release's shadow step (set by ``/admin/shadow``)."""
+
+    memory: int = Field(
+        default=10_000, ge=10, description="answer pairs kept for the analysis (GET /admin/shadow)"
+    )
+    text_chars: int = Field(
+        default=4096, ge=64, description="each answer's text kept for scoring, at most"
+    )
+    concurrency: int = Field(
+        default=32,
+        ge=1,
+        description="mirrored requests in flight at once; beyond it a request is not mirrored, "
+        "so a slow challenger never queues up work for nobody",
+    )
+
+
 class RouterConfig(_Frozen):
     public_model: str = Field(
         default="tuneloop", min_length=1, description="the model name clients ask for"
@@ -104,6 +121,13 @@ class RouterConfig(_Frozen):
     stats_window: int = Field(
         default=2048, ge=10, description="recent requests per arm that percentiles are taken over"
     )
+    sample_memory: int = Field(
+        default=50_000,
+        ge=100,
+        description="finished requests kept for the release's analysis (GET /admin/samples); "
+        "an analysis interval's traffic on all arms must fit, or its oldest requests are lost",
+    )
+    shadow: ShadowConfig = ShadowConfig()
     feedback_producers: tuple[FeedbackProducer, ...] = Field(
         default=(), description="who may POST /v1/feedback; none configured: nobody may"
     )

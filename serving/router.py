@@ -21,7 +21,12 @@ Nginx split, a Gateway API weighted route, a generic LLM gateway):
   badcase record charged to the right model and written where next month's
   ingest reads it (``serving.attribution``, ``serving.feedback``);
 - per-arm errors, latency, time to first token and badcases for the release
-  controller's analysis, and a rollback that holds from the very next request;
+  controller's analysis, per request and read by cursor (``serving.samples``),
+  and a rollback that holds from the very next request;
+- **shadow traffic**: during a release's shadow step a share of the champion's
+  requests is mirrored to the challenger in the background; the user gets the
+  champion's answer only, and both answers are kept side by side for the
+  analysis to score (``/admin/shadow``);
 - **guards of its own** while a release holds its lease (``/admin/lease``): a
   lease that is not renewed, or a burst of challenger errors, sets the
   challenger to 0 % in the router itself, with no controller alive to ask.
@@ -40,6 +45,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -52,7 +58,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import httpx
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -68,6 +74,17 @@ from serving.feedback import (
 )
 from serving.limits import Refused, parse_json, read_body
 from serving.metrics import ArmStats, ErrorKind, new_stats, render_prometheus
+from serving.samples import (
+    MAX_PAGE,
+    Answer,
+    Ring,
+    Sample,
+    SampleLog,
+    ShadowPair,
+    completion_text,
+    prompt_text,
+    stream_text,
+)
 from serving.state import (
     ErrorBurst,
     FastFail,
@@ -90,6 +107,10 @@ FEEDBACK = "/v1/feedback"
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # How often the router looks at its lease when none is about to lapse.
 LEASE_TICK_S = 0.5
+# A failing backend is reported at most this often (with a count), not once per request.
+BACKEND_WARN_EVERY_S = 10.0
+# Bytes of a streamed champion answer kept to assemble its text: SSE costs ~50x the text.
+SSE_BYTES_PER_CHAR = 64
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -120,6 +141,8 @@ class RouterState:
     config: RouterConfig
     challenger_percent: int
     stats: dict[str, ArmStats]
+    samples: SampleLog
+    shadow: Ring[ShadowPair]
     writer: FeedbackWriter
     ids: RequestIds
     flagged_ids: SeenKeys
@@ -130,6 +153,11 @@ class RouterState:
     lease: Lease | None = None
     burst: ErrorBurst | None = None
     rollbacks: int = 0
+    shadow_percent: int = 0
+    shadow_skipped: int = 0  # requests not mirrored because `shadow.concurrency` were in flight
+    mirrors: set[asyncio.Task[None]] = field(default_factory=set)
+    backend_failures: Counter[tuple[str, str]] = field(default_factory=Counter)
+    backend_warned: dict[tuple[str, str], float] = field(default_factory=dict)
     refused: Counter[tuple[str, int]] = field(default_factory=Counter)
     admin_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     background: set[asyncio.Task[None]] = field(default_factory=set)
@@ -161,6 +189,11 @@ class RollbackRequest(_Body):
 class FastFailRule(_Body):
     window: int = Field(ge=1, le=10_000)
     max_errors: int = Field(ge=1, le=10_000)
+
+
+class ShadowRequest(_Body):
+    percent: int = Field(ge=0, le=100, description="share of users whose requests are mirrored")
+    reason: str = Field(default="", max_length=1000)
 
 
 class LeaseRequest(_Body):
@@ -223,6 +256,8 @@ def create_app(config: RouterConfig) -> FastAPI:
         config=config,
         challenger_percent=config.challenger_percent,
         stats=new_stats(ARMS, config.stats_window),
+        samples=SampleLog(config.sample_memory),
+        shadow=Ring(config.shadow.memory),
         writer=FeedbackWriter(config.feedback_dir),
         ids=RequestIds(secret or None, config.request_id_max_age_s),
         flagged_ids=SeenKeys(config.flag_memory),
@@ -307,6 +342,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         """Challenger to 0 at once, lease and burst watch dropped; the caller saves it."""
         before = state.challenger_percent
         state.challenger_percent = 0
+        state.shadow_percent = 0
         state.rollbacks += 1
         set_lease(None)
         record_change(action, before, 0, reason, operator)
@@ -363,6 +399,9 @@ def create_app(config: RouterConfig) -> FastAPI:
             yield
         finally:
             watcher.cancel()
+            # Mirrors are answers nobody waits for: not worth a slow shutdown.
+            for mirror in list(state.mirrors):
+                mirror.cancel()
             for task in list(state.background):
                 await task
             for client in state.clients.values():
@@ -477,12 +516,18 @@ def create_app(config: RouterConfig) -> FastAPI:
         if user is not None and not isinstance(user, str):
             raise Refused(400, "'user' must be a string", "invalid_body")
         # Anonymous requests spread by weight too, just without stickiness.
-        arm = arm_for_bucket(bucket(user or uuid.uuid4().hex), state.challenger_percent)
+        user_bucket = bucket(user or uuid.uuid4().hex)
+        arm = arm_for_bucket(user_bucket, state.challenger_percent)
         arm_config = config.arms[arm]
+        # Buckets [0, shadow %) are mirrored: the users the first canary step will serve.
+        pair = None
+        if arm == "champion" and user_bucket < state.shadow_percent:
+            pair = start_mirror(body, path)
         body["model"] = arm_config.model
         request_id = state.ids.issue(arm, arm_config.model_version, user)
         stats = state.stats[arm]
         stats.requests += 1
+        sample = state.samples.open(request_id, arm)
 
         client = state.clients[arm]
         upstream = client.build_request(
@@ -496,10 +541,16 @@ def create_app(config: RouterConfig) -> FastAPI:
         start = time.perf_counter()
         try:
             response = await client.send(upstream, stream=stream)
-        except httpx.TimeoutException as error:
-            return _backend_failed(stats, arm, "timeout", error, 504)
         except httpx.TransportError as error:
-            return _backend_failed(stats, arm, "connect", error, 502)
+            kind: ErrorKind = "timeout" if isinstance(error, httpx.TimeoutException) else "connect"
+            status = 504 if kind == "timeout" else 502
+            backend_failed(arm, kind, error)
+            finish(sample, request_id, path, status, None, kind)
+            if pair is not None:
+                settle(pair, "champion", Answer(error=kind, status=status))
+            reply = openai_error(status, f"{arm} backend {kind}: {error}", "backend_error", kind)
+            reply.headers.update(reply_headers)
+            return reply
 
         failed = response.status_code >= 500
         if failed:
@@ -510,56 +561,164 @@ def create_app(config: RouterConfig) -> FastAPI:
             payload = response.content if not stream else await response.aread()
             if stream:
                 await response.aclose()
-            stats.latency.observe(time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            stats.latency.observe(elapsed)
             if arm == "challenger":
                 observe_challenger(failed)
+            error_kind: ErrorKind | None = "http_5xx" if failed else None
+            finish(sample, request_id, path, response.status_code, elapsed, error_kind)
+            if pair is not None:
+                ok = response.status_code == 200
+                text = completion_text(payload) if ok else None
+                settle(
+                    pair,
+                    "champion",
+                    Answer(capped(text), elapsed if ok else None, error_kind, response.status_code),
+                )
             return Response(
                 payload, response.status_code, headers=reply_headers, media_type=media_type
             )
         return StreamingResponse(
-            _relay(response, stats, arm, start),
+            _relay(response, stats, arm, start, sample, request_id, path, pair),
             status_code=response.status_code,
             headers=reply_headers,
             media_type=media_type,
         )
 
-    def _backend_failed(
-        stats: ArmStats, arm: str, kind: ErrorKind, error: Exception, status: int
-    ) -> JSONResponse:
-        stats.errors[kind] += 1
-        logger.warning("%s backend %s: %s", arm, kind, error)
+    def finish(
+        sample: Sample,
+        request_id: str,
+        path: str,
+        status: int,
+        elapsed: float | None,
+        error: ErrorKind | None,
+    ) -> None:
+        """The request's sample into the ring; latency only for an answer (errors are counted)."""
+        sample.latency_s = elapsed if error is None else None
+        sample.error = error
+        state.samples.close(sample)
+        if not logger.isEnabledFor(logging.DEBUG):
+            return
+        logger.debug(
+            "%s %s -> %s %d %s%s",
+            path,
+            request_id,
+            sample.arm,
+            status,
+            "-" if elapsed is None else f"{elapsed * 1000:.1f} ms",
+            f" {error}" if error else "",
+        )
+
+    def backend_failed(arm: str, kind: ErrorKind, error: Exception) -> None:
+        state.stats[arm].errors[kind] += 1
         if arm == "challenger":
             observe_challenger(True)
-        return openai_error(status, f"{arm} backend {kind}: {error}", "backend_error", kind)
+        # Once per arm and kind every BACKEND_WARN_EVERY_S, with a count: a dead
+        # backend under load must not write a line per request.
+        key = (arm, kind)
+        state.backend_failures[key] += 1
+        now = time.monotonic()
+        if now - state.backend_warned.get(key, -math.inf) >= BACKEND_WARN_EVERY_S:
+            count = state.backend_failures.pop(key)
+            state.backend_warned[key] = now
+            logger.warning(
+                "%s backend %s: %s (%d such failure(s) since the last warning)",
+                arm,
+                kind,
+                error,
+                count,
+            )
+
+    # --- shadow: a copy of the request to the challenger, its answer seen by nobody ---
+
+    def capped(text: str | None) -> str | None:
+        return None if text is None else text[: config.shadow.text_chars]
+
+    def start_mirror(body: dict[str, Any], path: str) -> ShadowPair | None:
+        if len(state.mirrors) >= config.shadow.concurrency:
+            state.shadow_skipped += 1
+            return None
+        pair = ShadowPair(prompt_text(body)[: config.shadow.text_chars])
+        # Not streamed: the whole answer is what gets scored, and nobody reads it as it comes.
+        copy = {**body, "model": config.arms["challenger"].model, "stream": False}
+        copy.pop("stream_options", None)
+        task = asyncio.get_running_loop().create_task(mirror(pair, copy, path))
+        state.mirrors.add(task)
+        task.add_done_callback(state.mirrors.discard)
+        return pair
+
+    async def mirror(pair: ShadowPair, body: dict[str, Any], path: str) -> None:
+        answer = Answer()
+        start = time.perf_counter()
+        try:
+            response = await state.clients["challenger"].post(
+                urls["challenger", path],
+                content=json.dumps(body).encode("utf-8"),
+                headers={"content-type": "application/json", "x-tuneloop-shadow": "1"},
+            )
+        except httpx.TransportError as error:
+            answer.error = "timeout" if isinstance(error, httpx.TimeoutException) else "connect"
+            logger.debug("shadow request to the challenger: %s: %s", answer.error, error)
+        else:
+            answer.status = response.status_code
+            if response.status_code >= 500:
+                answer.error = "http_5xx"
+            elif response.status_code == 200:
+                answer.text = capped(completion_text(response.content))
+                answer.latency_s = time.perf_counter() - start
+        settle(pair, "challenger", answer)
+
+    def settle(pair: ShadowPair, arm: str, answer: Answer) -> None:
+        setattr(pair, arm, answer)
+        pair.pending -= 1
+        if pair.pending == 0:
+            state.shadow.append(pair)
 
     async def _relay(
-        response: httpx.Response, stats: ArmStats, arm: str, start: float
+        response: httpx.Response,
+        stats: ArmStats,
+        arm: str,
+        start: float,
+        sample: Sample,
+        request_id: str,
+        path: str,
+        pair: ShadowPair | None,
     ) -> AsyncIterator[bytes]:
         first = True
         finished = False
+        error_kind: ErrorKind | None = None
+        kept = bytearray()
+        keep = config.shadow.text_chars * SSE_BYTES_PER_CHAR if pair is not None else 0
         try:
             async for chunk in response.aiter_bytes():
                 if first:
-                    stats.ttft.observe(time.perf_counter() - start)
+                    sample.ttft_s = time.perf_counter() - start
+                    stats.ttft.observe(sample.ttft_s)
                     first = False
+                if len(kept) < keep:
+                    kept += chunk
                 yield chunk
             finished = True
         except httpx.TransportError as error:
             # Headers are already sent, so the status cannot change any more: end
             # the stream with an OpenAI-style error event, which clients raise.
-            kind: ErrorKind = "timeout" if isinstance(error, httpx.TimeoutException) else "connect"
-            stats.errors[kind] += 1
-            if arm == "challenger":
-                observe_challenger(True)
-            logger.warning("%s backend %s mid-stream: %s", arm, kind, error)
-            event = {"error": {"message": f"{arm} backend {kind}: {error}", "type": kind}}
+            error_kind = "timeout" if isinstance(error, httpx.TimeoutException) else "connect"
+            backend_failed(arm, error_kind, error)
+            message = f"{arm} backend {error_kind}: {error}"
+            event = {"error": {"message": message, "type": error_kind}}
             yield f"data: {json.dumps(event)}\n\n".encode()
         finally:
             await response.aclose()
-            if finished:
-                stats.latency.observe(time.perf_counter() - start)
+            elapsed = time.perf_counter() - start if finished else None
+            if elapsed is not None:
+                stats.latency.observe(elapsed)
                 if arm == "challenger":
                     observe_challenger(False)
+            # A client that hung up leaves a sample with neither latency nor error.
+            finish(sample, request_id, path, 200, elapsed, error_kind)
+            if pair is not None:
+                text = capped(stream_text(bytes(kept))) if finished else None
+                settle(pair, "champion", Answer(text, elapsed, error_kind, 200))
 
     @app.post(PROXIED[0])
     async def chat_completions(request: Request) -> Response:
@@ -626,6 +785,8 @@ def create_app(config: RouterConfig) -> FastAPI:
                 state.stats[arm].badcases += 1
                 if state.flagged_users[arm].add(attribution.user_key):
                     state.stats[arm].badcase_users += 1
+                    # The request's own sample too, so its interval's analysis sees it.
+                    state.samples.flag(str(flag.request_id))
         else:
             logger.info("feedback from %s written unattributed: %s", producer, why)
         return JSONResponse(
@@ -665,6 +826,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                 }
                 for arm in ARMS
             },
+            "shadow_percent": state.shadow_percent,
             "last_change": state.last_change,
             "lease": None if state.lease is None else state.lease.as_json(time.time()),
             "request_ids_signed": state.ids.signing,
@@ -689,6 +851,39 @@ def create_app(config: RouterConfig) -> FastAPI:
                 for (endpoint, code), n in sorted(state.refused.items())
             ],
         }
+
+    @app.get("/admin/samples", dependencies=admin)
+    async def admin_samples(
+        since: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
+    ) -> dict[str, object]:
+        """Finished requests numbered above ``since`` (a cursor), for one analysis interval."""
+        page = state.samples.ring.read(since, limit)
+        return {"challenger_percent": state.challenger_percent, **page}
+
+    @app.get("/admin/shadow", dependencies=admin)
+    async def admin_shadow_pairs(
+        since: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
+    ) -> dict[str, object]:
+        """Mirrored requests' answer pairs numbered above ``since``."""
+        page = state.shadow.read(since, limit)
+        return {
+            "shadow_percent": state.shadow_percent,
+            "challenger_percent": state.challenger_percent,
+            "skipped": state.shadow_skipped,
+            **page,
+        }
+
+    @app.post("/admin/shadow", dependencies=admin)
+    async def set_shadow(request: Request) -> JSONResponse:
+        """Mirror a share of users' requests to the challenger (0: stop). Not saved: a
+        restarted router mirrors nothing until the release sets it again."""
+        order = await body_of(request, ShadowRequest, limits.admin_bytes)
+        before = state.shadow_percent
+        state.shadow_percent = order.percent
+        logger.info("shadow_percent %d -> %d (%s)", before, order.percent, order.reason)
+        return JSONResponse(status())
 
     def not_saved(what: str, error: OSError) -> JSONResponse:
         logger.exception("could not save the router state to %s", config.state_file)

@@ -74,8 +74,10 @@ class StreamGate:
         self.finished = threading.Event()
 
 
-def fake_backend(arm: str, gate: StreamGate) -> FastAPI:
+def fake_backend(arm: str, gate: StreamGate, text: str | None = None) -> FastAPI:
     """An OpenAI-compatible backend that reports the arm and the model name it was asked for.
+
+    It answers ``text`` (default: "served by <arm>") to every request.
 
     Test knobs ride in the request body: ``x_status`` (reply with that status),
     ``x_sleep`` (seconds before replying), ``x_gate`` (hold the stream on ``gate``).
@@ -89,14 +91,16 @@ def fake_backend(arm: str, gate: StreamGate) -> FastAPI:
         if body.get("x_status"):
             return JSONResponse({"error": {"message": "boom"}}, status_code=int(body["x_status"]))
         completion_id = f"cmpl-{arm}-{uuid.uuid4().hex[:12]}"
-        text = f"served by {arm}"
+        answer = text or f"served by {arm}"
         if body.get("stream"):
             return StreamingResponse(
-                stream_chunks(completion_id, arm, body, text, kind),
+                stream_chunks(completion_id, arm, body, answer, kind),
                 media_type="text/event-stream",
             )
-        message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message} if kind == "chat" else {"index": 0, "text": text}
+        message = {"role": "assistant", "content": answer}
+        choice = (
+            {"index": 0, "message": message} if kind == "chat" else {"index": 0, "text": answer}
+        )
         return JSONResponse(
             {
                 "id": completion_id,

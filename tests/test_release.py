@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -34,25 +36,33 @@ from tests.router_helpers import (
     running_router,
     serve,
 )
-from tuneloop.params import ParamsError, ReleaseParams, load_params, parse_params
+from tuneloop.params import ParamsError, ReleaseParams, ShadowParams, load_params, parse_params
 from tuneloop.release.admin import AdminError, LeaseKeeper, RouterAdmin
 from tuneloop.release.analysis import (
     Approval,
     ArmFigures,
+    ArmSamples,
+    Check,
     InvalidAnswer,
     LoadResult,
+    Pair,
     Snapshot,
     StatsError,
+    Traffic,
     analyse,
+    analyse_shadow,
     approval_poll_seconds,
     compare_load,
-    interval,
+    mcnemar_p,
     merge,
     next_step,
     parse_stats,
+    tally,
+    two_proportion_p,
     validate_answer,
 )
 from tuneloop.release.loadtest import load_test
+from tuneloop.release.shadow import judges as suite_judges
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,17 +111,6 @@ def test_parse_stats_reads_what_the_router_serves() -> None:
         parse_stats({"arms": {}})
 
 
-def test_interval_is_the_difference_and_survives_a_router_restart() -> None:
-    before = window(figures(100, 1, 2), figures(900, 3))
-    after = window(figures(150, 4, 2, p99=80.0), figures(1300, 3))
-    d = interval(before, after)
-    assert (d.arms["challenger"].requests, d.arms["challenger"].errors) == (50, 3)
-    assert d.arms["challenger"].latency_p99_ms == 80.0
-    assert d.challenger_share == pytest.approx(50 / 450)
-    restarted = interval(after, window(figures(7), figures(60)))
-    assert restarted.arms["challenger"].requests == 7  # counters went down: the later read alone
-
-
 def test_replicas_add_up_take_the_worst_p99_and_must_agree_on_the_weight() -> None:
     a = window(figures(10, 1, p99=50.0, ttft=None), figures(90))
     b = window(figures(30, 0, 3, p99=70.0, ttft=30.0), figures(270, p99=None))
@@ -124,51 +123,202 @@ def test_replicas_add_up_take_the_worst_p99_and_must_agree_on_the_weight() -> No
         merge([a, window(figures(1), figures(1), percent=50)])
 
 
-def test_a_healthy_canary_passes() -> None:
-    verdict = analyse(window(figures(60), figures(540)), release_params(), 10)
-    assert verdict.passed and not verdict.interrupted
+# --- the canary's statistics, on hand-made samples whose answer is known ---------------------
+
+
+def arm(
+    requests: int,
+    errors: int = 0,
+    badcases: int = 0,
+    latency: list[float] | None = None,
+    ttft: list[float] | None = None,
+) -> ArmSamples:
+    return ArmSamples(requests, errors, badcases, tuple(latency or ()), tuple(ttft or ()))
+
+
+def spread(center: float, n: int, seed: int) -> list[float]:
+    """``n`` latencies around ``center`` ms, +-10 %, reproducible."""
+    rng = random.Random(seed)
+    return [center * (0.9 + 0.2 * rng.random()) for _ in range(n)]
+
+
+def traffic(challenger: ArmSamples, champion: ArmSamples, percent: int = 10) -> Traffic:
+    return Traffic(percent, {"champion": champion, "challenger": challenger})
+
+
+def healthy(n: int, seed: int, errors: int = 0) -> ArmSamples:
+    return arm(n, errors, 0, spread(100, n, seed), spread(20, n, seed + 1))
+
+
+def outcomes(verdict: Any) -> dict[str, str]:
+    def one(c: Check) -> str:
+        if c.inconclusive:
+            return "inconclusive"
+        return {True: "pass", False: "fail", None: "skipped"}[c.passed]
+
+    return {c.name: one(c) for c in verdict.checks}
+
+
+def test_equal_arms_pass() -> None:
+    # Same error rate and the same latency distribution on both arms.
+    verdict = analyse(traffic(healthy(200, 1, 2), healthy(1800, 2, 18)), release_params(), 10)
+    assert verdict.outcome == "pass" and verdict.passed and not verdict.interrupted
     assert verdict.reasons[0].startswith("all checks passed")
+    for check in verdict.checks[1:]:
+        assert check.p_value is not None and check.p_value > 0.05, check
+        assert check.samples is not None and check.samples[0] >= 50
 
 
 @pytest.mark.parametrize(
     ("challenger", "failed"),
     [
-        (figures(100, errors=3), "error_rate"),
-        (figures(100, badcases=5), "badcase_rate"),
-        (figures(100, p99=130.0), "latency_p99_ms"),
-        (figures(100, ttft=25.0), "ttft_p99_ms"),
-        (figures(49), "challenger_requests"),
+        # 10 % errors against 1 %: z-test p ~ 1e-14.
+        (arm(500, 50, 0, spread(100, 500, 3), spread(20, 500, 4)), "error_rate"),
+        # 8 % of the users flag against 1 %.
+        (arm(500, 0, 40, spread(100, 500, 3), spread(20, 500, 4)), "badcase_rate"),
+        # Twice as slow: Mann-Whitney p ~ 0, p99 2 x > 1.2 x.
+        (arm(500, 5, 0, spread(200, 500, 3), spread(20, 500, 4)), "latency_ms"),
+        (arm(500, 5, 0, spread(100, 500, 3), spread(40, 500, 4)), "ttft_ms"),
     ],
 )
-def test_each_threshold_fails_the_analysis_and_says_why(
-    challenger: ArmFigures, failed: str
+def test_a_clear_difference_fails_that_check_and_says_why(
+    challenger: ArmSamples, failed: str
 ) -> None:
-    # Champion: 1 % errors, 2 % badcases, p99 100 ms, TTFT 20 ms; limits +0.01, +0.02, 1.2x.
-    champion = figures(1000, errors=10, badcases=20)
-    verdict = analyse(window(challenger, champion), release_params(), 10)
-    assert not verdict.passed
-    assert [c.name for c in verdict.checks if c.passed is False] == [failed]
+    champion = arm(5000, 50, 50, spread(100, 5000, 5), spread(20, 5000, 6))
+    verdict = analyse(traffic(challenger, champion), release_params(), 10)
+    assert verdict.outcome == "fail" and not verdict.passed
+    found = outcomes(verdict)
+    assert [name for name, o in found.items() if o == "fail"] == [failed], found
+    check = next(c for c in verdict.checks if c.name == failed)
+    assert check.p_value is not None and check.p_value < 1e-6
     assert verdict.reasons[0].startswith(failed) and "FAILED" in verdict.reasons[0]
 
 
-def test_missing_figures_skip_a_check_but_missing_traffic_fails() -> None:
-    verdict = analyse(window(figures(60, ttft=None), figures(540)), release_params(), 10)
-    assert verdict.passed
-    assert {c.name: c.passed for c in verdict.checks}["ttft_p99_ms"] is None
-    assert not analyse(window(figures(0), figures(540)), release_params(), 10).passed
+def test_two_proportion_test_against_a_known_answer() -> None:
+    # 30/100 against 20/100: pooled p = 0.25, z = 0.1 / sqrt(0.1875 * 0.02) = 1.633.
+    assert two_proportion_p(30, 100, 20, 100) == pytest.approx(0.05124, abs=1e-4)
+    assert two_proportion_p(0, 100, 0, 900) == 1.0  # no events: nothing to find
 
 
-def test_at_100_percent_the_challenger_is_held_to_absolute_rates() -> None:
-    # The champion gets no requests any more; its latency window still holds earlier ones.
-    idle = figures(0, p99=100.0)
-    assert analyse(window(figures(500, errors=5), idle, 100), release_params(), 100).passed
-    verdict = analyse(window(figures(500, errors=10), idle, 100), release_params(), 100)
-    assert not verdict.passed  # 2 % > 0 + 1 %
+def test_too_few_samples_are_inconclusive_not_a_pass() -> None:
+    # 20 challenger requests with 10 % errors against 1 %: too few for min_requests 50.
+    verdict = analyse(traffic(healthy(20, 1, errors=2), healthy(2000, 2, 20)), release_params(), 10)
+    assert verdict.outcome == "inconclusive" and not verdict.passed
+    assert set(outcomes(verdict).values()) == {"pass", "inconclusive"}
+    assert "needs 50 samples per arm, has 20/2000" in verdict.reasons[0]
+
+
+def test_past_the_limit_but_not_significant_is_inconclusive() -> None:
+    # 3/60 errors against 1/100: past +0.01, but p ~ 0.12 on so few.
+    verdict = analyse(traffic(healthy(60, 1, 3), healthy(100, 2, 1)), release_params(), 10)
+    found = outcomes(verdict)
+    assert found["error_rate"] == "inconclusive" and verdict.outcome == "inconclusive"
+    assert "not significant" in verdict.reasons[0]
+
+
+def test_no_streamed_request_skips_ttft_and_at_100_percent_rates_are_absolute() -> None:
+    no_streams = arm(200, 0, 0, spread(100, 200, 1))
+    verdict = analyse(
+        traffic(no_streams, arm(1800, 0, 0, spread(100, 1800, 2))), release_params(), 10
+    )
+    assert outcomes(verdict)["ttft_ms"] == "skipped" and verdict.passed
+    # At 100 % the champion gets nothing: 0.2 % errors pass the absolute 1 %, 5 % fail it.
+    alone = traffic(healthy(1000, 1, errors=2), arm(0), 100)
+    assert outcomes(analyse(alone, release_params(), 100))["latency_ms"] == "skipped"
+    assert analyse(alone, release_params(), 100).passed
+    failing = analyse(traffic(healthy(1000, 1, errors=50), arm(0), 100), release_params(), 100)
+    assert outcomes(failing)["error_rate"] == "fail"
 
 
 def test_a_weight_moved_by_someone_else_interrupts_the_release() -> None:
-    verdict = analyse(window(figures(60), figures(540), percent=0), release_params(), 10)
+    verdict = analyse(traffic(healthy(60, 1), healthy(540, 2), percent=0), release_params(), 10)
     assert verdict.interrupted and not verdict.passed
+
+
+def test_tally_counts_the_routers_samples_and_refuses_garbage() -> None:
+    items = [
+        {"arm": "challenger", "latency_ms": 12.0, "ttft_ms": 3.0, "error": None, "badcase": True},
+        {"arm": "challenger", "latency_ms": None, "ttft_ms": None, "error": "http_5xx",
+         "badcase": False},
+        {"arm": "champion", "latency_ms": 10.0, "ttft_ms": None, "error": None, "badcase": False},
+    ]  # fmt: skip
+    found = tally(json.loads(json.dumps(items)), 10, 0)
+    ch = found.arms["challenger"]
+    assert (ch.requests, ch.errors, ch.badcases, ch.latency_ms, ch.ttft_ms) == (
+        2,
+        1,
+        1,
+        (12.0,),
+        (3.0,),
+    )
+    assert found.challenger_share == pytest.approx(2 / 3)
+    for bad in (
+        {**items[0], "arm": "other"},
+        {**items[0], "latency_ms": "nan"},
+        {"arm": "champion"},
+    ):
+        with pytest.raises(StatsError, match="unreadable sample"):
+            tally([bad], 10, 0)
+
+
+# --- the shadow step's comparison ---------------------------------------------------------------
+
+FORMAT = re.compile(r"^\[(return|warranty)\] \S.*$")
+
+
+def pairs(n: int, challenger: str, errors: int = 0) -> list[Pair]:
+    return [
+        Pair(f"q{i}", "[return] Yes, within 30 days.", None if i < errors else challenger,
+             100.0 + i % 7, 100.0 + i % 5, False, i < errors)
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def test_a_shadow_challenger_in_format_passes_and_one_that_breaks_it_fails() -> None:
+    params = release_params(shadow=ShadowParams(min_pairs=30, max_format_drop=0.02))
+    good = analyse_shadow(
+        pairs(60, "[warranty] Two years."), params, lambda t: bool(FORMAT.match(t)), None
+    )
+    assert good.outcome == "pass", good.reasons
+    assert good.figures["shadow.challenger.answer_chars_median"] == len("[warranty] Two years.")
+    broken = analyse_shadow(
+        pairs(60, "Sure! Two years."), params, lambda t: bool(FORMAT.match(t)), None
+    )
+    assert broken.outcome == "fail"
+    check = next(c for c in broken.checks if c.name == "shadow_format_compliance")
+    assert (check.challenger, check.champion, check.passed) == (0.0, 1.0, False)
+    assert check.p_value == pytest.approx(
+        0.5**60
+    )  # exact McNemar: 60 discordant pairs, all one way
+    assert analyse_shadow(pairs(10, "x"), params, None, None).outcome == "inconclusive"
+    errors = analyse_shadow(pairs(60, "[return] ok", errors=20), params, None, None)
+    assert outcomes(errors)["shadow_error_rate"] == "fail"
+
+
+def test_mcnemar_against_a_known_answer() -> None:
+    # 8 discordant pairs, 7 against the challenger: P(X >= 7 | Bin(8, 1/2)) = 9/256.
+    assert mcnemar_p(7, 1) == pytest.approx(9 / 256)
+    assert mcnemar_p(0, 0) == 1.0
+
+
+def test_the_suites_own_judges_score_live_answers() -> None:
+    judges = suite_judges(ROOT / "eval", ["support_demo"])
+    assert judges.formats == ("support_demo",) and judges.compliant is not None
+    assert judges.compliant("[return] Yes.") and not judges.compliant("Yes.")
+    item = json.loads((ROOT / "eval/support_demo/test.jsonl").read_text().splitlines()[0])
+    right = judges.score(item["question"], item["answer"])
+    assert right == {"accuracy": 1.0, "format_compliance": 1.0}
+    assert judges.score("not a suite question", "x") is None
+    found = analyse_shadow(
+        [Pair(item["question"], item["answer"], "[unknown] no idea", 10.0, 10.0, False, False)]
+        * 30,
+        release_params(),
+        judges.compliant,
+        judges.score,
+    )
+    assert found.figures["shadow.suite_items"] == 30
+    assert found.figures["shadow.champion.accuracy"] == 1.0
+    assert found.figures["shadow.challenger.accuracy"] == 0.0
 
 
 def load(ttft_ms: float, tokens_per_s: float, errors: int = 0) -> LoadResult:
@@ -444,3 +594,55 @@ def test_a_crashed_or_cancelled_release_rolls_back_through_its_hooks(
     for status in statuses:
         reason = status["last_change"]["reason"]
         assert "brave-otter" in reason and "Crashed" in reason and "termination" in reason
+
+
+def test_too_few_requests_extend_the_interval_then_count_as_a_failure(
+    backends: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import logging
+
+    from mlflow.tracking import MlflowClient
+
+    from flows.release import Release, ReleaseLog
+
+    monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("t", (tmp_path / "a").as_uri())).info.run_id
+    # Loose latency limits: the two fake backends differ only by the runner's noise.
+    params = release_params(
+        min_requests=5,
+        min_latency_samples=5,
+        max_extensions=2,
+        max_latency_p99_ratio=100.0,
+        max_ttft_p99_ratio=100.0,
+    )
+    with routers(backends, tmp_path, 1) as urls, RouterAdmin(urls, TOKEN) as admin:
+        log = ReleaseLog(client, run_id, "run-1", logging.getLogger("test"))
+        release = Release(params, admin, log, "run-1")
+        release.shift(50, "test")
+        body = {"model": "tuneloop", "messages": [{"role": "user", "content": "hi"}]}
+
+        users = iter(range(10_000))
+
+        def send(n: int) -> None:
+            for _ in range(n):
+                httpx.post(
+                    f"{urls[0]}/v1/chat/completions",
+                    json={**body, "user": f"u{next(users)}"},
+                    trust_env=False,
+                ).raise_for_status()
+
+        outcomes = []
+        for _ in range(3):  # 2 requests an interval: neither arm gets to 5 in the three
+            send(2)
+            outcomes.append((release.analyse(50).outcome, release.extensions, release.failures))
+        send(40)  # a fresh interval with enough on both arms
+        last = release.analyse(50)
+    assert outcomes == [("inconclusive", 1, 0), ("inconclusive", 2, 0), ("inconclusive", 0, 1)]
+    assert last.outcome == "pass" and release.failures == 1
+    messages = [e["message"] for e in log.events if e["kind"] == "analysis"]
+    assert "INCONCLUSIVE, interval extended (1/2)" in messages[0]
+    assert "INCONCLUSIVE after every extension: FAIL" in messages[2]
+    metrics = client.get_run(run_id).data.metrics
+    assert metrics["release.analysis.error_rate.champion"] == 0.0
+    assert "release.analysis.latency_ms.p_value" in metrics

@@ -63,6 +63,8 @@ RELEASE = {
     "analyses_per_step": 1,
     "failure_limit": 1000,  # the flow must not roll back by itself here: the routers must
     "min_requests": 1,
+    "min_latency_samples": 1,
+    "min_ttft_samples": 1,
     "max_error_rate_increase": 1.0,
     "max_badcase_rate_increase": 1.0,
     "max_latency_p99_ratio": 1000.0,

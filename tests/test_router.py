@@ -458,6 +458,10 @@ def test_connection_errors_and_timeouts_are_counted(
             client.post("/admin/rollback", json={"reason": "down"}, headers=admin_token)
             slow = chat(client, "u1", x_sleep=1.0)
             assert slow.status_code == 504
+            # Like every other answer: which arm failed, and an id a support tool can flag.
+            for reply, arm in ((down, "challenger"), (slow, "champion")):
+                assert reply.headers["x-tuneloop-arm"] == arm
+                assert reply.headers["x-request-id"].startswith("r1.")
             stats = client.get("/admin/stats", headers=admin_token).json()
     finally:
         closed.close()

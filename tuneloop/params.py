@@ -390,6 +390,17 @@ class LoadTestParams(_Group):
     )
 
 
+class ShadowParams(_Group):
+    """The shadow step's own thresholds (errors and latency use the canary's)."""
+
+    min_pairs: int = Field(
+        ge=1, description="mirrored requests answered by both arms that an analysis needs"
+    )
+    max_format_drop: float = Field(
+        ge=0, le=1, description="challenger format compliance may trail the champion's this much"
+    )
+
+
 class FastFailParams(_Group):
     """A challenger error burst that the router itself rolls back on, between two analyses."""
 
@@ -420,7 +431,19 @@ class ReleaseParams(_Group):
     analyses_per_step: int = Field(ge=1, description="passing analyses before the next step")
     failure_limit: int = Field(ge=1, description="failed analyses that roll back by themselves")
     min_requests: int = Field(
-        ge=1, description="challenger requests an analysis needs; fewer is a failed analysis"
+        ge=1, description="requests per arm the error and badcase rate tests need"
+    )
+    min_latency_samples: int = Field(
+        ge=1, description="answered requests per arm the latency test (Mann-Whitney) needs"
+    )
+    min_ttft_samples: int = Field(
+        ge=1, description="streamed requests per arm the time-to-first-token test needs"
+    )
+    alpha: float = Field(
+        gt=0, lt=1, description="a regression past its limit fails when its p-value is below this"
+    )
+    max_extensions: int = Field(
+        ge=0, description="times an inconclusive analysis extends its interval before it fails"
     )
     max_error_rate_increase: float = Field(ge=0, le=1)
     max_badcase_rate_increase: float = Field(ge=0, le=1)
@@ -431,6 +454,10 @@ class ReleaseParams(_Group):
     lease_ttl_s: float = Field(
         ge=2, description="a release silent this long is rolled back by every router on its own"
     )
+    shadow_percent: int = Field(
+        ge=0, le=100, description="users mirrored to the challenger in a shadow step first; 0: none"
+    )
+    shadow: ShadowParams
     fast_fail: FastFailParams
     loadtest: LoadTestParams
 

@@ -1,8 +1,9 @@
 """The release's hands on the router replicas: their admin API, called together.
 
 ``RouterAdmin`` drives the admin API of every router replica at once: status,
-stats, weights, rollback, the lease. Each replica holds its own weight in
-memory, so every change goes to all of them.
+stats, weights, shadow, rollback, the lease. Each replica holds its own weight in
+memory, so every change goes to all of them. ``Cursor`` reads each replica's
+per-request samples (or shadow answer pairs) from where the last read stopped.
 
 ``LeaseKeeper`` holds a running release's lease on the canary weight: it takes
 it on every replica, renews it from a background thread every third of its
@@ -19,6 +20,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -26,6 +28,10 @@ import httpx
 logger = logging.getLogger(__name__)
 # Seconds between renewal attempts after a failed one.
 RETRY_S = 1.0
+# Items per page of /admin/samples and /admin/shadow (the router's most), and a cursor
+# beyond any router's last item (it answers with its last, to start after it).
+PAGE = 10_000
+SKIP_ALL = 2**62
 
 # --- the routers' admin API --------------------------------------------------------------------
 
@@ -118,6 +124,15 @@ class RouterAdmin:
     def stats(self) -> dict[str, Any]:
         return self._each("GET", "/admin/stats")
 
+    def page(self, url: str, path: str, since: int, limit: int) -> dict[str, Any]:
+        """One page of numbered items (``/admin/samples``, ``/admin/shadow``) of one replica."""
+        page: dict[str, Any] = self._call(url, "GET", f"{path}?since={since}&limit={limit}", None)
+        return page
+
+    def set_shadow(self, percent: int, reason: str) -> None:
+        """Mirror ``percent`` of users' requests to the challenger on every replica (0: stop)."""
+        self._each("POST", "/admin/shadow", {"percent": percent, "reason": reason})
+
     def set_weight(self, percent: int, reason: str) -> None:
         """Move every replica to ``percent``. Not retried: a person or the flow decides again."""
         self._each("POST", "/admin/weights", {"challenger_percent": percent, "reason": reason})
@@ -161,6 +176,70 @@ class RouterAdmin:
             "curl -X POST -H 'Authorization: Bearer $TOKEN' -H 'content-type: application/json' "
             '-d \'{"reason": "manual"}\' <router>/admin/rollback'
         )
+
+
+@dataclass
+class Batch:
+    """What a ``Cursor`` read: the new items of every replica, and what it could not get."""
+
+    items: list[dict[str, Any]] = field(default_factory=list)
+    dropped: int = 0  # items a replica's ring no longer held
+    restarted: list[str] = field(default_factory=list)  # replicas read again from their start
+    percents: set[int] = field(default_factory=set)  # challenger_percent each replica reported
+    shadows: set[int] = field(default_factory=set)  # shadow_percent, where the page says it
+
+
+class Cursor:
+    """Where the release stopped reading the routers' numbered items, per replica.
+
+    ``path`` is ``/admin/samples`` (every finished request) or ``/admin/shadow``
+    (mirrored answer pairs). Each read fetches only what came since the last one,
+    a page at a time, so an analysis holds its own interval and nothing more. A
+    replica that restarted (it reports another ``boot``) is read from its start.
+    """
+
+    def __init__(self, admin: RouterAdmin, path: str) -> None:
+        self.admin = admin
+        self.path = path
+        self._at: dict[str, tuple[str, int]] = {}
+
+    def skip(self) -> None:
+        """Start after everything the replicas hold now (the items before a shift are not its)."""
+        for url in self.admin.urls:
+            page = self.admin.page(url, self.path, SKIP_ALL, 1)
+            self._at[url] = (str(page["boot"]), int(page["next"]))
+
+    def read(self) -> Batch:
+        batch = Batch()
+        for url in self.admin.urls:
+            boot, since = self._at.get(url, ("", 0))
+            while True:
+                page = self.admin.page(url, self.path, since, PAGE)
+                try:
+                    if boot and page["boot"] != boot:
+                        batch.restarted.append(url)
+                        boot, since = str(page["boot"]), 0
+                        continue
+                    boot = str(page["boot"])
+                    items = page["items"]
+                    if not isinstance(items, list):
+                        raise TypeError("items is not a list")
+                    batch.items.extend(items)
+                    batch.dropped += int(page["dropped"])
+                    batch.percents.add(int(page["challenger_percent"]))
+                    if "shadow_percent" in page:
+                        batch.shadows.add(int(page["shadow_percent"]))
+                    since = int(page["next"])
+                    done = not items or since >= int(page["last"])
+                except (KeyError, TypeError, ValueError) as error:
+                    raise AdminError(
+                        f"{url}{self.path} answered an unreadable page ({error!r}); is it a "
+                        "tuneloop router of this version?"
+                    ) from None
+                if done:
+                    break
+            self._at[url] = (boot, since)
+        return batch
 
 
 class LeaseKeeper:
