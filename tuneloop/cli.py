@@ -97,6 +97,10 @@ def _register_base(args: argparse.Namespace) -> int:
     return 0
 
 
+# Seconds a release started just before `tuneloop approve --wait-for-pause` may take to show up.
+STARTUP_S = 60.0
+
+
 def _the_waiting_release(args: argparse.Namespace) -> str:
     """The flow run to answer: the one given, or the only release waiting (for up to --wait s)."""
     import time
@@ -105,7 +109,8 @@ def _the_waiting_release(args: argparse.Namespace) -> str:
 
     if args.flow_run:
         return str(args.flow_run)
-    deadline = time.monotonic() + args.wait
+    started = time.monotonic()
+    deadline = started + args.wait
     while True:
         waiting = approval.waiting_releases()
         if len(waiting) > 1:
@@ -113,11 +118,15 @@ def _the_waiting_release(args: argparse.Namespace) -> str:
             raise approval.ApprovalError(f"several releases are waiting ({shown}); name one")
         if waiting:
             return waiting[0]["id"]
+        # Waiting only makes sense while a release runs that may still pause (after a minute:
+        # a release started just now may not have reached the server yet).
+        running = ("RUNNING", "PENDING", "SCHEDULED")
+        if time.monotonic() - started > STARTUP_S and not approval.waiting_releases(running):
+            deadline = 0.0
         if time.monotonic() >= deadline:
             raise approval.ApprovalError(
-                "no release is waiting for approval"
-                + (f" (waited {args.wait:g} s)" if args.wait else "")
-                + "; `tuneloop status` shows where it stands"
+                "no release is waiting for approval (nor running); `tuneloop status` shows "
+                "where it stands"
             )
         time.sleep(1.0)
 

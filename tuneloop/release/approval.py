@@ -273,14 +273,14 @@ def _prefect_headers() -> dict[str, str]:
     return {}
 
 
-def waiting_releases() -> list[dict[str, str]]:
-    """Release runs paused for an answer (``POST /flow_runs/filter`` of the Prefect API)."""
+def waiting_releases(states: tuple[str, ...] = ("PAUSED",)) -> list[dict[str, str]]:
+    """Release runs paused for an answer, or in ``states`` (``POST /flow_runs/filter``)."""
     url = prefect_api_url()
     if not url:
         raise ApprovalError("PREFECT_API_URL is not set")
     query = {
         "flows": {"name": {"any_": [RELEASE_FLOW]}},
-        "flow_runs": {"state": {"type": {"any_": ["PAUSED"]}}},
+        "flow_runs": {"state": {"type": {"any_": list(states)}}},
         "sort": "START_TIME_DESC",
     }
     try:

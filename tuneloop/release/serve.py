@@ -101,7 +101,8 @@ def fetch(name: str, alias: str, serve_dir: Path = SERVE_DIR) -> tuple[str, Path
     target = serve_dir / f"v{number}"
     folders = target / "folders.json"
     if not folders.exists():
-        with atomic_dir(target) as tmp:
+        with atomic_dir(target) as given:
+            tmp = given.resolve()  # the downloads come back as absolute paths
             merged = registry.download_folder(version, registry.MERGED, tmp / "download")
             try:
                 fp8: Path | None = registry.download_folder(version, registry.FP8, tmp / "download")
