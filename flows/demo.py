@@ -294,7 +294,7 @@ def demo_overrides(repo: Path, router_url: str) -> dict[str, Any]:
 
 def release_month(repo: Path, params: Params, month: int, approval_wait_s: float) -> dict[str, Any]:
     """Serve, release (with demo traffic and feedback), tear down; what happened."""
-    from flows.release import release
+    from flows.release import release, release_outcome
 
     stack = serve_release(params, repo, month)
     stop = threading.Event()
@@ -320,10 +320,7 @@ def release_month(repo: Path, params: Params, month: int, approval_wait_s: float
         customers.join(timeout=120)
         operator.join(timeout=10)
         stack.stop()
-    result = state.result(raise_on_failure=False)
-    outcome: dict[str, Any] = (
-        result if isinstance(result, dict) else {"outcome": "failed", "reason": str(result)}
-    )
+    outcome = release_outcome(state)
     outcome["state"] = state.name
     outcome["message"] = state.message
     outcome["demo_approvals"] = answered

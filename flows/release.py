@@ -9,8 +9,10 @@ Reads the registry's ``challenger`` and ``champion`` versions of
    reaches the analysis) and hold no other release's lease; otherwise nothing
    moves.
 2. **Load test** before the first traffic: candidate and champion backends,
-   called directly, on median TTFT and output throughput
-   (``release.loadtest``); a regression past the thresholds blocks the release.
+   called directly at the same concurrency and a fixed answer length, on median
+   TTFT and time per output token (``release.loadtest``, ``tuneloop/release/loadtest.py``);
+   a regression past the thresholds blocks the release. ``enabled: false`` skips
+   it, and the release records that it did.
 3. **Shadow step** (optional, ``release.shadow_percent`` > 0): the routers
    mirror that share of users' requests to the challenger; users get the
    champion's answer only. Every ``analysis_interval`` the two arms' answers to
@@ -106,13 +108,12 @@ from tuneloop.release.analysis import (
     analyse,
     analyse_shadow,
     approval_poll_seconds,
-    compare_load,
     next_step,
     read_pairs,
     tally,
     validate_answer,
 )
-from tuneloop.release.loadtest import load_test
+from tuneloop.release.loadtest import compare_load, load_test
 from tuneloop.release.shadow import Judges
 
 # The approver name the flow answers its own pause with when analysis rolls back.
@@ -123,6 +124,35 @@ Logger = logging.Logger | logging.LoggerAdapter[Any]
 
 class ReleaseRefused(RuntimeError):
     """The release cannot start; nothing was moved. The message names the fix."""
+
+
+class ReleaseFailed(RuntimeError):
+    """A release that ended without promoting: blocked by the load test, or rolled back.
+
+    It is the data of the flow's FAILED state, so a caller without
+    ``return_state`` gets this exception (the reason as its message) and one
+    with it reads ``outcome`` (``release_outcome``). Prefect resolves a failed
+    state's data into an exception; a plain dict there ends in a ``TypeError``.
+    """
+
+    def __init__(self, message: str, outcome: dict[str, Any]) -> None:
+        super().__init__(message, outcome)  # both, so it pickles back whole
+        self.message = message
+        self.outcome = outcome
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def release_outcome(state: State[Any]) -> dict[str, Any]:
+    """What a finished release did (``outcome``, ``reason``, ``history`` ...), from its state."""
+    result = state.result(raise_on_failure=False)
+    if isinstance(result, ReleaseFailed):
+        return result.outcome
+    if isinstance(result, dict):
+        return result
+    # Refused before it started, or stopped by an error: no outcome of its own.
+    return {"outcome": "failed", "reason": state.message or str(result)}
 
 
 # --- registry ----------------------------------------------------------------------------------
@@ -459,6 +489,15 @@ class Release:
 def loadtest_gate(release: Release, arms: dict[str, dict[str, str]]) -> Verdict:
     """Candidate against champion, each backend called directly, before any user sees it."""
     p = release.params.loadtest
+    if not p.enabled:
+        release.log.record(
+            "loadtest",
+            "SKIPPED: release.loadtest.enabled is false; the candidate's speed is judged by the "
+            "canary's latency and TTFT analyses only",
+            {"loadtest.skipped": 1.0},
+            warn=True,
+        )
+        return Verdict(True, ())
     results = {
         arm: load_test(
             arms[arm]["base_url"], arms[arm]["model"], p.requests, p.concurrency, p.max_tokens
@@ -470,7 +509,7 @@ def loadtest_gate(release: Release, arms: dict[str, dict[str, str]]) -> Verdict:
         f"loadtest.{arm}.{key}": float(value)
         for arm, result in results.items()
         for key, value in result.summary().items()
-        if value is not None
+        if isinstance(value, int | float)  # bools too: fixed_length 1.0 / 0.0
     }
     metrics["loadtest.passed"] = float(verdict.passed)
     release.log.record(
@@ -678,7 +717,8 @@ def _end(
     release.log.tag(status=outcome, reason=reason)
     if outcome == "promoted":
         return result
-    return Failed(message=f"release {outcome.replace('_', ' ')}: {reason}", data=result)
+    message = f"release {outcome.replace('_', ' ')}: {reason}"
+    return Failed(message=message, data=ReleaseFailed(message, result))
 
 
 def roll_back_on_exit(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
@@ -844,4 +884,6 @@ def _ramp(run: Release, name: str, versions: tuple[str, str], client: MlflowClie
 
 
 if __name__ == "__main__":
-    release(Path(os.environ.get("TUNELOOP_HOME", ".")))
+    from tuneloop.cli import main
+
+    raise SystemExit(main(["release", "--repo", os.environ.get("TUNELOOP_HOME", ".")]))

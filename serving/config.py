@@ -2,6 +2,11 @@
 
 Loaded once, from a YAML file or a dict; unknown keys are an error so a typo
 never falls back to a default silently.
+
+An arm is either written out (``base_url``, ``model``, ``model_version``) or named by
+the registry alias it serves, ``{alias: champion}``: then it is what ``tuneloop serve
+champion`` recorded in ``serve_dir`` when it started the backend (its URL, model name and
+the version it actually serves).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tuneloop.release import ARMS
+from tuneloop.release.serve import SERVE_DIR, NotServable, read_record
 
 
 class RouterConfigError(ValueError):
@@ -103,6 +109,9 @@ class ShadowConfig(_Frozen):
 
 
 class RouterConfig(_Frozen):
+    serve_dir: Path = Field(
+        default=SERVE_DIR, description="where `tuneloop serve` records what it serves (alias arms)"
+    )
     public_model: str = Field(
         default="tuneloop", min_length=1, description="the model name clients ask for"
     )
@@ -146,6 +155,21 @@ class RouterConfig(_Frozen):
         "per arm the router remembers",
     )
     limits: Limits = Limits()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _alias_arms(cls, data: object) -> object:
+        if not isinstance(data, dict) or not isinstance(data.get("arms"), dict):
+            return data
+        serve_dir = Path(data.get("serve_dir") or SERVE_DIR)
+        arms = dict(data["arms"])
+        for arm, given in arms.items():
+            if isinstance(given, dict) and set(given) == {"alias"}:
+                try:
+                    arms[arm] = read_record(str(given["alias"]), serve_dir).arm()
+                except NotServable as error:
+                    raise ValueError(f"arms.{arm}: {error}") from None
+        return {**data, "arms": arms}
 
     @model_validator(mode="after")
     def _two_arms(self) -> RouterConfig:

@@ -106,11 +106,15 @@ def test_status_shows_weights_figures_aliases_and_waiting_runs(
             shown = capsys.readouterr().out
             assert cli(["status", "--json"]) == 0
             as_json = capsys.readouterr().out
-    assert f"router    {url}: champion v7 75 %, challenger v8 25 %" in shown
-    assert "champion  " in shown and "requests, errors 0.00%" in shown
+    assert f"router    {url}: champion v7 at 75 %, challenger v8 at 25 %" in shown
+    # One table, figures right-aligned under their headers, "-" where there is none.
+    table = [line.split() for line in shown.splitlines() if line.startswith(("arm ", "champ"))]
+    assert table[0] == ["arm", "requests", "errors", "badcases", "p99", "latency", "p99", "TTFT"]
+    assert table[1][0] == "champion" and table[1][2] == "0.00%"
+    assert "n/a" not in shown and "challenger0" not in shown
     assert "lease: held by release-run-1 until " in shown
     # No registry in this folder yet: said so, not a crash.
-    assert "registry  registered model 'tuneloop-support'" in shown
+    assert "registry  registered model 'tuneloop-support': no MLflow store at" in shown
     assert "no release is waiting for approval" in shown
     parsed = json.loads(as_json)
     assert parsed["routers"][url]["weights"] == {"champion": 75, "challenger": 25}

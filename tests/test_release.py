@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from prefect.input import RunInput
 
 from serving.metrics import new_stats
@@ -44,7 +44,6 @@ from tuneloop.release.analysis import (
     ArmSamples,
     Check,
     InvalidAnswer,
-    LoadResult,
     Pair,
     Snapshot,
     StatsError,
@@ -52,7 +51,6 @@ from tuneloop.release.analysis import (
     analyse,
     analyse_shadow,
     approval_poll_seconds,
-    compare_load,
     mcnemar_p,
     merge,
     next_step,
@@ -61,7 +59,7 @@ from tuneloop.release.analysis import (
     two_proportion_p,
     validate_answer,
 )
-from tuneloop.release.loadtest import load_test
+from tuneloop.release.loadtest import LoadResult, compare_load, load_test
 from tuneloop.release.shadow import judges as suite_judges
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -321,29 +319,35 @@ def test_the_suites_own_judges_score_live_answers() -> None:
     assert found.figures["shadow.challenger.accuracy"] == 0.0
 
 
-def load(ttft_ms: float, tokens_per_s: float, errors: int = 0) -> LoadResult:
-    return LoadResult(16, errors, 2.0, int(tokens_per_s * 2), (ttft_ms,) * (16 - errors))
+def load(ttft_ms: float, tpot_ms: float, errors: int = 0) -> LoadResult:
+    ok = 16 - errors
+    return LoadResult(16, errors, 2.0, ok * 8, (ttft_ms,) * ok, (tpot_ms,) * ok, True)
 
 
 @pytest.mark.parametrize(
     ("candidate", "failed"),
     [
-        (load(50, 1000), []),
-        (load(61, 1000), ["loadtest_ttft_p50_ms"]),  # limit 1.2 x 50 ms
-        (load(50, 899), ["loadtest_output_tokens_per_s"]),  # limit 0.9 x 1000
-        (load(50, 1000, errors=1), ["loadtest_errors"]),
+        (load(50, 10), []),
+        (load(61, 10), ["loadtest_ttft_p50_ms"]),  # limit 1.2 x 50 ms
+        (load(50, 12.1), ["loadtest_tpot_p50_ms"]),  # limit 1.2 x 10 ms
+        (load(50, 10, errors=1), ["loadtest_errors"]),
     ],
 )
 def test_the_load_gate_blocks_a_regression(candidate: LoadResult, failed: list[str]) -> None:
     params = release_params().loadtest
-    verdict = compare_load(load(50, 1000), candidate, params)
+    verdict = compare_load(load(50, 10), candidate, params)
     assert [c.name for c in verdict.checks if not c.passed] == failed
     assert verdict.passed == (not failed)
 
 
 def test_a_candidate_without_a_single_token_is_blocked() -> None:
     empty = LoadResult(16, 0, 2.0, 0, ())
-    assert not compare_load(load(50, 1000), empty, release_params().loadtest).passed
+    verdict = compare_load(load(50, 10), empty, release_params().loadtest)
+    assert not verdict.passed
+    assert {c.name for c in verdict.checks if c.passed is False} == {
+        "loadtest_ttft_p50_ms",
+        "loadtest_tpot_p50_ms",
+    }
 
 
 # --- the ramp and the person's answer ----------------------------------------------------------
@@ -397,24 +401,39 @@ def test_release_params_steps_must_rise_to_100() -> None:
 # --- the load generator against stub backends --------------------------------------------------
 
 
-def streaming_backend(first_token_delay: float, tokens: int) -> FastAPI:
-    """An OpenAI streaming stub: waits before the first token, then sends ``tokens`` chunks."""
+def streaming_backend(
+    first_token_delay: float, eos_after: int, token_delay: float = 0.0, strict: bool = False
+) -> FastAPI:
+    """An OpenAI streaming stub that stops at its "EOS" after ``eos_after`` tokens unless asked
+    for a fixed length, in vLLM's form (``min_tokens``, ``ignore_eos``) or, with ``strict``,
+    only in ``transformers serve``'s (``generation_config``; other unknown fields are a 422,
+    as there)."""
     app = FastAPI()
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> StreamingResponse:
+    async def chat(request: Request) -> Any:
         body = await request.json()
+        assert body["stream"] is True and body["model"] == "m"
+        tokens = min(eos_after, body["max_tokens"])
+        if strict:
+            if {"min_tokens", "ignore_eos"} & set(body):
+                return JSONResponse({"detail": "Unexpected fields"}, status_code=422)
+            if "generation_config" in body:
+                config = json.loads(body["generation_config"])
+                tokens = max(tokens, config["min_new_tokens"])
+        elif body.get("ignore_eos"):
+            tokens = max(tokens, body["min_tokens"])
 
         async def events() -> AsyncIterator[bytes]:
             yield b'data: {"choices": [{"delta": {"role": "assistant"}}]}\n\n'
             await asyncio.sleep(first_token_delay)
             for _ in range(tokens):
                 yield b'data: {"choices": [{"delta": {"content": "ok "}}]}\n\n'
+                await asyncio.sleep(token_delay)
             usage = {"completion_tokens": tokens}
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
             yield b"data: [DONE]\n\n"
 
-        assert body["stream"] is True and body["model"] == "m"
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
@@ -430,6 +449,30 @@ def test_the_load_test_times_first_tokens_and_catches_a_slow_candidate() -> None
     verdict = compare_load(champion, candidate, release_params().loadtest)
     assert not verdict.passed
     assert "loadtest_ttft_p50_ms" in verdict.reasons[0]
+
+
+def test_the_load_test_compares_equal_lengths_whatever_the_eos() -> None:
+    # The candidate would stop after 3 tokens, the champion runs on: forced to 16 each, both
+    # in the form each backend takes, and the same per-token speed passes.
+    with (
+        serve(streaming_backend(0.0, 100, token_delay=0.01)) as champ,
+        serve(streaming_backend(0.0, 3, token_delay=0.01, strict=True)) as cand,
+    ):
+        champion = load_test(champ, "m", requests=4, concurrency=2, max_tokens=16)
+        candidate = load_test(cand, "m", requests=4, concurrency=2, max_tokens=16)
+    assert (champion.style, candidate.style) == ("vllm", "transformers")
+    assert champion.fixed_length and candidate.fixed_length
+    assert champion.output_tokens == candidate.output_tokens == 64
+    assert candidate.tpot_p50_ms is not None and candidate.tpot_p50_ms >= 9
+    params = release_params().loadtest.model_copy(update={"max_ttft_ratio": 100.0})
+    assert compare_load(champion, candidate, params).passed
+
+
+def test_a_backend_that_takes_no_fixed_length_is_said_so() -> None:
+    with serve(fake_backend("champion", StreamGate())) as url:
+        result = load_test(url, "m", requests=2, concurrency=1, max_tokens=8)
+    assert result.errors == 0 and result.style == "vllm"  # it took the fields and ignored them
+    assert not result.fixed_length and result.output_tokens == 2 * 3  # "served by champion"
 
 
 def test_the_load_test_counts_a_dead_backend_as_errors() -> None:

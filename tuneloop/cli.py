@@ -97,11 +97,46 @@ def _register_base(args: argparse.Namespace) -> int:
     return 0
 
 
+# Seconds a release started just before `tuneloop approve --wait-for-pause` may take to show up.
+STARTUP_S = 60.0
+
+
+def _the_waiting_release(args: argparse.Namespace) -> str:
+    """The flow run to answer: the one given, or the only release waiting (for up to --wait s)."""
+    import time
+
+    from tuneloop.release import approval
+
+    if args.flow_run:
+        return str(args.flow_run)
+    started = time.monotonic()
+    deadline = started + args.wait
+    while True:
+        waiting = approval.waiting_releases()
+        if len(waiting) > 1:
+            shown = ", ".join(f"{w['name']} ({w['id']})" for w in waiting)
+            raise approval.ApprovalError(f"several releases are waiting ({shown}); name one")
+        if waiting:
+            return waiting[0]["id"]
+        # Waiting only makes sense while a release runs that may still pause (after a minute:
+        # a release started just now may not have reached the server yet).
+        running = ("RUNNING", "PENDING", "SCHEDULED")
+        if time.monotonic() - started > STARTUP_S and not approval.waiting_releases(running):
+            deadline = 0.0
+        if time.monotonic() >= deadline:
+            raise approval.ApprovalError(
+                "no release is waiting for approval (nor running); `tuneloop status` shows "
+                "where it stands"
+            )
+        time.sleep(1.0)
+
+
 def _approve(args: argparse.Namespace) -> int:
     from tuneloop.release import approval
 
     try:
-        done = approval.approve(args.flow_run, args.approver, args.percent, args.comment)
+        run = _the_waiting_release(args)
+        done = approval.approve(run, args.approver, args.percent, args.comment)
     except approval.ApprovalError as error:
         print(f"tuneloop approve: {error}", file=sys.stderr)
         return 1
@@ -110,14 +145,105 @@ def _approve(args: argparse.Namespace) -> int:
 
 
 def _reject(args: argparse.Namespace) -> int:
+    from tuneloop.params import load_params
     from tuneloop.release import approval
+    from tuneloop.release.admin import AdminError
 
     try:
-        done = approval.reject(args.flow_run, args.approver, args.comment)
+        done = approval.reject(_the_waiting_release(args), args.approver, args.comment)
     except approval.ApprovalError as error:
         print(f"tuneloop reject: {error}", file=sys.stderr)
         return 1
-    print(f"rejected {done['flow_run']} by {args.approver}: the challenger is rolled back to 0 %")
+    print(
+        f"rejected {done['flow_run']} by {args.approver}: rollback requested; the release rolls "
+        "the challenger back to 0 % when it reads the answer (within seconds)",
+        flush=True,
+    )
+    if args.watch <= 0:
+        return 0
+    try:
+        change = approval.wait_rollback(load_params(), args.approver, args.watch)
+    except AdminError as error:
+        print(f"tuneloop reject: cannot watch the routers ({error}); see `tuneloop status`")
+        return 0
+    if change is None:
+        print(
+            f"not rolled back yet after {args.watch:g} s: the release acts on the answer at its "
+            "next poll; `tuneloop status` shows the last change"
+        )
+    else:
+        print(f"rolled back: the challenger gets 0 % since {change['at']} ({change['reason']})")
+    return 0
+
+
+def _release(args: argparse.Namespace) -> int:
+    import yaml
+
+    from flows.release import release, release_outcome
+
+    overrides = None
+    if args.overrides:
+        overrides = yaml.safe_load(Path(args.overrides).read_text(encoding="utf-8")) or {}
+    state = release(repo=Path(args.repo), overrides=overrides, return_state=True)
+    outcome = release_outcome(state)
+    print(f"release {outcome['outcome']}: {outcome['reason']}")
+    if args.json:
+        print(json.dumps(outcome, indent=2, ensure_ascii=False, default=str))
+    return 0 if state.is_completed() else 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tuneloop.params import load_params
+    from tuneloop.release.serve import NotServable, serve_main
+
+    try:
+        serve_main(
+            load_params().tracking.registered_model, args.alias, args.port, args.host, args.backend
+        )
+    except NotServable as error:
+        print(f"tuneloop serve: {error}", file=sys.stderr)
+        return 1
+    return 0  # not reached: serve_main becomes the backend
+
+
+def _wait(args: argparse.Namespace) -> int:
+    from tuneloop.release.backends import wait_healthy
+
+    for url in args.urls:
+        try:
+            waited = wait_healthy(url, timeout=args.timeout)
+        except TimeoutError as error:
+            print(f"tuneloop wait: {error}", file=sys.stderr)
+            return 1
+        print(f"{url} answers (after {waited:.1f} s)")
+    return 0
+
+
+def _traffic(args: argparse.Namespace) -> int:
+    import os
+
+    from tuneloop import traffic
+    from tuneloop.release.backends import wait_healthy
+
+    token = None
+    if args.feedback_token_env:
+        token = os.environ.get(args.feedback_token_env)
+        if not token:
+            print(f"tuneloop traffic: ${args.feedback_token_env} is not set", file=sys.stderr)
+            return 1
+    router = args.router.rstrip("/")
+    wait_healthy(router, timeout=60)
+    report = traffic.run(
+        router,
+        requests=args.requests,
+        users=args.users,
+        seed=args.seed,
+        month=args.month,
+        feedback_token=token,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+    )
+    print(json.dumps(report.as_dict(), indent=2))
     return 0
 
 
@@ -192,7 +318,6 @@ def build_parser() -> argparse.ArgumentParser:
     approve = commands.add_parser(
         "approve", help="approve the next traffic step of a release waiting for approval"
     )
-    approve.add_argument("flow_run", help="the paused release's flow-run id or name")
     approve.add_argument("--approver", required=True, help="your name, kept with the release")
     approve.add_argument(
         "--percent", type=int, help="challenger percent to move to (default: the planned step)"
@@ -203,10 +328,77 @@ def build_parser() -> argparse.ArgumentParser:
     reject = commands.add_parser(
         "reject", help="reject a release waiting for approval: the challenger goes to 0 %%"
     )
-    reject.add_argument("flow_run", help="the paused release's flow-run id or name")
     reject.add_argument("--approver", required=True, help="your name, kept with the release")
     reject.add_argument("--comment", required=True, help="why; recorded as the rollback reason")
+    reject.add_argument(
+        "--watch",
+        type=float,
+        default=30.0,
+        help="seconds to watch the routers (release.routers) until the rollback happened "
+        "(default 30; 0: do not wait)",
+    )
     reject.set_defaults(run=_reject)
+    for command in (approve, reject):
+        command.add_argument(
+            "flow_run",
+            nargs="?",
+            help="the paused release's flow-run id or name (default: the only one waiting)",
+        )
+        command.add_argument(
+            "--wait-for-pause",
+            dest="wait",
+            type=float,
+            default=0.0,
+            help="without a flow run: seconds to wait for a release to pause (default 0)",
+        )
+
+    release = commands.add_parser(
+        "release", help="run the release flow now: canary the challenger, approvals, promote"
+    )
+    release.add_argument("--repo", default=".", help="the tuneloop project folder")
+    release.add_argument(
+        "--overrides",
+        help="a YAML file of params.yaml values for this release only (e.g. configs/demo.yaml)",
+    )
+    release.add_argument("--json", action="store_true", help="also print the outcome")
+    release.set_defaults(run=_release)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve a registry alias: transformers serve (CPU) or vllm serve (GPU), recorded "
+        "in run/serve/ for the router",
+    )
+    serve.add_argument("alias", choices=["champion", "challenger"])
+    serve.add_argument("--port", type=int, default=8001, help="listen port (default 8001)")
+    serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    serve.add_argument(
+        "--backend",
+        choices=["auto", "transformers", "vllm"],
+        default="auto",
+        help="auto: vllm where a GPU and vllm are there, else transformers (default auto)",
+    )
+    serve.set_defaults(run=_serve)
+
+    wait = commands.add_parser("wait", help="wait until each URL's /health answers")
+    wait.add_argument("urls", nargs="+", help="backend or router root URLs")
+    wait.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+    wait.set_defaults(run=_wait)
+
+    traffic = commands.add_parser(
+        "traffic", help="demo customers through the router: sticky users, wrong answers flagged"
+    )
+    traffic.add_argument("--router", required=True, help="the router's root URL")
+    traffic.add_argument("--requests", type=int, default=1000, help="requests (default 1000)")
+    traffic.add_argument("--users", type=int, default=300, help="distinct user ids (default 300)")
+    traffic.add_argument("--concurrency", type=int, default=4, help="in flight (default 4)")
+    traffic.add_argument("--max-tokens", type=int, default=24, help="per answer (default 24)")
+    traffic.add_argument("--seed", type=int, default=0)
+    traffic.add_argument("--month", type=int, default=1, help="which month's questions (default 1)")
+    traffic.add_argument(
+        "--feedback-token-env",
+        help="env var with a feedback producer's token: wrong answers are flagged with it",
+    )
+    traffic.set_defaults(run=_traffic)
 
     rollback = commands.add_parser(
         "rollback",

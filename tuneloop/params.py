@@ -379,14 +379,19 @@ class TrackingParams(_Group):
 
 
 class LoadTestParams(_Group):
-    """The short load test of candidate against champion before the first traffic moves."""
+    """The short load test of candidate against champion before the first traffic moves.
 
+    Both answer ``max_tokens`` tokens exactly where the backend allows it, at the same
+    concurrency, and are compared per token (``tuneloop/release/loadtest.py``).
+    """
+
+    enabled: bool = Field(description="false: skip it (the release records that it did)")
     requests: int = Field(ge=1, description="measured requests per backend, after 2 warm-ups")
-    concurrency: int = Field(ge=1, description="requests in flight at once")
-    max_tokens: int = Field(ge=1, description="output tokens asked for per request")
+    concurrency: int = Field(ge=1, description="requests in flight at once, the same for both")
+    max_tokens: int = Field(ge=2, description="output tokens asked for (and forced) per request")
     max_ttft_ratio: float = Field(gt=0, description="candidate / champion median TTFT, at most")
-    min_throughput_ratio: float = Field(
-        gt=0, description="candidate / champion output tokens per second, at least"
+    max_tpot_ratio: float = Field(
+        gt=0, description="candidate / champion median time per output token, at most"
     )
 
 

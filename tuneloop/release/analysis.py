@@ -19,8 +19,7 @@ calls these. What is decided here:
   requests, compared on errors, latency, the suites' answer format (paired, by an
   exact McNemar test), answer length and, where a request is a suite's question,
   that suite's own scores;
-- **the load test gate** before the first traffic: candidate against champion on
-  median TTFT and output throughput, measured on each backend directly;
+- (the load test before the first traffic lives in ``tuneloop/release/loadtest.py``);
 - **the ramp plan**: which percent comes next, and whether a person's answer to
   the approval form is one the flow may act on.
 
@@ -40,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from scipy import stats as scipy_stats
 from scipy.stats import binomtest, mannwhitneyu
 
-from tuneloop.params import LoadTestParams, ReleaseParams
+from tuneloop.params import ReleaseParams
 from tuneloop.release import ARMS
 
 WEIGHT_CHECK = "challenger_percent"
@@ -627,79 +626,6 @@ def _suite_figures(pairs: Sequence[Pair], scorer: Scorer) -> dict[str, float]:
         figures[f"shadow.champion.{metric}"] = champion_sum / count
         figures[f"shadow.challenger.{metric}"] = challenger_sum / count
     return figures
-
-
-# --- the load test gate ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    """One backend under the load test: streamed requests, timed from send to first token."""
-
-    requests: int
-    errors: int
-    duration_s: float
-    output_tokens: int
-    ttft_ms: tuple[float, ...]
-
-    @property
-    def ttft_p50_ms(self) -> float | None:
-        return _median(self.ttft_ms)
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
-
-    @property
-    def requests_per_s(self) -> float:
-        ok = self.requests - self.errors
-        return ok / self.duration_s if self.duration_s > 0 else 0.0
-
-    def summary(self) -> dict[str, float | int | None]:
-        return {
-            "requests": self.requests,
-            "errors": self.errors,
-            "duration_s": round(self.duration_s, 3),
-            "output_tokens": self.output_tokens,
-            "ttft_p50_ms": self.ttft_p50_ms,
-            "output_tokens_per_s": round(self.output_tokens_per_s, 2),
-            "requests_per_s": round(self.requests_per_s, 2),
-        }
-
-
-def _median(values: Sequence[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[math.ceil(0.5 * len(ordered)) - 1]
-
-
-def compare_load(champion: LoadResult, candidate: LoadResult, params: LoadTestParams) -> Verdict:
-    """Block the release on candidate errors, a slower first token or lower throughput."""
-    errors = Check(
-        "loadtest_errors",
-        float(candidate.errors),
-        float(champion.errors),
-        "== 0",
-        not candidate.errors,
-    )
-    ttft = _ratio_check(
-        "loadtest_ttft_p50_ms", candidate.ttft_p50_ms, champion.ttft_p50_ms, params.max_ttft_ratio
-    )
-    if ttft.passed is None:
-        # Without a single first token there is nothing to release on.
-        ttft = Check(ttft.name, ttft.challenger, ttft.champion, ttft.limit, False)
-    ours, theirs = candidate.output_tokens_per_s, champion.output_tokens_per_s
-    limit = params.min_throughput_ratio
-    throughput = Check(
-        "loadtest_output_tokens_per_s",
-        ours,
-        theirs,
-        f">= {limit} x champion",
-        theirs > 0 and ours >= limit * theirs,
-    )
-    checks = (errors, ttft, throughput)
-    return Verdict(all(c.passed for c in checks), checks)
 
 
 # --- the ramp and the person's answer --------------------------------------------------------

@@ -3,7 +3,9 @@
 - ``approve(flow_run, approver, percent=None)``: resume the paused release flow
   with an approval; without ``percent`` the flow's planned next step applies.
 - ``reject(flow_run, approver, comment)``: resume it with a rejection, which
-  rolls the challenger back to 0 %.
+  rolls the challenger back to 0 %. The flow acts on it the next time it asks
+  the server (every few seconds); ``wait_rollback`` watches the routers until it
+  has, so the CLI can say "rollback requested" and then when it happened.
 - ``rollback(params, reason, operator)``: challenger to 0 % on every router in
   ``release.routers`` now, whether or not a release is running or paused; who
   and why go to the routers' logs and state files and, when a release is under
@@ -19,29 +21,26 @@ its name (``tuneloop status`` lists the waiting ones).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import sqlite3
+import time
 from datetime import UTC, datetime
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlparse
 from uuid import UUID
 
-from prefect import get_client
-from prefect.client.schemas.filters import (
-    FlowFilter,
-    FlowFilterName,
-    FlowRunFilter,
-    FlowRunFilterName,
-    FlowRunFilterState,
-    FlowRunFilterStateType,
-)
-from prefect.client.schemas.objects import FlowRun, StateType
-from prefect.exceptions import FlowPauseTimeout, ObjectNotFound
-from prefect.flow_runs import resume_flow_run
-from prefect.settings import get_current_settings
+import httpx
 
 from tuneloop.params import Params
 from tuneloop.release.admin import AdminError, RouterAdmin
 from tuneloop.release.analysis import Approval, merge, parse_stats
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +52,26 @@ class ApprovalError(RuntimeError):
     """The answer cannot be given; the message says why and what to do."""
 
 
+# `tuneloop status` answers in about a second: Prefect and MLflow take seconds to import and
+# MLflow's SQLite store checks its schema on every open, so status reads both over plain HTTP
+# (or SQLite) and imports them only where nothing cheaper can answer.
+
+
+def prefect_api_url() -> str | None:
+    """``$PREFECT_API_URL``, else the active Prefect profile's (which costs Prefect's import)."""
+    url = os.environ.get("PREFECT_API_URL")
+    if url:
+        return url.rstrip("/")
+    from prefect.settings import get_current_settings
+
+    found = get_current_settings().api.url
+    return found.rstrip("/") if found else None
+
+
 def _require_server() -> None:
     # Without an API URL every process talks to a throwaway local server of its
     # own, where the paused run does not exist.
-    if not get_current_settings().api.url:
+    if not prefect_api_url():
         raise ApprovalError(
             "PREFECT_API_URL is not set: point it at the Prefect server the release flow runs "
             "on (e.g. export PREFECT_API_URL=http://127.0.0.1:4200/api)"
@@ -65,6 +80,10 @@ def _require_server() -> None:
 
 def find_flow_run(ref: str) -> FlowRun:
     """A flow run by id, or by name (``brave-otter``)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.exceptions import ObjectNotFound
+
     _require_server()
     try:
         run_id: UUID | None = UUID(ref)
@@ -87,6 +106,9 @@ def find_flow_run(ref: str) -> FlowRun:
 
 def pending_form(run: FlowRun) -> dict[str, Any]:
     """The JSON schema of the form a paused run waits for (its bounds and planned step)."""
+    from prefect import get_client
+    from prefect.client.schemas.objects import StateType
+
     state = run.state
     if state is None or state.type != StateType.PAUSED:
         shown = state.name if state else "no state"
@@ -102,6 +124,9 @@ def pending_form(run: FlowRun) -> dict[str, Any]:
 def _answer(
     ref: str, decision: str, approver: str, percent: int | None, comment: str
 ) -> dict[str, Any]:
+    from prefect.exceptions import FlowPauseTimeout
+    from prefect.flow_runs import resume_flow_run
+
     run = find_flow_run(ref)
     schema = pending_form(run)
     field = schema.get("properties", {}).get("next_percent", {})
@@ -148,6 +173,36 @@ def reject(ref: str, approver: str, comment: str) -> dict[str, Any]:
     if not comment.strip():
         raise ApprovalError("a rejection needs a --comment: it is the rollback's recorded reason")
     return _answer(ref, "reject", approver, None, comment)
+
+
+def wait_rollback(params: Params, approver: str, timeout: float) -> dict[str, Any] | None:
+    """The routers' rollback after ``approver``'s rejection, once every replica shows it.
+
+    Returns the first replica's ``last_change`` (``at``, ``reason``), or None
+    when not every replica has rolled back within ``timeout`` seconds. The flow
+    records a rejection as the reason "rejected by <approver> at ...".
+    """
+    rp = params.release
+    deadline = time.monotonic() + timeout
+    with RouterAdmin.from_env(rp.routers, rp.admin_token_env) as admin:
+        while True:
+            try:
+                statuses = admin.status()
+            except AdminError as error:
+                logger.info("waiting for the rollback: %s", error)
+                statuses = {}
+            changes = [s.get("last_change") or {} for s in statuses.values()]
+            if (
+                statuses
+                and all(s["challenger_percent"] == 0 for s in statuses.values())
+                and all(
+                    str(c.get("reason", "")).startswith(f"rejected by {approver} ") for c in changes
+                )
+            ):
+                return dict(changes[0])
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.5)
 
 
 def rollback(params: Params, reason: str, operator: str) -> dict[str, Any]:
@@ -207,18 +262,41 @@ def _tag_release_run(params: Params, operator: str, reason: str) -> str | None:
     return str(version.run_id)
 
 
-def waiting_releases() -> list[dict[str, str]]:
-    """Release runs paused for an answer, newest first."""
-    with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(
-            flow_filter=FlowFilter(name=FlowFilterName(any_=[RELEASE_FLOW])),
-            flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PAUSED]))
-            ),
+def _prefect_headers() -> dict[str, str]:
+    # What the Prefect client sends to a server that asks for credentials.
+    if key := os.environ.get("PREFECT_API_KEY"):
+        return {"Authorization": f"Bearer {key}"}
+    if auth := os.environ.get("PREFECT_API_AUTH_STRING"):
+        import base64
+
+        return {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()}
+    return {}
+
+
+def waiting_releases(states: tuple[str, ...] = ("PAUSED",)) -> list[dict[str, str]]:
+    """Release runs paused for an answer, or in ``states`` (``POST /flow_runs/filter``)."""
+    url = prefect_api_url()
+    if not url:
+        raise ApprovalError("PREFECT_API_URL is not set")
+    query = {
+        "flows": {"name": {"any_": [RELEASE_FLOW]}},
+        "flow_runs": {"state": {"type": {"any_": list(states)}}},
+        "sort": "START_TIME_DESC",
+    }
+    try:
+        reply = httpx.post(
+            f"{url}/flow_runs/filter", json=query, headers=_prefect_headers(), timeout=10
         )
+        reply.raise_for_status()
+    except httpx.HTTPError as error:
+        raise ApprovalError(f"the Prefect API at {url}: {error}") from None
     return [
-        {"id": str(r.id), "name": r.name, "since": str(r.state.timestamp if r.state else "")}
-        for r in runs
+        {
+            "id": str(r["id"]),
+            "name": str(r["name"]),
+            "since": str((r.get("state") or {}).get("timestamp") or ""),
+        }
+        for r in reply.json()
     ]
 
 
@@ -251,38 +329,74 @@ def status(params: Params) -> dict[str, Any]:
         }
     except (AdminError, ValueError) as error:
         result["routers_error"] = str(error)
-    result["aliases"] = _aliases(params)
-    if get_current_settings().api.url:
+    result["aliases"] = registry_aliases(params.tracking.registered_model)
+    try:
         result["waiting_for_approval"] = waiting_releases()
-    else:
-        result["waiting_for_approval_error"] = "PREFECT_API_URL is not set"
+    except ApprovalError as error:
+        result["waiting_for_approval_error"] = str(error)
     return result
 
 
-def _aliases(params: Params) -> dict[str, str] | str:
+def registry_aliases(name: str) -> dict[str, str] | str:
+    """``{alias: version}`` of registered model ``name``, or why they cannot be read.
+
+    The store is ``tuneloop.tracking.tracking_uri()``'s: ``$MLFLOW_TRACKING_URI``, else the
+    project's ``mlflow.db``. A SQLite store is read from its ``registered_model_aliases``
+    table, an MLflow server through its REST API; any other store through ``MlflowClient``.
+    """
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    scheme = urlparse(uri).scheme
+    if scheme == "sqlite":
+        path = Path(unquote(uri.removeprefix("sqlite:///")))
+        if not path.is_file():
+            return f"registered model {name!r}: no MLflow store at {path} (nothing registered)"
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+                rows = db.execute(
+                    "SELECT alias, version FROM registered_model_aliases WHERE name = ?", (name,)
+                ).fetchall()
+        except sqlite3.Error as error:
+            return f"registered model {name!r}: cannot read {path}: {error}"
+        return {str(alias): str(version) for alias, version in rows} or (
+            f"registered model {name!r}: no aliases in {path}"
+        )
+    if scheme in ("http", "https"):
+        try:
+            reply = httpx.get(
+                f"{uri.rstrip('/')}/api/2.0/mlflow/registered-models/get",
+                params={"name": name},
+                timeout=10,
+            )
+        except httpx.HTTPError as error:
+            return f"registered model {name!r}: {uri}: {error}"
+        if reply.status_code != 200:
+            return f"registered model {name!r}: {uri} answered {reply.status_code}"
+        found = reply.json().get("registered_model", {}).get("aliases", [])
+        return {str(a["alias"]): str(a["version"]) for a in found}
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from tuneloop import tracking
-
-    name = params.tracking.registered_model
     try:
-        model = MlflowClient(tracking.tracking_uri()).get_registered_model(name)
+        model = MlflowClient(uri).get_registered_model(name)
     except MlflowException as error:
         return f"registered model {name!r}: {error.message}"
     return {alias: str(v) for alias, v in model.aliases.items()}
 
 
+def _cell(value: float | None, spec: str, unit: str = "") -> str:
+    return "-" if value is None else format(value, spec) + unit
+
+
 def format_status(result: dict[str, Any]) -> str:
-    """The status as a few lines for a terminal."""
+    """The status as a few lines and one table for a terminal; ``-`` where there is no figure."""
     lines = []
     if "routers_error" in result:
         lines.append(f"routers   unavailable: {result['routers_error']}")
     for url, router in result.get("routers", {}).items():
         w, v = router["weights"], router["versions"]
         lines.append(
-            f"router    {url}: champion v{v['champion']} {w['champion']} %, "
-            f"challenger v{v['challenger']} {w['challenger']} %"
+            f"router    {url}: champion v{v['champion']} at {w['champion']} %, "
+            f"challenger v{v['challenger']} at {w['challenger']} %"
         )
         change = router.get("last_change")
         if change:
@@ -296,20 +410,32 @@ def format_status(result: dict[str, Any]) -> str:
         if lease:
             lines.append(
                 f"          lease: held by {lease['holder']} until {lease['expires_at']} "
-                f"({lease['seconds_left']:g} s left)"
+                f"({lease['seconds_left']:.0f} s left)"
             )
         else:
             lines.append("          lease: none (no release holds this router)")
-
-    def fmt(value: float | None, spec: str) -> str:
-        return "n/a" if value is None else format(value, spec)
-
-    for arm, f in result.get("arms", {}).items():
-        lines.append(
-            f"{arm:<10}{f['requests']} requests, errors {fmt(f['error_rate'], '.2%')}, "
-            f"badcases {fmt(f['badcase_rate'], '.2%')}, p99 {fmt(f['latency_p99_ms'], '.0f')} ms, "
-            f"TTFT p99 {fmt(f['ttft_p99_ms'], '.0f')} ms"
-        )
+    arms = result.get("arms", {})
+    if arms:
+        header = ("arm", "requests", "errors", "badcases", "p99 latency", "p99 TTFT")
+        rows = [
+            (
+                arm,
+                str(f["requests"]),
+                _cell(f["error_rate"], ".2%"),
+                _cell(f["badcase_rate"], ".2%"),
+                _cell(f["latency_p99_ms"], ".0f", " ms"),
+                _cell(f["ttft_p99_ms"], ".0f", " ms"),
+            )
+            for arm, f in arms.items()
+        ]
+        widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+        lines.append("")
+        for row in (header, *rows):
+            cells = [row[0].ljust(widths[0])] + [
+                cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)
+            ]
+            lines.append("  ".join(cells))
+        lines.append("")
     aliases = result.get("aliases")
     if isinstance(aliases, dict):
         shown = ", ".join(f"{a} v{aliases[a]}" for a in ALIASES if a in aliases) or "none"

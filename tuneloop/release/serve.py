@@ -1,0 +1,179 @@
+"""``tuneloop serve champion|challenger``: a registry alias behind an OpenAI-compatible backend.
+
+Resolves the alias of ``tracking.registered_model`` to its version, downloads that
+version's logged folders once into ``run/serve/v<version>/`` (the merged folder, and the
+FP8 one where the version has it), and replaces this process with the backend
+(``tuneloop.release.backends`` builds the command lines):
+
+- a GPU and the ``vllm`` command: ``vllm serve`` on the FP8 folder (the merged one for a
+  version without FP8, such as the registered base), served as ``<registered_model>-v<N>``;
+- otherwise ``transformers serve`` on the CPU, which accepts the folder's path as its name.
+
+Before it hands over, it records what it serves in ``run/serve/<alias>.json`` (URL, model
+name, version): a router config whose arm says ``alias: champion`` reads it
+(``serving.config``), so the router and the release flow see the version that actually
+serves, whatever the alias says later. Aliases are only read here; they move in
+``tuneloop.registry``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+from tuneloop.io import atomic_dir, write_json
+
+log = logging.getLogger(__name__)
+
+SERVE_DIR = Path("run/serve")
+ALIASES = ("champion", "challenger")
+Kind = Literal["auto", "transformers", "vllm"]
+
+
+class NotServable(RuntimeError):
+    """The alias cannot be served; the message says what to run first."""
+
+
+@dataclass(frozen=True)
+class Served:
+    """What ``tuneloop serve`` started for one alias: the router's arm, in effect."""
+
+    alias: str
+    version: str
+    base_url: str
+    model: str
+    backend: str
+    folder: str
+
+    def arm(self) -> dict[str, str]:
+        return {"base_url": self.base_url, "model": self.model, "model_version": self.version}
+
+
+def record_path(alias: str, serve_dir: Path = SERVE_DIR) -> Path:
+    return serve_dir / f"{alias}.json"
+
+
+def read_record(alias: str, serve_dir: Path = SERVE_DIR) -> Served:
+    """What ``tuneloop serve <alias>`` recorded; ``NotServable`` when it never ran here."""
+    path = record_path(alias, serve_dir)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return Served(**{k: str(data[k]) for k in Served.__dataclass_fields__})
+    except FileNotFoundError:
+        raise NotServable(
+            f"{path} does not exist: start the backend first (`tuneloop serve {alias}`)"
+        ) from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise NotServable(
+            f"{path} is not a serve record ({error}); run `tuneloop serve {alias}`"
+        ) from None
+
+
+def _missing_alias(name: str, alias: str) -> NotServable:
+    how = (
+        "register the base model as the first champion: `tuneloop register-base`"
+        if alias == "champion"
+        else "a retrain registers one when its candidate passes the gate: `tuneloop retrain` "
+        "(or `make demo`)"
+    )
+    return NotServable(f"registered model {name!r} has no version with alias {alias!r}; {how}")
+
+
+def fetch(name: str, alias: str, serve_dir: Path = SERVE_DIR) -> tuple[str, Path, Path | None]:
+    """(version, merged folder, FP8 folder or None) of ``name@alias``, downloaded once."""
+    from mlflow.tracking import MlflowClient
+
+    from tuneloop import registry, tracking
+
+    if alias not in ALIASES:
+        raise NotServable(f"alias must be one of {list(ALIASES)} (got {alias!r})")
+    client = MlflowClient(tracking.tracking_uri())
+    version = registry.find_alias(name, alias, client)
+    if version is None:
+        raise _missing_alias(name, alias)
+    number = str(version.version)
+    target = serve_dir / f"v{number}"
+    folders = target / "folders.json"
+    if not folders.exists():
+        with atomic_dir(target) as given:
+            tmp = given.resolve()  # the downloads come back as absolute paths
+            merged = registry.download_folder(version, registry.MERGED, tmp / "download")
+            try:
+                fp8: Path | None = registry.download_folder(version, registry.FP8, tmp / "download")
+            except KeyError:
+                fp8 = None  # the registered base has no FP8 export
+            relative = {
+                "merged": str(merged.relative_to(tmp)),
+                "fp8": None if fp8 is None else str(fp8.relative_to(tmp)),
+            }
+            write_json(tmp / "folders.json", relative)
+        log.info("downloaded %s v%s into %s", name, number, target)
+    paths = json.loads(folders.read_text(encoding="utf-8"))
+    merged_dir = (target / paths["merged"]).resolve()
+    fp8_dir = None if paths["fp8"] is None else (target / paths["fp8"]).resolve()
+    return number, merged_dir, fp8_dir
+
+
+def pick_backend(kind: Kind) -> Literal["transformers", "vllm"]:
+    """``vllm`` where a GPU and the ``vllm`` command are there, else ``transformers``."""
+    if kind != "auto":
+        return kind
+    if shutil.which("vllm") is None:
+        return "transformers"
+    import torch
+
+    return "vllm" if torch.cuda.is_available() else "transformers"
+
+
+def prepare(
+    name: str,
+    alias: str,
+    port: int,
+    host: str = "127.0.0.1",
+    kind: Kind = "auto",
+    serve_dir: Path = SERVE_DIR,
+) -> tuple[list[str], Served]:
+    """The backend's command line and the record of it, after fetching the version."""
+    from tuneloop.release.backends import (
+        transformers_serve_command,
+        transformers_served_model,
+        vllm_serve_command,
+    )
+
+    version, merged, fp8 = fetch(name, alias, serve_dir)
+    backend = pick_backend(kind)
+    # A wildcard listen address is not where a router on this host reaches it.
+    reach = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    if backend == "vllm":
+        folder = fp8 or merged
+        model = f"{name}-v{version}"
+        command = vllm_serve_command(folder, port, model, host=host)
+    else:
+        folder = merged
+        executable = str(Path(sys.executable).with_name("transformers"))
+        command = transformers_serve_command(folder, port, host=host, executable=executable)
+        model = transformers_served_model(folder)
+    served = Served(alias, version, f"http://{reach}:{port}", model, backend, str(folder))
+    return command, served
+
+
+def serve_main(
+    params_name: str, alias: str, port: int, host: str, kind: Kind, serve_dir: Path = SERVE_DIR
+) -> None:
+    """Fetch, record, and become the backend (``exec``: signals go straight to it)."""
+    command, served = prepare(params_name, alias, port, host, kind, serve_dir)
+    write_json(record_path(alias, serve_dir), asdict(served))
+    print(
+        f"serving {params_name} v{served.version} ({alias}) with {served.backend} at "
+        f"{served.base_url}; router arm: {json.dumps(served.arm())}",
+        flush=True,
+    )
+    # Local folders only: a hub lookup would hang offline.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    os.execvpe(command[0], command, env)
