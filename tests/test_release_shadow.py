@@ -74,7 +74,7 @@ RELEASE = {
         "concurrency": 1,
         "max_tokens": 4,
         "max_ttft_ratio": 1000.0,
-        "min_throughput_ratio": 0.001,
+        "max_tpot_ratio": 1000.0,
     },
 }
 
@@ -167,6 +167,7 @@ def run_release(tmp_path: Path, challenger_text: str, answer: bool) -> dict[str,
     ``answer``: reject at the first approval pause (the canary started) via the CLI.
     """
     from flows.release import release as release_flow
+    from flows.release import release_outcome
 
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -191,7 +192,10 @@ def run_release(tmp_path: Path, challenger_text: str, answer: bool) -> dict[str,
             repo,
             {
                 "release": {**RELEASE, "routers": [url]},
-                "paths": {"eval_suites": str(ROOT / "eval")},
+                "paths": {
+                    "eval_suites": str(ROOT / "eval"),
+                    "fixed_badcases": str(ROOT / "eval" / "fixed_badcases"),
+                },
             },
         )
         seen = stack.enter_context(Seen(url).running())
@@ -219,7 +223,7 @@ def run_release(tmp_path: Path, challenger_text: str, answer: bool) -> dict[str,
     if "error" in out:
         raise out["error"]
     state = out["state"]
-    result = state.result(raise_on_failure=False)
+    result = release_outcome(state)
     run_id = str(client.get_model_version(MODEL, "2").run_id)
     log = client.download_artifacts(run_id, f"release/{result['flow_run_id']}.jsonl", str(tmp_path))
     return {
