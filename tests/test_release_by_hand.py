@@ -41,6 +41,8 @@ OVERLAY = {
         "analyses_per_step": 1,
         "failure_limit": 10,
         "min_requests": 1,
+        "min_latency_samples": 1,
+        "min_ttft_samples": 1,
         "max_badcase_rate_increase": 1.0,
         "max_latency_p99_ratio": 100.0,
         "max_ttft_p99_ratio": 100.0,
