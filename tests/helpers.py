@@ -5,11 +5,18 @@ Test modules import from here (never from each other); ``conftest.py`` holds the
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import socket
 import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
+import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,3 +74,61 @@ def chat_messages(record: dict[str, object]) -> list[dict[str, str]]:
         {"role": "user", "content": str(record["prompt"])},
         {"role": "assistant", "content": str(record["response"])},
     ]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# Debian's headless Chromium, which renders the MLflow UI in the browser tests.
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def chromium(url: str, profile: Path, *extra: str) -> str:
+    """Load ``url`` in headless Chromium (``--dump-dom``, ``--screenshot=...`` in ``extra``)."""
+    assert CHROMIUM is not None
+    command = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=20000",
+        *extra,
+        url,
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120).stdout
+
+
+@contextlib.contextmanager
+def mlflow_server(store_uri: str) -> Iterator[str]:
+    """``mlflow server`` (the UI) on a free loopback port over ``store_uri``; its base URL."""
+    port = free_port()
+    env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--workers", "1", "--backend-store-uri", store_uri]
+    server = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None, "mlflow server exited"
+            assert time.monotonic() < deadline, "mlflow server did not start in 90 s"
+            time.sleep(0.5)
+        yield base
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

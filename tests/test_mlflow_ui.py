@@ -5,56 +5,23 @@ Needs Debian's `chromium` (`.ci/run` installs it); skipped where it is missing.
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.helpers import write_params
+from tests.helpers import CHROMIUM, chromium, mlflow_server, write_params
 from tuneloop import tracking
 from tuneloop.params import load_params
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium")
 
 
 class Echo(mlflow.pyfunc.PythonModel):
     def predict(self, context: object, model_input: list[str]) -> list[str]:
         return model_input
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def chromium(url: str, profile: Path, *extra: str) -> str:
-    assert CHROMIUM is not None
-    command = [
-        CHROMIUM,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={profile}",
-        "--virtual-time-budget=20000",
-        *extra,
-        url,
-    ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120).stdout
 
 
 @pytest.fixture
@@ -75,42 +42,8 @@ def ui(in_folder: Path) -> Iterator[tuple[str, str, str]]:
     MlflowClient().set_registered_model_alias(
         params.tracking.registered_model, "challenger", version.version
     )
-    port = free_port()
-    env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-            "--backend-store-uri",
-            tracking.tracking_uri(),
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "mlflow server did not start in 90 s"
-            time.sleep(0.5)
+    with mlflow_server(tracking.tracking_uri()) as base:
         yield base, experiment_id, parent.info.run_id
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def test_experiment_page_lists_the_pipeline_run(ui: tuple[str, str, str], tmp_path: Path) -> None:
