@@ -20,23 +20,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.clean_helpers import PARAMS, pool_line, write_pool
 from tuneloop import cleancache, demo, tiny
 from tuneloop.chat import ChatTokenizer
 from tuneloop.cleancache import CleanReport, clean_pool
 from tuneloop.io import write_jsonl
 from tuneloop.params import CleanParams
-from tuneloop.records import Badcase, PoolRecord, content_hash, parse_record
 
-PARAMS = CleanParams(
-    val_fraction=0.1,
-    min_response_chars=2,
-    max_tokens=96,
-    min_distinct_ngrams=0.3,
-    near_dup_threshold=0.9,
-    decontam_threshold=0.8,
-    pilot_fraction=1.0,
-    replay_fraction=0.25,
-)
 EVAL = [item.question for item in demo.eval_items(0, 40)]
 
 
@@ -45,20 +35,6 @@ def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tokenizer")
     tiny.build_tokenizer(demo.tokenizer_corpus(0), 512).save_pretrained(folder)
     return folder
-
-
-def pool_line(data: dict[str, Any]) -> dict[str, Any]:
-    record = parse_record(data)
-    badcase = isinstance(record, Badcase)
-    return PoolRecord(
-        id=content_hash(record),
-        kind="badcase" if badcase else "chat",
-        messages=record.messages,
-        bad_response=record.bad_response if isinstance(record, Badcase) else None,
-        corrected_response=record.corrected_response if isinstance(record, Badcase) else None,
-        meta={"source": record.source},
-        provenance={},
-    ).model_dump(mode="json")
 
 
 def demo_lines(seed: int, n: int) -> list[dict[str, Any]]:
@@ -89,11 +65,6 @@ def demo_lines(seed: int, n: int) -> list[dict[str, Any]]:
             seen.add(line["id"])
             lines.append(line)
     return lines
-
-
-def write_pool(pool: Path, batches: list[list[dict[str, Any]]]) -> None:
-    for number, batch in enumerate(batches):
-        write_jsonl(pool / "records" / f"2026{number:02d}01T000000000000Z.jsonl", batch)
 
 
 @dataclass

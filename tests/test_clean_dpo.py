@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.test_clean_cache import PARAMS, pool_line, write_pool
+from tests.clean_helpers import PARAMS, pool_line, write_pool
 from tuneloop import demo, tiny
 from tuneloop.chat import ChatTokenizer
 from tuneloop.cleancache import CleanReport, clean_pool

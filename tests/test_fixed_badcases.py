@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from stages import fixed_badcases
+from tests.clean_helpers import PARAMS, pool_line, write_pool
+from tests.gate_helpers import DIRECTIONS, GATE, IDS, SUITE, N, right, suite
 from tests.helpers import ROOT, write_params
-from tests.test_clean_cache import PARAMS, pool_line, write_pool
-from tests.test_gate import DIRECTIONS, GATE, IDS, SUITE, N, right, suite
 from tuneloop import demo, suites, tiny
 from tuneloop.chat import ChatTokenizer
 from tuneloop.cleancache import clean_pool
@@ -234,3 +234,19 @@ def test_an_empty_suite_is_said_and_judges_nothing() -> None:
     assert any("fixed badcases: the suite is empty" in r for r in decision["reasons"])
     assert not [c for c in decision["checks"] if c["rule"] == "fixed_badcases"]
     assert len(IDS) == N
+
+
+def test_fixes_are_judged_on_the_answer_whatever_the_primary_metric() -> None:
+    """A team gating on the reply format still keeps corrected answers correct: the suite
+    scores accuracy only, and the rule reads it (it once asked for the primary metric)."""
+    champion = [1.0] * 8 + [0.0] * 2
+    candidate = [0.0] * 4 + [1.0] * 4 + [1.0, 0.0]
+    decision = decide(
+        items_with_fixed(champion, candidate),
+        DIRECTIONS | {FIXED: {"accuracy": True}},
+        GATE.model_copy(update={"primary_metric": "format_compliance"}),
+        [SUITE],
+        fixed_badcases=FIXED,
+    )
+    fixed_ = decision["fixed_badcases"]
+    assert (fixed_["fixed_by_champion"], fixed_["broken"], fixed_["status"]) == (8, 4, "fail")

@@ -35,3 +35,14 @@ def test_no_library_module_imports_stages_flows_or_serving() -> None:
     }
     offenders = {path: names for path, names in offenders.items() if names}
     assert not offenders, f"tuneloop/ modules import entry-point packages: {offenders}"
+
+
+def test_no_test_module_imports_another() -> None:
+    """What tests share lives in tests/*helpers.py and conftest.py, never in a test module:
+    importing one runs its module-level set-up and couples two files' fixtures."""
+    offenders = {
+        path.name: sorted(n for n in imported_modules(path) if n.startswith("tests.test_"))
+        for path in sorted((ROOT / "tests").glob("*.py"))
+    }
+    offenders = {name: found for name, found in offenders.items() if found}
+    assert not offenders, f"test modules import test modules: {offenders}"

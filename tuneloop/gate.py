@@ -21,7 +21,7 @@ The rules (params ``gate``), each a threshold on such a difference:
   business suite (``evaluate.slices``), the candidate is behind its reference (the
   champion, else the base) by at most that much.
 - ``fixed_badcases``: of the fixed-badcase suite's items (``tuneloop.fixed``) the champion
-  answers right (``primary_metric`` 1 on the item), the candidate answers at most
+  answers right (``FIXED_METRIC`` 1 on the item), the candidate answers at most
   ``max_broken_fixes`` wrong. A count over a known set, not an estimate, so no interval:
   each broken fix is a regression a user reported once already. An empty suite (no
   correction from a month the champion trained on yet) is a note, not a check.
@@ -419,6 +419,10 @@ def decide(
 
 # Item ids of broken fixes quoted in the decision; the per-item files hold them all.
 BROKEN_SHOWN = 20
+# What the fixed-badcase suite scores (eval/fixed_badcases/fixed_badcases.yaml): the answer is
+# the correction. Not gate.primary_metric: a team that gates on the reply format still wants
+# a corrected answer kept correct, and the suite scores nothing else.
+FIXED_METRIC = "accuracy"
 
 
 def _fixed_badcases(items: Items, suite: str, gate: GateParams) -> dict[str, Any]:
@@ -429,11 +433,11 @@ def _fixed_badcases(items: Items, suite: str, gate: GateParams) -> dict[str, Any
             "rerun `dvc repro` so the fixed_badcases stage reads the registry again"
         )
     found = _aligned(items, suite, [CHAMPION, CANDIDATE])
-    metric = gate.primary_metric
+    metric = FIXED_METRIC
     if metric not in found[CANDIDATE].values:
         raise GateError(
-            f"gate.primary_metric={metric!r} is not reported by suite {suite!r}; it reports "
-            f"{sorted(found[CANDIDATE].values)}"
+            f"suite {suite!r} does not report {metric!r} (it reports "
+            f"{sorted(found[CANDIDATE].values)}): is its yaml the one tuneloop ships?"
         )
     champion, candidate = found[CHAMPION], found[CANDIDATE]
     counted = (champion.weights[metric] > 0) & (candidate.weights[metric] > 0)

@@ -1,0 +1,40 @@
+"""Pool records and clean params shared by the clean tests (cache, DPO, fixed badcases)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tuneloop.io import write_jsonl
+from tuneloop.params import CleanParams
+from tuneloop.records import Badcase, PoolRecord, content_hash, parse_record
+
+PARAMS = CleanParams(
+    val_fraction=0.1,
+    min_response_chars=2,
+    max_tokens=96,
+    min_distinct_ngrams=0.3,
+    near_dup_threshold=0.9,
+    decontam_threshold=0.8,
+    pilot_fraction=1.0,
+    replay_fraction=0.25,
+)
+
+
+def pool_line(data: dict[str, Any]) -> dict[str, Any]:
+    record = parse_record(data)
+    badcase = isinstance(record, Badcase)
+    return PoolRecord(
+        id=content_hash(record),
+        kind="badcase" if badcase else "chat",
+        messages=record.messages,
+        bad_response=record.bad_response if isinstance(record, Badcase) else None,
+        corrected_response=record.corrected_response if isinstance(record, Badcase) else None,
+        meta={"source": record.source},
+        provenance={},
+    ).model_dump(mode="json")
+
+
+def write_pool(pool: Path, batches: list[list[dict[str, Any]]]) -> None:
+    for number, batch in enumerate(batches):
+        write_jsonl(pool / "records" / f"2026{number:02d}01T000000000000Z.jsonl", batch)
