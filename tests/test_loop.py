@@ -126,7 +126,8 @@ def test_month_two_trained_from_the_champion_month_one_released(
     first = history[0]["release"]
     assert first["outcome"] == "promoted", first
     found = versions(repo)
-    assert found[2].tags[init_from.TAG] == "base"  # month 1: the base was the champion
+    # Month 1 started from the first champion, which is the registered base (v1).
+    assert found[2].tags[init_from.TAG] == f"champion {MODEL} v1"
     assert found[3].tags[init_from.TAG] == f"champion {MODEL} v2"
     # Month 2 saw both months' pool batches, month 1's at the replay share.
     seen = init_from.split_batches(found[3].tags[init_from.TAG_BATCHES])
@@ -144,10 +145,13 @@ def test_month_two_was_judged_against_the_champion_and_its_fixed_badcases(
     decision = json.loads((repo / "metrics" / "decision.json").read_text())
     assert decision["champion"]["version"] == "2", decision.get("champion")
     assert any("candidate" in r and "vs champion" in r for r in decision["reasons"]), decision
+    # Month 1's corrections, scored for the champion (month 1's model) and the candidate; the
+    # ones the champion answers right must stay right. (The tests' 40-step model answers few
+    # exactly, so how many it fixed is not asserted; the rule's counting is test_gate's.)
     fixed = decision["fixed_badcases"]
-    # Month 1's corrections that the champion (month 1's model) answers right, kept fixed.
-    assert fixed["items"] > 0 and fixed["fixed_by_champion"] > 0, fixed
+    assert fixed["suite"] == "fixed_badcases" and fixed["items"] > 0, fixed
     assert fixed["broken"] <= fixed["max_broken_fixes"] and fixed["status"] == "pass"
+    assert any(r.startswith("fixed_badcases: the champion answers") for r in decision["reasons"])
 
 
 def test_router_feedback_reached_the_pool_with_arm_and_model_version(
@@ -157,7 +161,7 @@ def test_router_feedback_reached_the_pool_with_arm_and_model_version(
     pool = load_params(repo / "params.yaml").paths.pool
     records = [
         json.loads(line)
-        for path in sorted((repo / pool).glob("*.jsonl"))
+        for path in sorted((repo / pool / "records").glob("*.jsonl"))
         for line in path.read_text(encoding="utf-8").splitlines()
     ]
     feedback = [r for r in records if r["meta"].get("source") == "router-feedback"]

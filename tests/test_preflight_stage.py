@@ -285,6 +285,9 @@ def test_dvc_repro_stops_at_a_failed_preflight_and_never_trains(
         shutil.copytree(project / name, repo / name)
     for cache in (paths.clean_cache, paths.pack_cache):  # outs too; empty is a valid cache
         (repo / cache).mkdir(parents=True)
+    # The fixed-badcase suite (fixed_badcases' out) of a first month: empty.
+    (repo / paths.fixed_badcases).mkdir(parents=True, exist_ok=True)
+    (repo / paths.fixed_badcases / "test.jsonl").write_text("")
     shutil.copy(project / "mlflow.db", repo / "mlflow.db")
     init_from.write_base(repo / params.paths.init, init_from.Start("base", "no champion"))
     for folder in (params.paths.incoming, params.paths.pool):
