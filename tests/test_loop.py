@@ -82,15 +82,15 @@ def loop(
     write_params(repo, LOOP)
     (repo / "configs").mkdir()
     (repo / "configs" / "demo.yaml").write_text(yaml.safe_dump(OVERLAY, sort_keys=False))
-    previous = os.environ.get("PREFECT_API_URL")
+    # The demo puts its router's secrets and the Prefect address in this process's env, as
+    # `tuneloop demo` does for its children: give the later tests the env they had.
+    before = dict(os.environ)
     os.environ["PREFECT_API_URL"] = str(PREFECT_API_URL.value())  # the session's server
     try:
         history = demo_flow.run(repo, months=2, approval_wait_s=1.0)
     finally:
-        if previous is None:
-            os.environ.pop("PREFECT_API_URL", None)
-        else:
-            os.environ["PREFECT_API_URL"] = previous
+        os.environ.clear()
+        os.environ.update(before)
     yield repo, history
 
 
