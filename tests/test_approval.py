@@ -18,6 +18,7 @@ from prefect import flow
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from tests.helpers import write_params
+from tests.registry_helpers import register_versions
 from tests.router_helpers import (
     TOKEN,
     StreamGate,
@@ -135,36 +136,13 @@ def test_status_without_a_router_token_says_why(
     assert "waiting   unknown: PREFECT_API_URL is not set" in text
 
 
-class _Nothing(mlflow.pyfunc.PythonModel):  # type: ignore[name-defined]
-    def predict(
-        self, context: Any, model_input: list[str], params: dict[str, Any] | None = None
-    ) -> list[str]:
-        return model_input
-
-
 def _release_under_way(folder: Path) -> str:
     """A registry whose challenger's run is tagged as a running release; that run's id."""
-    uri = f"sqlite:///{folder / 'mlflow.db'}"
-    client = mlflow.MlflowClient(uri)
-    experiment = client.create_experiment("tuneloop", (folder / "mlartifacts").as_uri())
-    previous = mlflow.get_tracking_uri()
-    # set_tracking_uri also sets $MLFLOW_TRACKING_URI; the context puts it back.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLFLOW_TRACKING_URI", uri)
-        mlflow.set_tracking_uri(uri)
-        try:
-            with mlflow.start_run(experiment_id=experiment) as run:
-                mlflow.pyfunc.log_model(
-                    name="model",
-                    python_model=_Nothing(),
-                    pip_requirements=[],
-                    registered_model_name="tuneloop-support",
-                )
-        finally:
-            mlflow.set_tracking_uri(previous)
+    client = register_versions(folder, "tuneloop-support", [{}])
+    run_id = str(client.get_model_version("tuneloop-support", "1").run_id)
     client.set_registered_model_alias("tuneloop-support", "challenger", "1")
-    client.set_tag(run.info.run_id, "release.status", "running")
-    return str(run.info.run_id)
+    client.set_tag(run_id, "release.status", "running")
+    return run_id
 
 
 def test_rollback_sets_every_router_to_0_and_records_who_and_why(

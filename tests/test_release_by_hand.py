@@ -15,17 +15,16 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import mlflow
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from tests.helpers import ROOT, write_params
+from tests.helpers import ROOT, free_port, write_params
+from tests.registry_helpers import register_champion_and_challenger
 from tuneloop import registry
 
 pytestmark = pytest.mark.slow
@@ -67,38 +66,6 @@ def readme_block() -> str:
     return found.group(1)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
-def register(repo: Path, folders: dict[str, Path]) -> None:
-    """v1 (champion) and v2 (challenger), each a logged model with its merged folder."""
-    uri = f"sqlite:///{repo / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    experiment = client.create_experiment("tuneloop", (repo / "mlartifacts").as_uri())
-    previous = mlflow.get_tracking_uri()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLFLOW_TRACKING_URI", uri)
-        mlflow.set_tracking_uri(uri)
-        try:
-            for version in ("1", "2"):
-                with mlflow.start_run(experiment_id=experiment, run_name=f"v{version}"):
-                    mlflow.pyfunc.log_model(
-                        name=registry.MODEL_NAME,
-                        python_model=registry.CandidateModel(),
-                        artifacts={registry.MERGED: str(folders[version])},
-                        pip_requirements=[],
-                        registered_model_name=MODEL,
-                    )
-        finally:
-            mlflow.set_tracking_uri(previous)
-    client.set_registered_model_alias(MODEL, "champion", "1")
-    client.set_registered_model_alias(MODEL, "challenger", "2")
-
-
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
     from tuneloop.demo import tokenizer_corpus
@@ -116,7 +83,13 @@ def repo(tmp_path: Path) -> Path:
     project = tmp_path / "project"
     (project / "configs").mkdir(parents=True)
     (project / "configs" / "demo.yaml").write_text(yaml.safe_dump(OVERLAY))
-    register(project, folders)
+    register_champion_and_challenger(
+        project,
+        MODEL,
+        [{registry.MERGED: str(folders[v])} for v in ("1", "2")],
+        registry.CandidateModel(),
+        registry.MODEL_NAME,
+    )
     return project
 
 
@@ -126,7 +99,7 @@ def test_the_readme_release_runs_as_written(
     from prefect.settings import PREFECT_API_URL
 
     api = str(PREFECT_API_URL.value()).rstrip("/")
-    ports = {port: str(_free_port()) for port in ("8001", "8002", "8080")}
+    ports = {port: str(free_port()) for port in ("8001", "8002", "8080")}
     script = readme_block()
     script = "\n".join(
         line for line in script.splitlines() if not line.startswith("prefect server start")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import socket
 import threading
 import time
 from collections import Counter, defaultdict
@@ -31,7 +30,8 @@ from prefect.states import State
 
 from serving.config import RouterConfig
 from serving.router import create_app
-from tests.helpers import write_params
+from tests.helpers import free_port, write_params
+from tests.registry_helpers import register_versions
 from tests.router_helpers import (
     PRODUCER,
     PRODUCER_ENV,
@@ -89,13 +89,6 @@ RELEASE = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 # --- fixtures: models, backends, registry ------------------------------------------------------
 
 
@@ -118,39 +111,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-class _Folder(mlflow.pyfunc.PythonModel):  # type: ignore[name-defined]
-    """A model version whose artifact is the served folder (the registry entry the flow reads)."""
-
-    def predict(
-        self, context: Any, model_input: list[str], params: dict[str, Any] | None = None
-    ) -> list[str]:
-        return model_input
-
-
-def register(folder: Path, models: dict[str, Path]) -> None:
-    """Versions 1 and 2 of the registered model, each logged from its own run."""
-    uri = f"sqlite:///{folder / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    experiment = client.create_experiment(
-        "tuneloop", artifact_location=(folder / "mlartifacts").as_uri()
-    )
-    previous = mlflow.get_tracking_uri()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLFLOW_TRACKING_URI", uri)
-        mlflow.set_tracking_uri(uri)
-        try:
-            for version in ("1", "2"):
-                with mlflow.start_run(experiment_id=experiment, run_name=f"train-v{version}"):
-                    mlflow.pyfunc.log_model(
-                        name="model",
-                        python_model=_Folder(),
-                        artifacts={"model_dir": str(models[version])},
-                        registered_model_name=MODEL,
-                    )
-        finally:
-            mlflow.set_tracking_uri(previous)
-
-
 @pytest.fixture(scope="module")
 def stack(
     models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
@@ -159,11 +119,12 @@ def stack(
     folder = tmp_path_factory.mktemp("release-repo")
     # Backends load (~16 s) while the registry is written, then both must be healthy.
     started = {
-        arm: start_transformers_serve(models[version], _free_port(), folder / f"{arm}.log")
+        arm: start_transformers_serve(models[version], free_port(), folder / f"{arm}.log")
         for arm, version in (("champion", "1"), ("challenger", "2"))
     }
     try:
-        register(folder, models)
+        # Each version's artifact is the folder its backend serves.
+        register_versions(folder, MODEL, [{"model_dir": str(models[v])} for v in ("1", "2")])
         for arm, backend in started.items():
             waited = backend.wait_healthy(timeout=180)
             logger.info("%s backend healthy after %.1f s", arm, waited)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,13 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import mlflow
 import pytest
 import yaml
-from mlflow.tracking import MlflowClient
 
 from serving.state import load_state
-from tests.helpers import write_params
+from tests.helpers import free_port, write_params
+from tests.registry_helpers import register_champion_and_challenger
 from tests.router_helpers import (
     PRODUCER_ENV,
     PRODUCER_TOKEN,
@@ -84,51 +82,12 @@ RELEASE = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
-class _Echo(mlflow.pyfunc.PythonModel):  # type: ignore[name-defined]
-    def predict(
-        self, context: Any, model_input: list[str], params: dict[str, Any] | None = None
-    ) -> list[str]:
-        return model_input
-
-
-def register(folder: Path) -> None:
-    """Versions 1 (champion) and 2 (challenger), each from its own run."""
-    uri = f"sqlite:///{folder / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    experiment = client.create_experiment("tuneloop", (folder / "mlartifacts").as_uri())
-    previous = mlflow.get_tracking_uri()
-    # set_tracking_uri also sets $MLFLOW_TRACKING_URI, which the flow's process would inherit.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLFLOW_TRACKING_URI", uri)
-        mlflow.set_tracking_uri(uri)
-        try:
-            for version in ("1", "2"):
-                with mlflow.start_run(experiment_id=experiment, run_name=f"train-v{version}"):
-                    mlflow.pyfunc.log_model(
-                        name="model",
-                        python_model=_Echo(),
-                        pip_requirements=[],
-                        registered_model_name=MODEL,
-                    )
-        finally:
-            mlflow.set_tracking_uri(previous)
-    client.set_registered_model_alias(MODEL, "champion", "1")
-    client.set_registered_model_alias(MODEL, "challenger", "2")
-
-
 class Replica:
     """One router process on a fixed port, restartable with the same config and state file."""
 
     def __init__(self, folder: Path, backends: dict[str, str], env: dict[str, str]) -> None:
         self.folder = folder
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = env
         self.config = folder / "router.yaml"
@@ -248,7 +207,7 @@ def test_a_release_killed_mid_canary_is_rolled_back_by_every_router(
     assert api_url, "the Prefect test harness gives an API URL"
     repo = tmp_path / "repo"
     repo.mkdir()
-    register(repo)
+    register_champion_and_challenger(repo, MODEL)
     env = {
         **{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"},
         "PYTHONPATH": str(ROOT),

@@ -26,13 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import mlflow
 import pytest
-from mlflow.tracking import MlflowClient
 
 from serving.config import RouterConfig
 from serving.router import create_app
 from tests.helpers import write_params
+from tests.registry_helpers import register_champion_and_challenger
 from tests.router_helpers import (
     PRODUCER_ENV,
     PRODUCER_TOKEN,
@@ -77,38 +76,6 @@ RELEASE = {
         "max_tpot_ratio": 1000.0,
     },
 }
-
-
-class _Echo(mlflow.pyfunc.PythonModel):  # type: ignore[name-defined]
-    def predict(
-        self, context: Any, model_input: list[str], params: dict[str, Any] | None = None
-    ) -> list[str]:
-        return model_input
-
-
-def register(folder: Path) -> MlflowClient:
-    """Versions 1 (champion) and 2 (challenger), each from its own run."""
-    uri = f"sqlite:///{folder / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    experiment = client.create_experiment("tuneloop", (folder / "mlartifacts").as_uri())
-    previous = mlflow.get_tracking_uri()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLFLOW_TRACKING_URI", uri)
-        mlflow.set_tracking_uri(uri)
-        try:
-            for version in ("1", "2"):
-                with mlflow.start_run(experiment_id=experiment, run_name=f"train-v{version}"):
-                    mlflow.pyfunc.log_model(
-                        name="model",
-                        python_model=_Echo(),
-                        pip_requirements=[],
-                        registered_model_name=MODEL,
-                    )
-        finally:
-            mlflow.set_tracking_uri(previous)
-    client.set_registered_model_alias(MODEL, "champion", "1")
-    client.set_registered_model_alias(MODEL, "challenger", "2")
-    return client
 
 
 @dataclass
@@ -171,7 +138,7 @@ def run_release(tmp_path: Path, challenger_text: str, answer: bool) -> dict[str,
 
     repo = tmp_path / "repo"
     repo.mkdir()
-    client = register(repo)
+    client = register_champion_and_challenger(repo, MODEL)
     gate = StreamGate()
     with ExitStack() as stack:
         backends = {

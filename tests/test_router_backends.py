@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
 from tuneloop.release.backends import (
     LoraModule,
     transformers_serve_command,
@@ -123,13 +123,6 @@ def test_wait_healthy_stops_when_the_backend_exits() -> None:
         wait_healthy("http://127.0.0.1:9", timeout=30, process=process)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 @pytest.mark.slow
 def test_transformers_serve_behind_the_router(tmp_path: Path) -> None:
     """The CPU backend for real: the tiny model, launched by our command, behind the router."""
@@ -144,7 +137,7 @@ def test_transformers_serve_behind_the_router(tmp_path: Path) -> None:
     )  # fmt: skip
     model_dir = tmp_path / "tiny"
     save_tiny(model_dir, shape, tokenizer_corpus(0), seed=0)
-    port = _free_port()
+    port = free_port()
     executable = str(Path(sys.executable).with_name("transformers"))
     command = transformers_serve_command(model_dir, port, executable=executable)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
