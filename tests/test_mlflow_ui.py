@@ -13,10 +13,13 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.helpers import CHROMIUM, chromium, mlflow_server, write_params
-from tuneloop import tracking
+from tuneloop import lineage, tracking
 from tuneloop.params import load_params
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium")
+
+
+DATASET, DIGEST = "data/pool", "0f3c6e1a9b2d4c5e8f7a6b5c4d3e2f1a.dir"
 
 
 class Echo(mlflow.pyfunc.PythonModel):
@@ -30,6 +33,13 @@ def ui(in_folder: Path) -> Iterator[tuple[str, str, str]]:
     write_params(in_folder)
     params = load_params()
     experiment_id = tracking.setup(params.tracking.experiment)
+    # A stage run under plain `dvc repro` (no flow, so no parent) with its data dep as an
+    # MLflow dataset input, logged the way every stage logs it.
+    with tracking.stage_run("clean", params) as clean:
+        md5s = lineage.StageMd5s(deps={DATASET: DIGEST}, outs={}, remote="s3://team/dvc")
+        MlflowClient().log_inputs(
+            clean.info.run_id, datasets=tracking.dataset_inputs("clean", md5s)
+        )
     with mlflow.start_run(run_name="retrain-ui-test", experiment_id=experiment_id) as parent:
         mlflow.set_tags({"git.commit": "0123abcd", "prefect.flow_run_id": "flow-ui-test"})
         for stage in ("ingest", "train"):
@@ -63,6 +73,16 @@ def test_experiment_page_lists_the_pipeline_run(ui: tuple[str, str, str], tmp_pa
     MlflowClient().log_artifact(parent_id, str(shot), "ui")
     artifacts = [a.path for a in MlflowClient().list_artifacts(parent_id, "ui")]
     assert artifacts == ["ui/experiment.png"]
+
+
+def test_runs_page_dataset_column_shows_the_dvc_version(
+    ui: tuple[str, str, str], tmp_path: Path
+) -> None:
+    base, experiment_id, _ = ui
+    dom = chromium(f"{base}/#/experiments/{experiment_id}/runs", tmp_path / "profile", "--dump-dom")
+    # The Dataset column names the DVC path and the start of its md5 (MLflow's digest).
+    assert DATASET in dom, "the stage's dataset input is not rendered on the runs page"
+    assert DIGEST[:8] in dom, "the dataset's DVC md5 is not rendered on the runs page"
 
 
 def test_run_page_shows_the_lineage_tags(ui: tuple[str, str, str], tmp_path: Path) -> None:
