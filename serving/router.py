@@ -278,6 +278,8 @@ def create_app(config: RouterConfig) -> FastAPI:
             reason=str(why.get("reason", "")),
             operator=why.get("operator"),
             lease=lease,
+            changed_at=str(why.get("at") or ""),
+            changed_from=why.get("from"),
         )
 
     def change(
@@ -314,9 +316,13 @@ def create_app(config: RouterConfig) -> FastAPI:
         set_lease(start.lease)
         if found is not None:
             state.last_change = change(
-                found.action, None, found.challenger_percent, found.reason, found.operator
+                found.action,
+                found.changed_from,
+                found.challenger_percent,
+                found.reason,
+                found.operator,
             )
-            state.last_change["at"] = found.updated_at
+            state.last_change["at"] = found.changed_at
         if start.note is not None and not start.save:
             logger.warning("%s (%s)", start.note, config.state_file)
         if found is not None and dict(found.arms) != state.versions():

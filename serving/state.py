@@ -83,7 +83,11 @@ class Lease:
 
 @dataclass(frozen=True)
 class SavedState:
-    """What the state file holds: the weight, for which arms, why, and the lease on it."""
+    """What the state file holds: the weight, for which arms, why, and the lease on it.
+
+    ``changed_at`` and ``changed_from`` are the weight's last change; ``updated_at`` is the
+    file's last write, which a lease renewal moves too.
+    """
 
     challenger_percent: int
     arms: Mapping[str, str]  # arm -> model version the weight was set for
@@ -92,6 +96,8 @@ class SavedState:
     operator: str | None = None
     lease: Lease | None = None
     updated_at: str = field(default_factory=lambda: utc_iso(datetime.now(UTC).timestamp()))
+    changed_at: str = ""  # "": not recorded (a file from before it was), read as updated_at
+    changed_from: int | None = None
 
 
 def load_state(path: Path) -> SavedState | None:
@@ -114,6 +120,7 @@ def load_state(path: Path) -> SavedState | None:
             "fix or delete the file"
         )
     arms = data.get("arms")
+    before = data.get("changed_from")
     try:
         lease = _lease(data.get("lease"))
     except (KeyError, TypeError, ValueError) as error:
@@ -129,6 +136,8 @@ def load_state(path: Path) -> SavedState | None:
         operator=data.get("operator") if isinstance(data.get("operator"), str) else None,
         lease=lease,
         updated_at=str(data.get("updated_at", "")),
+        changed_at=str(data.get("changed_at") or data.get("updated_at", "")),
+        changed_from=before if isinstance(before, int) and not isinstance(before, bool) else None,
     )
 
 
@@ -155,6 +164,8 @@ def save_state(path: Path, state: SavedState) -> None:
         "reason": state.reason,
         "operator": state.operator,
         "updated_at": state.updated_at,
+        "changed_at": state.changed_at or state.updated_at,
+        "changed_from": state.changed_from,
         "lease": None,
     }
     if state.lease is not None:

@@ -42,13 +42,14 @@ PRODUCER = {"Authorization": f"Bearer {PRODUCER_TOKEN}"}
 
 
 @contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    """Run ``app`` with uvicorn in a thread on an ephemeral 127.0.0.1 port; yield its URL."""
+def serve(app: FastAPI, port: int = 0) -> Iterator[str]:
+    """Run ``app`` with uvicorn in a thread on 127.0.0.1 (an ephemeral port unless given);
+    yield its URL."""
     # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets that
     # say TCP, and without it every response waits ~40 ms for a delayed ACK.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", port))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

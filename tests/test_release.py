@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prefect.input import RunInput
 
 from serving.metrics import new_stats
-from tests.helpers import write_params
+from serving.router import create_app
+from tests.helpers import free_port, write_params
 from tests.router_helpers import (
     SECRET_ENV,
     TOKEN,
@@ -37,7 +38,7 @@ from tests.router_helpers import (
     serve,
 )
 from tuneloop.params import ParamsError, ReleaseParams, ShadowParams, load_params, parse_params
-from tuneloop.release.admin import AdminError, LeaseKeeper, RouterAdmin
+from tuneloop.release.admin import AdminError, Cursor, LeaseKeeper, RouterAdmin
 from tuneloop.release.analysis import (
     Approval,
     ArmFigures,
@@ -537,6 +538,32 @@ def test_every_replica_moves_together_and_a_rollback_holds_at_once(
         assert {s["last_change"]["reason"] for s in admin.status().values()} == {"canary broke"}
         snap = merge([parse_stats(s) for s in admin.stats().values()])
         assert snap.arms["champion"].requests == 2
+
+
+def test_a_replica_down_during_a_read_costs_the_other_replicas_no_samples(
+    backends: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed read moves no replica's cursor: what the healthy replicas served in that
+    interval is read next time, not dropped with the failed analysis."""
+    monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
+    port = free_port()
+    second = make_config(backends, tmp_path / "feedback1")
+    with routers(backends, tmp_path, 1) as (first,), ExitStack() as stack:
+        url = f"http://127.0.0.1:{port}"
+        admin = stack.enter_context(RouterAdmin([first, url], TOKEN))
+        cursor = Cursor(admin, "/admin/samples")
+        with serve(create_app(second), port):
+            cursor.skip()
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        for _ in range(2):
+            assert httpx.post(f"{first}/v1/chat/completions", json=body).status_code == 200
+        with pytest.raises(AdminError, match=str(port)):
+            cursor.read()  # the second replica is down
+        with serve(create_app(second), port):  # ... and back, restarted
+            batch = cursor.read()
+            assert batch.restarted == [url]
+            assert len(batch.items) == 2, batch
+            assert cursor.read().items == []  # read once, then no more
 
 
 def test_a_release_refuses_routers_that_serve_other_versions(

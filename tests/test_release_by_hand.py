@@ -1,12 +1,8 @@
 """The README's "Try a release on one machine", run as written, start to finish, on CPU backends.
 
-The fenced block of that section is read from README.md, so the doc cannot drift from what
-works. It runs in one ``bash -e`` in a temp project folder holding what ``make demo`` leaves
-for a release: a registry with champion v1 and challenger v2 (two tiny models of one shape,
-registered the way ``tuneloop.registry`` registers them, without training), and a
-``configs/demo.yaml`` with short intervals. Three substitutions, none in what a command does:
-free ports instead of 8001/8002/8080 (other tests run beside this one), and the test session's
-Prefect server instead of starting another (a second server costs half a minute here).
+The block, the project it runs in and the substitutions it gets (free ports, the test
+session's Prefect server) are in ``tests/byhand_helpers.py``; it runs here in one
+``bash -e``. ``test_release_replicas.py`` runs it again with a second router replica.
 """
 
 from __future__ import annotations
@@ -16,104 +12,29 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from tests.helpers import ROOT, free_port, write_params
-from tests.registry_helpers import register_champion_and_challenger
-from tuneloop import registry
+from tests.byhand_helpers import MODEL, OVERLAY, block_env, localised_block, make_project
+from tests.helpers import write_params
 
 pytestmark = pytest.mark.slow
-
-MODEL = "tuneloop-support"
-# A release in seconds: one short analysis per step, loose thresholds (two tiny random models
-# on a busy 2-core runner; the thresholds' logic is tested in test_release.py).
-OVERLAY = {
-    "release": {
-        "steps": [10, 50, 100],
-        # 10 % of the demo customers' 4-5 requests a second: a few challenger requests each.
-        "analysis_interval": 6.0,
-        "analyses_per_step": 1,
-        "failure_limit": 10,
-        "min_requests": 1,
-        "min_latency_samples": 1,
-        "min_ttft_samples": 1,
-        "max_badcase_rate_increase": 1.0,
-        "max_latency_p99_ratio": 100.0,
-        "max_ttft_p99_ratio": 100.0,
-        "approval_timeout": 300,
-        "loadtest": {
-            "enabled": True,
-            "requests": 4,
-            "concurrency": 2,
-            "max_tokens": 8,
-            "max_ttft_ratio": 100.0,
-            "max_tpot_ratio": 100.0,
-        },
-    }
-}
-
-
-def readme_block() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text.split("## Try a release on one machine", 1)[1].split("\n## ", 1)[0]
-    found = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert found, "the README's release section has no ```bash block"
-    return found.group(1)
 
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
-    from tuneloop.demo import tokenizer_corpus
-    from tuneloop.params import TinyModel
-    from tuneloop.tiny import save_tiny
-
-    shape = TinyModel(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, vocab_size=600, max_position_embeddings=512,
-    )  # fmt: skip
-    corpus = list(tokenizer_corpus(0))
-    folders = {"1": tmp_path / "models" / "v1", "2": tmp_path / "models" / "v2"}
-    for seed, path in enumerate(folders.values()):
-        save_tiny(path, shape, corpus, seed=seed)
-    project = tmp_path / "project"
-    (project / "configs").mkdir(parents=True)
-    (project / "configs" / "demo.yaml").write_text(yaml.safe_dump(OVERLAY))
-    register_champion_and_challenger(
-        project,
-        MODEL,
-        [{registry.MERGED: str(folders[v])} for v in ("1", "2")],
-        registry.CandidateModel(),
-        registry.MODEL_NAME,
-    )
-    return project
+    return make_project(tmp_path, OVERLAY)
 
 
 def test_the_readme_release_runs_as_written(
     prefect_harness: None, repo: Path, tmp_path: Path
 ) -> None:
-    from prefect.settings import PREFECT_API_URL
-
-    api = str(PREFECT_API_URL.value()).rstrip("/")
-    ports = {port: str(free_port()) for port in ("8001", "8002", "8080")}
-    script = readme_block()
-    script = "\n".join(
-        line for line in script.splitlines() if not line.startswith("prefect server start")
-    )
-    script = script.replace("http://127.0.0.1:4200/api", api)
-    for old, new in ports.items():
-        script = re.sub(rf"(?<=[:\s]){old}\b", new, script)
+    script, ports = localised_block()
     write_params(repo, {"release": {"routers": [f"http://127.0.0.1:{ports['8080']}"]}})
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))},
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": str(ROOT),
-        "HF_HUB_OFFLINE": "1",
-    }
+    env = block_env()
     process = subprocess.Popen(
         ["bash", "-e", "-c", script],
         cwd=repo,

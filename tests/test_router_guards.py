@@ -176,6 +176,26 @@ def test_a_router_restarted_mid_release_restores_the_weight_while_the_lease_hold
         assert take(client, "release-1", 30).status_code == 200
 
 
+def test_a_restarted_router_reports_the_last_change_as_it_was_not_the_last_renewal(
+    backends: dict[str, str], tmp_path: Path
+) -> None:
+    """The weight's change (from, to, when, why) survives a restart; renewals save the file
+    too, and a restarted replica must not tell `tuneloop status` its weight changed then."""
+    config = make_config(backends, tmp_path, state_file=tmp_path / "state.json")
+    with running_router(config) as client:
+        take(client, "release-1", 30)
+        client.post(
+            "/admin/weights", json={"challenger_percent": 10, "reason": "canary"}, headers=HEADERS
+        )
+        time.sleep(1.1)  # the renewal's time differs from the change's, to the second
+        assert take(client, "release-1", 30).status_code == 200
+        before = client.get("/admin/status", headers=HEADERS).json()["last_change"]
+    with running_router(config) as client:
+        after = client.get("/admin/status", headers=HEADERS).json()["last_change"]
+    assert (before["action"], before["from"], before["to"]) == ("weights", 0, 10), before
+    assert after == before
+
+
 def test_a_lease_that_lapsed_while_the_router_was_down_rolls_back_at_start(
     backends: dict[str, str], tmp_path: Path
 ) -> None:

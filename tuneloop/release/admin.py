@@ -210,7 +210,10 @@ class Cursor:
             self._at[url] = (str(page["boot"]), int(page["next"]))
 
     def read(self) -> Batch:
+        """Every replica's new items; a replica that fails raises and moves no cursor, so
+        what the others served is read next time instead of lost with this batch."""
         batch = Batch()
+        read_to: dict[str, tuple[str, int]] = {}
         for url in self.admin.urls:
             boot, since = self._at.get(url, ("", 0))
             while True:
@@ -238,7 +241,8 @@ class Cursor:
                     ) from None
                 if done:
                     break
-            self._at[url] = (boot, since)
+            read_to[url] = (boot, since)
+        self._at.update(read_to)
         return batch
 
 
