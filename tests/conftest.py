@@ -1,10 +1,12 @@
-"""Shared fixtures: a tiny tuneloop project in a temp dir, and one Prefect test server."""
+"""Shared fixtures: a tiny tuneloop project in a temp dir, one Prefect test server, and the
+tiny project trained once by the retrain flow for every module that reads it."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,6 +61,32 @@ def prefect_harness() -> Iterator[None]:
     # 30 s (the default) is tight for the server start on two cores.
     with prefect_test_harness(server_startup_timeout=90):
         yield
+
+
+@pytest.fixture(scope="session")
+def tiny_project(
+    tmp_path_factory: pytest.TempPathFactory, prefect_harness: None
+) -> tuple[Path, dict[str, Any]]:
+    """The tiny project (``TINY_OVERRIDES``) after one run of the retrain flow, and its result.
+
+    Built once for the session: every stage ran under the flow, as ``dvc repro --single-item``
+    in a subprocess, with the demo month seeded. Modules read it; a test that runs more flows
+    or experiments in it may add MLflow runs and DVC experiments, never change its workspace
+    (params.yaml, dvc.lock and the outs stay as the flow left them).
+    """
+    from flows.retrain import retrain
+    from tuneloop import demo
+    from tuneloop.params import load_params
+
+    repo = copy_project(tmp_path_factory.mktemp("tiny-project"))
+    params = load_params(repo / "params.yaml")
+    demo.seed_incoming(
+        repo / params.paths.incoming,
+        params.demo.seed,
+        params.demo.n_support,
+        params.demo.n_badcases,
+    )
+    return repo, retrain(repo=repo)
 
 
 @pytest.fixture

@@ -27,9 +27,10 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "model": {"tiny": {"pretrain_steps": 10}},
     "demo": {"n_support": 500, "n_badcases": 40},
     "pack": {"seq_len": 128},
-    "train": {"max_steps": 30, "logging_steps": 5},
+    # LoRA, the method real models train with (the demo's default trains the tiny one in full).
+    "train": {"method": "lora", "learning_rate": 3.0e-3, "max_steps": 30, "logging_steps": 5},
     "evaluate": {"limit": 12, "batch_size": 12},
-    "gate": {"min_gain": 0.0},
+    "gate": {"min_gain": 0.0, "max_forgetting": 0.05},
 }
 
 
@@ -46,6 +47,23 @@ def write_params(folder: Path, overrides: dict[str, dict[str, Any]] | None = Non
     path = folder / "params.yaml"
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     return path
+
+
+def flow_runs(repo: Path) -> tuple[Any, dict[str, Any]]:
+    """The first retrain run in ``repo``'s MLflow store and its stage runs, by stage."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("tuneloop")
+    assert experiment is not None
+    found = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+    parent = next(r for r in found if "mlflow.parentRunId" not in r.data.tags)
+    children = {
+        r.data.tags["tuneloop.stage"]: r
+        for r in found
+        if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
+    }
+    return parent, children
 
 
 def copy_project(target: Path) -> Path:

@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,7 @@ import yaml
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from tests.helpers import ROOT, copy_project
-from tuneloop import demo
-from tuneloop.params import load_params
+from tests.helpers import ROOT, flow_runs
 from tuneloop.pipeline import stage_order
 
 STAGES = stage_order(ROOT)
@@ -53,20 +50,9 @@ def dvc(repo: Path, *args: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def flow_result(
-    tmp_path_factory: pytest.TempPathFactory, prefect_harness: None
-) -> Iterator[tuple[Path, dict[str, Any]]]:
-    from flows.retrain import retrain
-
-    repo = copy_project(tmp_path_factory.mktemp("repo"))
-    params = load_params(repo / "params.yaml")
-    demo.seed_incoming(
-        repo / params.paths.incoming,
-        params.demo.seed,
-        params.demo.n_support,
-        params.demo.n_badcases,
-    )
-    yield repo, retrain(repo=repo)
+def flow_result(tiny_project: tuple[Path, dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    """The session's tiny project, which the retrain flow built (``conftest.tiny_project``)."""
+    return tiny_project
 
 
 def lock_tags(entry: dict[str, Any]) -> dict[str, str]:
@@ -78,21 +64,6 @@ def lock_tags(entry: dict[str, Any]) -> dict[str, str]:
 
 def dvc_tags(run: Run) -> dict[str, str]:
     return {k: v for k, v in run.data.tags.items() if k.startswith(("dvc.dep.", "dvc.out."))}
-
-
-def runs(repo: Path) -> tuple[Run, dict[str, Run]]:
-    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("tuneloop")
-    assert experiment is not None
-    found = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
-    parents = [r for r in found if "mlflow.parentRunId" not in r.data.tags]
-    parent = parents[0]
-    children = {
-        r.data.tags["tuneloop.stage"]: r
-        for r in found
-        if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
-    }
-    return parent, children
 
 
 def test_flow_returns_counts_losses_and_scores(flow_result: tuple[Path, dict[str, Any]]) -> None:
@@ -107,7 +78,7 @@ def test_parent_run_has_one_child_per_stage_with_lineage(
     flow_result: tuple[Path, dict[str, Any]],
 ) -> None:
     repo, result = flow_result
-    parent, children = runs(repo)
+    parent, children = flow_runs(repo)
     assert parent.info.run_id == result["mlflow_run_id"]
     assert sorted(children) == sorted(STAGES)
     commit = subprocess.run(
@@ -161,7 +132,7 @@ def test_a_second_run_finds_every_stage_cached(
     # Registered by the first run (when its gate passed): not announced, nor released, again.
     assert second["registration"]["registered"] == first["registration"]["registered"]
     assert not second["registration"]["created"]
-    parent, _ = runs(repo)
+    parent, _ = flow_runs(repo)
     latest = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}").search_runs(
         [parent.info.experiment_id],
         filter_string=f"tags.mlflow.parentRunId = '{second['mlflow_run_id']}'",
@@ -245,21 +216,27 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
 def test_changing_the_learning_rate_reruns_train_and_after_only(
     flow_result: tuple[Path, dict[str, Any]],
 ) -> None:
-    # Last in this module: it retrains the project with another learning rate.
+    # What `dvc repro` would run, not a run: the sweep above ran these stages for real in its
+    # experiments, and the session's project is shared, so params.yaml is put back after.
     repo, _ = flow_result
     path = repo / "params.yaml"
-    data = yaml.safe_load(path.read_text())
+    before = path.read_text()
+    data = yaml.safe_load(before)
     data["train"]["learning_rate"] = data["train"]["learning_rate"] / 2
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    # `dvc status` names the stages whose own inputs changed (preflight checks the
-    # learning rate too, the model card that evaluate writes quotes it); nothing before them.
-    assert set(yaml.safe_load(dvc(repo, "status", "--json"))) == {
-        "init",
-        "preflight",
-        "train",
-        "evaluate",
-    }
-    ran = {
-        line.split("'")[1] for line in dvc(repo, "repro").splitlines() if "Running stage" in line
-    }
+    try:
+        # `dvc status` names the stages whose own inputs changed (preflight checks the
+        # learning rate too, the model card that evaluate writes quotes it); nothing before
+        # them.
+        assert set(yaml.safe_load(dvc(repo, "status", "--json"))) == {
+            "init",
+            "preflight",
+            "train",
+            "evaluate",
+        }
+        out = dvc(repo, "repro", "--dry")
+    finally:
+        path.write_text(before)
+    ran = {line.split("'")[1] for line in out.splitlines() if "Running stage" in line}
     assert ran == {"init", "preflight", "train", "merge", "export", "evaluate"}
+    assert only_init_runs_again(dvc(repo, "status"))

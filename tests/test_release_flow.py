@@ -347,8 +347,14 @@ def test_canary_ramps_with_cli_approvals_and_promotes(
     with router(backends, tmp_path / "feedback") as url, Traffic(url).running() as traffic:
         flow = start_release(repo, url)
         approved = []
-        for approver in ("alice", "bob"):
+        for approver, percent in (("alice", 10), ("bob", 50)):
             run_id = wait_paused(flow)
+            # The pause holds the weight: let the traffic reach the requests the split check
+            # below needs at it (on a busy machine an analysis interval may see fewer), well
+            # within the approval timeout.
+            deadline = time.monotonic() + 40
+            while traffic.split().get(percent, (0, 0.0))[0] < 50 and time.monotonic() < deadline:
+                time.sleep(0.2)
             assert cli(["approve", run_id, "--approver", approver, "--comment", "looks fine"]) == 0
             approved.append(run_id)
             # Wait for the ramp before looking for the next pause.

@@ -1,22 +1,20 @@
-"""Every stage's main() on the tiny default, in order, in a temp project folder."""
+"""What every stage wrote in the tiny project, each run once in order by the retrain flow.
+
+The in-process entry point (each stage's ``main()``) is run by tests/test_evaluate.py.
+"""
 
 from __future__ import annotations
 
 import importlib
 import json
-import os
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from mlflow.tracking import MlflowClient
 
-from tests.helpers import ROOT, write_params
+from tests.helpers import ROOT, flow_runs
 from tuneloop import demo
-from tuneloop.params import load_params
 from tuneloop.pipeline import stage_order
 
 STAGES = [importlib.import_module(f"stages.{name}") for name in stage_order(ROOT)]
@@ -27,22 +25,9 @@ def metrics(folder: Path, stage: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    folder = tmp_path_factory.mktemp("project")
-    shutil.copytree(ROOT / "eval", folder / "eval")
-    write_params(folder)
-    previous = Path.cwd()
-    os.chdir(folder)
-    try:
-        params = load_params()
-        demo.seed_incoming(
-            params.paths.incoming, params.demo.seed, params.demo.n_support, params.demo.n_badcases
-        )
-        for stage in STAGES:
-            stage.main()
-        yield folder
-    finally:
-        os.chdir(previous)
+def project(tiny_project: tuple[Path, dict[str, Any]]) -> Path:
+    """The session's tiny project: every stage ran once, under the retrain flow."""
+    return tiny_project[0]
 
 
 def test_base_builds_a_loadable_tiny_model(project: Path) -> None:
@@ -136,11 +121,7 @@ def test_evaluate_scores_every_model_and_decides(project: Path) -> None:
 
 
 def test_each_stage_logged_an_mlflow_run_with_lineage(project: Path) -> None:
-    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    experiment = client.get_experiment_by_name("tuneloop")
-    assert experiment is not None
-    runs = client.search_runs([experiment.experiment_id])
-    by_stage = {r.data.tags["tuneloop.stage"]: r for r in runs}
+    _, by_stage = flow_runs(project)
     assert set(by_stage) == {s.__name__.split(".")[-1] for s in STAGES}
     for run in by_stage.values():
         assert run.info.status == "FINISHED"
