@@ -89,10 +89,11 @@ class IngestResult:
 def read_lines(incoming: Path) -> Iterator[Line]:
     """Raw lines of every incoming file in a stable order; bytes, so bad UTF-8 is seen, not lost."""
     for path in sorted(incoming.rglob("*.jsonl")):
+        name = str(path.relative_to(incoming))
         with path.open("rb") as lines:
             offset = 0
             for number, raw in enumerate(lines, start=1):
-                yield Line(str(path.relative_to(incoming)), number, raw, offset)
+                yield Line(name, number, raw, offset)
                 offset += len(raw)
 
 
