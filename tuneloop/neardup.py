@@ -134,16 +134,27 @@ def shingle_hashes(texts: Sequence[str], ngram: int = NGRAM) -> tuple[np.ndarray
 def sketch_texts(
     texts: Iterable[str], ngram: int = NGRAM, num_perm: int = NUM_PERM, seed: int = SEED
 ) -> np.ndarray:
-    """One R-MinHash row (``num_perm`` uint32) per text, as an ``(n, num_perm)`` array."""
-    hashes, offsets = shingle_hashes(list(texts), ngram)
-    if len(offsets) == 1:
+    """One R-MinHash row (``num_perm`` uint32) per text, as an ``(n, num_perm)`` array.
+
+    Equal texts are sketched once (greetings and stock questions recur by the thousand, and
+    reading a row out of rensa costs more than computing it).
+    """
+    texts = list(texts)
+    distinct: dict[str, int] = {}
+    which = np.fromiter(
+        (distinct.setdefault(text, len(distinct)) for text in texts),
+        dtype=np.int64,
+        count=len(texts),
+    )
+    if not distinct:
         return np.zeros((0, num_perm), dtype=np.uint32)
+    hashes, offsets = shingle_hashes(list(distinct), ngram)
     matrix = RMinHash.digest_matrix_from_flat_token_hashes(
         hashes, offsets.astype(np.uint64), num_perm, seed
     )
     rows = matrix.to_rows()
     flat = np.fromiter(chain.from_iterable(rows), dtype=np.uint32, count=len(rows) * num_perm)
-    return flat.reshape(len(rows), num_perm)
+    return flat.reshape(len(rows), num_perm)[which]
 
 
 def similarity(a: np.ndarray, b: np.ndarray) -> np.ndarray:
