@@ -73,7 +73,6 @@ class Line:
 class IngestResult:
     # Each accepted record as its pool line (bytes, not objects: a month can be a million).
     accepted: list[bytes] = field(default_factory=list)
-    ids: list[str] = field(default_factory=list)  # their content hashes, in the same order
     by_source: Counter[str] = field(default_factory=Counter)
     quarantined: list[dict[str, Any]] = field(default_factory=list)
     duplicates: int = 0
@@ -180,7 +179,9 @@ def scrub_plain(record: PlainRecord) -> tuple[PlainRecord, Counter[str]]:
         return record, found
     texts = iter(scrubbed)
     messages = [(role, next(texts)) for role, _ in record.messages]
-    new_meta = {name: None if meta[name] is None else next(texts) for name in META_FIELDS}
+    new_meta: dict[str, Any] = {
+        name: None if meta[name] is None else next(texts) for name in META_FIELDS
+    }
     new_meta["tags"] = [next(texts) for _ in meta["tags"]]
     bad = None if record.bad_response is None else next(texts)
     corrected = None if record.corrected_response is None else next(texts)
@@ -245,23 +246,24 @@ def ingest(lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str
     """
     result = IngestResult()
     seen = set(known)
-    # A line whose bytes were accepted earlier in this run gives the same record (the first
-    # line of a file apart: a byte-order mark is dropped there only), so its content hash
-    # and PII counts are remembered rather than worked out again.
-    earlier: dict[tuple[str, bool], tuple[str, tuple[tuple[str, int], ...]]] = {}
+    # A line whose bytes were parsed earlier in this run (into a record, so its record's hash
+    # is in ``seen``) is a duplicate with the same PII counts: those are remembered, by the
+    # line's digest, rather than worked out again. Not for a file's first line, where a
+    # byte-order mark is dropped (the same bytes elsewhere are not the same record).
+    earlier: dict[bytes, tuple[tuple[str, int], ...]] = {}
     files: dict[str, str] = {}
     for line in lines:
         if not line.raw.strip():
             result.blank += 1
             continue
-        raw_digest = "raw:" + hashlib.sha256(line.raw.rstrip(b"\r\n")).hexdigest()
+        raw_hash = hashlib.sha256(line.raw.rstrip(b"\r\n")).digest()
+        raw_digest = "raw:" + raw_hash.hex()
         if raw_digest in seen:
             result.duplicates += 1
             continue
-        remembered = earlier.get((raw_digest, line.number == 1))
+        remembered = earlier.get(raw_hash) if line.number != 1 else None
         if remembered is not None:
-            # Its record's hash went into ``seen`` when the same bytes were met first.
-            result.pii.update(dict(remembered[1]))
+            result.pii.update(dict(remembered))
             result.duplicates += 1
             continue
         try:
@@ -276,7 +278,8 @@ def ingest(lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str
         record, found = scrub_plain(record)
         result.pii.update(found)
         digest = content_hash(record)
-        earlier[raw_digest, line.number == 1] = (digest, tuple(found.items()))
+        if line.number != 1:
+            earlier[raw_hash] = tuple(found.items()) if found else ()
         if digest in seen:
             result.duplicates += 1
             continue
@@ -286,7 +289,6 @@ def ingest(lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str
         provenance = {"file": files[line.file], "line": line.number, "sha256": digest}
         provenance["ingested_at"] = now
         result.accepted.append(pool_line(record, digest, provenance))
-        result.ids.append(digest)
         result.by_source[str(record.meta["source"] or "unknown")] += 1
     return result
 

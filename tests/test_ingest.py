@@ -220,10 +220,9 @@ def test_property_conservation_and_idempotence(raw: list[bytes]) -> None:
     assert first.lines + first.blank == len(lines)
     assert first.lines == len(first.accepted) + len(first.quarantined) + first.duplicates
     records = [PoolRecord.model_validate_json(stored) for stored in first.accepted]
-    assert [r.id for r in records] == first.ids
     for record in records:
         assert not any(pii.scrub(m.content)[1] for m in record.messages)
-    known = set(first.ids) | {q["sha256"] for q in first.quarantined}
+    known = {r.id for r in records} | {q["sha256"] for q in first.quarantined}
     second = ingest.ingest(iter(lines), known, 1000, "t")
     assert not second.accepted and not second.quarantined
     assert second.duplicates == second.lines == first.lines

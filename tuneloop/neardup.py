@@ -3,8 +3,7 @@
 Texts are normalised (``tuneloop.text.normalise``), punctuation is dropped and cut into
 overlapping character n-grams. Characters rather than words because Chinese has no
 spaces to split on; n-grams over characters work the same for English. Each shingle set
-is hashed in numpy (``shingle_hashes``) and sketched with rensa's R-MinHash (Rust, a whole
-batch per call): a row of ``num_perm``
+is sketched with rensa's R-MinHash (Rust, a whole batch per call): a row of ``num_perm``
 32-bit values, kept as numpy arrays so sketches can be cached and compared in bulk.
 
 The index bands the sketches (LSH) and only proposes candidates; every candidate is
@@ -35,9 +34,8 @@ log = logging.getLogger(__name__)
 NUM_PERM = 128
 NGRAM = 5
 SEED = 1
-# Bumped by rensa when its sketches change, and here when the shingle hashes do; cached
-# sketches are keyed on it.
-SKETCH_VERSION = f"rensa-rminhash-{RMinHash.ALGORITHM_VERSION}-shingle-hash-1"
+# Bumped by rensa when its sketches change; cached sketches are keyed on it.
+SKETCH_VERSION = f"rensa-rminhash-{RMinHash.ALGORITHM_VERSION}"
 
 # (false-positive weight, false-negative weight) for the choice of bands and rows. Recall
 # matters more, and precision is restored by the exact check.
@@ -55,13 +53,6 @@ _PAIRS_PER_STEP = 1 << 17
 _CJK = r"\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 _CJK_SPACE_RE = re.compile(rf"(?<=[{_CJK}]) | (?=[{_CJK}])")
 _WHITESPACE_RE = re.compile(r"\s+")
-
-
-# Odd 64-bit multipliers (from SplitMix64) for folding values (shingle code points, a
-# band's rows) into one 64-bit key.
-_MIX_A = np.uint64(0x9E3779B97F4A7C15)
-_MIX_B = np.uint64(0xBF58476D1CE4E5B9)
-_MIX_C = np.uint64(0x94D049BB133111EB)
 
 
 class _PunctuationToSpace(dict[int, str]):
@@ -99,38 +90,6 @@ def shingles(text: str, ngram: int) -> set[str]:
     return {norm[i : i + ngram] for i in range(len(norm) - ngram + 1)}
 
 
-def shingle_hashes(texts: Sequence[str], ngram: int = NGRAM) -> tuple[np.ndarray, np.ndarray]:
-    """The 64-bit hash of every shingle (``shingles``) of each text, in numpy: ``(hashes,
-    row offsets)``, text ``i``'s shingles at ``hashes[offsets[i]:offsets[i + 1]]``.
-
-    All texts' code points go into one array and every n-gram is hashed there at once;
-    building a Python set of n-gram strings per text and handing it to rensa to hash took
-    most of the sketching time. A window folds its code points with a multiply-xorshift
-    step and ends in SplitMix64's finaliser; a text shorter than ``ngram`` is one shingle,
-    hashed over its length (mixed in, so it differs from any full n-gram).
-    """
-    norms = [shingle_text(text) for text in texts]
-    lengths = np.fromiter(map(len, norms), dtype=np.int64, count=len(norms))
-    codes = np.frombuffer("".join(norms).encode("utf-32-le"), dtype=np.uint32)
-    codes = np.concatenate([codes.astype(np.uint64) + np.uint64(1), np.zeros(ngram, np.uint64)])
-    counts = np.maximum(lengths - ngram + 1, 1)
-    offsets = np.zeros(len(norms) + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    total = int(offsets[-1])
-    first = np.repeat(np.cumsum(lengths) - lengths, counts)
-    position = first + np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], counts)
-    width = np.repeat(np.minimum(lengths, ngram), counts)
-    hashes = width.astype(np.uint64) * _MIX_B
-    for k in range(ngram):
-        # Code points past a short text's end count as absent (0; present ones are + 1).
-        code = np.where(width > k, codes[position + k], np.uint64(0))
-        hashes = (hashes ^ code) * _MIX_A
-        hashes ^= hashes >> np.uint64(29)
-    hashes = (hashes ^ (hashes >> np.uint64(30))) * _MIX_B
-    hashes = (hashes ^ (hashes >> np.uint64(27))) * _MIX_C
-    return hashes ^ (hashes >> np.uint64(31)), offsets
-
-
 def sketch_texts(
     texts: Iterable[str], ngram: int = NGRAM, num_perm: int = NUM_PERM, seed: int = SEED
 ) -> np.ndarray:
@@ -148,9 +107,8 @@ def sketch_texts(
     )
     if not distinct:
         return np.zeros((0, num_perm), dtype=np.uint32)
-    hashes, offsets = shingle_hashes(list(distinct), ngram)
-    matrix = RMinHash.digest_matrix_from_flat_token_hashes(
-        hashes, offsets.astype(np.uint64), num_perm, seed
+    matrix = RMinHash.digest_matrix_from_token_sets(
+        [shingles(text, ngram) for text in distinct], num_perm, seed
     )
     rows = matrix.to_rows()
     flat = np.fromiter(chain.from_iterable(rows), dtype=np.uint32, count=len(rows) * num_perm)
@@ -180,6 +138,11 @@ def band_layout(threshold: float, num_perm: int) -> tuple[int, int]:
     false_negative = np.trapezoid(np.where(below, 0.0, 1.0 - proposed), s, axis=1)
     error = _LSH_WEIGHTS[0] * false_positive + _LSH_WEIGHTS[1] * false_negative
     return layouts[int(np.argmin(error))]
+
+
+# Odd 64-bit multipliers (from SplitMix64) for folding a band's rows into one key.
+_MIX_A = np.uint64(0x9E3779B97F4A7C15)
+_MIX_B = np.uint64(0xBF58476D1CE4E5B9)
 
 
 def band_keys(sketches: np.ndarray, bands: int, rows: int) -> np.ndarray:

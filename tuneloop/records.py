@@ -167,7 +167,7 @@ def parse_record(data: Any) -> Chat | Badcase:
         for message in record.messages:
             if not message.content.strip():
                 raise InvalidRecord("empty_content", f"empty {message.role} text")
-    pairs = [(m.role, m.content) for m in record.messages]
+    pairs: list[tuple[str, str]] = [(m.role, m.content) for m in record.messages]
     _check_turns(pairs, last="assistant" if isinstance(record, Chat) else "user")
     return record
 
@@ -195,7 +195,7 @@ class PlainRecord:
 
 def plain(record: Chat | Badcase) -> PlainRecord:
     meta = record.model_dump(include={*META_FIELDS, "tags"})
-    messages = [(m.role, m.content) for m in record.messages]
+    messages: list[tuple[str, str]] = [(m.role, m.content) for m in record.messages]
     if isinstance(record, Badcase):
         return PlainRecord(
             "badcase", messages, record.bad_response, record.corrected_response, meta
@@ -218,6 +218,7 @@ def parse_plain(data: Any) -> PlainRecord | None:
     """
     if type(data) is not dict:
         return None
+    kind: Literal["chat", "badcase"]
     if "bad_response" in data:
         allowed, kind = _BADCASE_KEYS, "badcase"
     elif "messages" in data:
@@ -242,7 +243,7 @@ def parse_plain(data: Any) -> PlainRecord | None:
         prompt, response = data.get("prompt"), data.get("response")
         if not (_text(prompt) and _text(response)):
             return None
-        messages = [("user", prompt), ("assistant", response)]
+        messages: list[tuple[str, str]] = [("user", prompt), ("assistant", response)]
     else:
         raw = data["messages"]
         if type(raw) is not list or len(raw) < (2 if kind == "chat" else 1):
@@ -269,16 +270,21 @@ def parse_plain(data: Any) -> PlainRecord | None:
 
 def content_hash(record: Chat | Badcase | PlainRecord) -> str:
     """Identity of a record's content (not its metadata): equal conversations are duplicates."""
+    bad: str | None = None
+    corrected: str | None = None
     if isinstance(record, PlainRecord):
         messages = record.messages
         badcase = record.kind == "badcase"
+        bad, corrected = record.bad_response, record.corrected_response
     else:
         messages = [(m.role, m.content) for m in record.messages]
         badcase = isinstance(record, Badcase)
+        if isinstance(record, Badcase):
+            bad, corrected = record.bad_response, record.corrected_response
     body: dict[str, Any] = {"messages": [[role, content.strip()] for role, content in messages]}
     if badcase:
-        body["bad"] = (record.bad_response or "").strip()
-        body["corrected"] = (record.corrected_response or "").strip()
+        body["bad"] = (bad or "").strip()
+        body["corrected"] = (corrected or "").strip()
     canonical = json.dumps(body, ensure_ascii=False, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
