@@ -241,7 +241,7 @@ class ChatTokenizer:
         template = self._template
         context = template.new_context(self._globals | variables, shared=True)
         try:
-            return template.environment.concat(template.root_render_func(context))  # type: ignore[no-any-return]
+            return template.environment.concat(template.root_render_func(context))
         except Exception:
             template.environment.handle_exception()
             raise  # not reached: handle_exception re-raises

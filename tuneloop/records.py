@@ -241,7 +241,7 @@ def parse_plain(data: Any) -> PlainRecord | None:
     meta["tags"] = list(tags)
     if allowed is _PROMPT_KEYS:
         prompt, response = data.get("prompt"), data.get("response")
-        if not (_text(prompt) and _text(response)):
+        if not (type(prompt) is str and prompt and type(response) is str and response):
             return None
         messages: list[tuple[str, str]] = [("user", prompt), ("assistant", response)]
     else:
