@@ -34,18 +34,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from tuneloop import pii
 from tuneloop import pool as pool_writes
 from tuneloop.io import jsonl_text, read_jsonl, write_jsonl
 from tuneloop.params import load_params
 from tuneloop.records import (
-    Badcase,
-    Chat,
+    META_FIELDS,
     InvalidRecord,
-    Message,
-    PoolRecord,
+    PlainRecord,
     content_hash,
+    parse_plain,
     parse_record,
+    plain,
     pool_ids,
 )
 from tuneloop.stage import logged_after, setup_logging, write_metrics
@@ -69,7 +71,9 @@ class Line:
 
 @dataclass
 class IngestResult:
-    accepted: list[PoolRecord] = field(default_factory=list)
+    # Each accepted record as its pool line (bytes, not objects: a month can be a million).
+    accepted: list[bytes] = field(default_factory=list)
+    by_source: Counter[str] = field(default_factory=Counter)
     quarantined: list[dict[str, Any]] = field(default_factory=list)
     duplicates: int = 0
     blank: int = 0
@@ -84,15 +88,16 @@ class IngestResult:
 def read_lines(incoming: Path) -> Iterator[Line]:
     """Raw lines of every incoming file in a stable order; bytes, so bad UTF-8 is seen, not lost."""
     for path in sorted(incoming.rglob("*.jsonl")):
+        name = str(path.relative_to(incoming))
         with path.open("rb") as lines:
             offset = 0
             for number, raw in enumerate(lines, start=1):
-                yield Line(str(path.relative_to(incoming)), number, raw, offset)
+                yield Line(name, number, raw, offset)
                 offset += len(raw)
 
 
-def decode(line: Line, max_line_bytes: int) -> Any:
-    """The JSON value of a line, or InvalidRecord saying why it has none."""
+def _text(line: Line, max_line_bytes: int) -> str:
+    """The line as text, or InvalidRecord: over the size limit or not UTF-8."""
     raw = line.raw.rstrip(b"\r\n")
     if len(raw) > max_line_bytes:
         raise InvalidRecord(
@@ -102,11 +107,19 @@ def decode(line: Line, max_line_bytes: int) -> Any:
     if line.number == 1 and raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]  # a UTF-8 byte-order mark that some exporters write
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise InvalidRecord(
             "invalid_utf8", f"invalid UTF-8 at byte {error.start}; re-export the file as UTF-8"
         ) from None
+
+
+def decode(line: Line, max_line_bytes: int) -> Any:
+    """The JSON value of a line, or InvalidRecord saying why it has none."""
+    return _decode_text(_text(line, max_line_bytes))
+
+
+def _decode_text(text: str) -> Any:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
@@ -132,30 +145,62 @@ def _storable(value: Any) -> bool:
     return True
 
 
-def scrub_record(record: Chat | Badcase) -> tuple[Chat | Badcase, Counter[str]]:
-    """The record with PII replaced by typed placeholders in every text field, and the counts."""
-    found: Counter[str] = Counter()
+def parse_line(line: Line, max_line_bytes: int) -> PlainRecord:
+    """The record a line holds, or InvalidRecord saying why it holds none.
 
-    def clean(text: str) -> str:
-        scrubbed, counts = pii.scrub(text)
-        found.update(counts)
-        return scrubbed
+    A well-formed line is read by orjson and checked by ``parse_plain``, several times faster
+    than ``json`` and pydantic; any line either refuses (bad JSON, a value orjson reads
+    differently, such as a huge integer or an unpaired surrogate escape, or an invalid
+    record) is read again the thorough way, whose result or error stands.
+    """
+    text = _text(line, max_line_bytes)
+    try:
+        fast = parse_plain(orjson.loads(text))
+    except orjson.JSONDecodeError:
+        fast = None
+    if fast is not None:
+        return fast
+    return plain(parse_record(_decode_text(text)))
 
-    def maybe(text: str | None) -> str | None:
-        return clean(text) if text is not None else None
 
-    update: dict[str, Any] = {
-        "messages": [Message(role=m.role, content=clean(m.content)) for m in record.messages],
-        "source": maybe(record.source),
-        "model_version": maybe(record.model_version),
-        "arm": maybe(record.arm),
-        "created_at": maybe(record.created_at),
-        "tags": [clean(tag) for tag in record.tags],
+def scrub_plain(record: PlainRecord) -> tuple[PlainRecord, Counter[str]]:
+    """The record with PII replaced by typed placeholders in every text field, and the counts.
+
+    Every field is scrubbed (messages, metadata, tags, bad and corrected responses), all of
+    them in one ``pii.scrub_fields`` pass.
+    """
+    meta = record.meta
+    fields = [content for _, content in record.messages]
+    fields += [meta[name] for name in META_FIELDS if meta[name] is not None]
+    fields += meta["tags"]
+    extra = [text for text in (record.bad_response, record.corrected_response) if text is not None]
+    scrubbed, found = pii.scrub_fields(fields + extra)
+    if not found:
+        return record, found
+    texts = iter(scrubbed)
+    messages = [(role, next(texts)) for role, _ in record.messages]
+    new_meta: dict[str, Any] = {
+        name: None if meta[name] is None else next(texts) for name in META_FIELDS
     }
-    if isinstance(record, Badcase):
-        update["bad_response"] = clean(record.bad_response)
-        update["corrected_response"] = maybe(record.corrected_response)
-    return record.model_copy(update=update), found
+    new_meta["tags"] = [next(texts) for _ in meta["tags"]]
+    bad = None if record.bad_response is None else next(texts)
+    corrected = None if record.corrected_response is None else next(texts)
+    return PlainRecord(record.kind, messages, bad, corrected, new_meta), found
+
+
+def pool_line(record: PlainRecord, digest: str, provenance: dict[str, Any]) -> bytes:
+    """The record's line in a pool batch file: ``PoolRecord.model_dump(mode="json")``'s keys,
+    in its order, as ``tuneloop.io.jsonl_text`` writes them."""
+    data = {
+        "id": digest,
+        "kind": record.kind,
+        "messages": [{"role": role, "content": content} for role, content in record.messages],
+        "bad_response": record.bad_response,
+        "corrected_response": record.corrected_response,
+        "meta": record.meta,
+        "provenance": provenance,
+    }
+    return (json.dumps(data, ensure_ascii=False) + "\n").encode()
 
 
 def quarantine_entry(
@@ -201,16 +246,28 @@ def ingest(lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str
     """
     result = IngestResult()
     seen = set(known)
+    # A line whose bytes were parsed earlier in this run (into a record, so its record's hash
+    # is in ``seen``) is a duplicate with the same PII counts: those are remembered, by the
+    # line's digest, rather than worked out again. Not for a file's first line, where a
+    # byte-order mark is dropped (the same bytes elsewhere are not the same record).
+    earlier: dict[bytes, tuple[tuple[str, int], ...]] = {}
+    files: dict[str, str] = {}
     for line in lines:
         if not line.raw.strip():
             result.blank += 1
             continue
-        raw_digest = "raw:" + hashlib.sha256(line.raw.rstrip(b"\r\n")).hexdigest()
+        raw_hash = hashlib.sha256(line.raw.rstrip(b"\r\n")).digest()
+        raw_digest = "raw:" + raw_hash.hex()
         if raw_digest in seen:
             result.duplicates += 1
             continue
+        remembered = earlier.get(raw_hash) if line.number != 1 else None
+        if remembered is not None:
+            result.pii.update(dict(remembered))
+            result.duplicates += 1
+            continue
         try:
-            record = parse_record(decode(line, max_line_bytes))
+            record = parse_line(line, max_line_bytes)
         except InvalidRecord as error:
             result.reasons[error.kind] += 1
             seen.add(raw_digest)
@@ -218,32 +275,21 @@ def ingest(lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str
             result.pii.update(found)
             result.quarantined.append(entry)
             continue
-        record, found = scrub_record(record)
+        record, found = scrub_plain(record)
         result.pii.update(found)
         digest = content_hash(record)
+        if line.number != 1:
+            earlier[raw_hash] = tuple(found.items()) if found else ()
         if digest in seen:
             result.duplicates += 1
             continue
         seen.add(digest)
-        meta = record.model_dump(include={"source", "model_version", "arm", "created_at", "tags"})
-        result.accepted.append(
-            PoolRecord(
-                id=digest,
-                kind="badcase" if isinstance(record, Badcase) else "chat",
-                messages=record.messages,
-                bad_response=record.bad_response if isinstance(record, Badcase) else None,
-                corrected_response=(
-                    record.corrected_response if isinstance(record, Badcase) else None
-                ),
-                meta=meta,
-                provenance={
-                    "file": pii.scrub(line.file)[0],
-                    "line": line.number,
-                    "sha256": digest,
-                    "ingested_at": now,
-                },
-            )
-        )
+        if line.file not in files:
+            files[line.file] = pii.scrub(line.file)[0]
+        provenance = {"file": files[line.file], "line": line.number, "sha256": digest}
+        provenance["ingested_at"] = now
+        result.accepted.append(pool_line(record, digest, provenance))
+        result.by_source[str(record.meta["source"] or "unknown")] += 1
     return result
 
 
@@ -274,9 +320,7 @@ def main() -> None:
         metrics = {
             "lines": result.lines,
             "accepted": len(result.accepted),
-            "accepted_by_source": dict(
-                Counter(str(r.meta.get("source") or "unknown") for r in result.accepted)
-            ),
+            "accepted_by_source": dict(result.by_source),
             "quarantined": len(result.quarantined),
             "duplicates": result.duplicates,
             "blank_lines": result.blank,
@@ -305,10 +349,9 @@ def main() -> None:
         batch = now.strftime("%Y%m%dT%H%M%S%fZ")
         # DVC needs the out to exist even when a run adds nothing.
         (pool / "records").mkdir(mode=pool_writes.FOLDER_MODE, parents=True, exist_ok=True)
-        files = {}
+        files: dict[str, bytes | list[bytes]] = {}
         if result.accepted:
-            records = (r.model_dump(mode="json") for r in result.accepted)
-            files[f"records/{batch}.jsonl"] = jsonl_text(records).encode()
+            files[f"records/{batch}.jsonl"] = result.accepted
         if result.quarantined:
             files[f"quarantine/{batch}.jsonl"] = jsonl_text(result.quarantined).encode()
         if files:

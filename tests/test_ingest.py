@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 from stages import ingest
 from tests.helpers import write_params
 from tuneloop import pii
-from tuneloop.records import pool_records
+from tuneloop.records import (
+    InvalidRecord,
+    PoolRecord,
+    parse_plain,
+    parse_record,
+    plain,
+    pool_records,
+)
 
 GOOD = {"prompt": "Can I return the Aurora kettle?", "response": "[return] Yes, within 30 days."}
 
@@ -212,9 +219,58 @@ def test_property_conservation_and_idempotence(raw: list[bytes]) -> None:
     first = ingest.ingest(iter(lines), set(), 1000, "t")
     assert first.lines + first.blank == len(lines)
     assert first.lines == len(first.accepted) + len(first.quarantined) + first.duplicates
-    for record in first.accepted:
+    records = [PoolRecord.model_validate_json(stored) for stored in first.accepted]
+    for record in records:
         assert not any(pii.scrub(m.content)[1] for m in record.messages)
-    known = {r.id for r in first.accepted} | {q["sha256"] for q in first.quarantined}
+    known = {r.id for r in records} | {q["sha256"] for q in first.quarantined}
     second = ingest.ingest(iter(lines), known, 1000, "t")
     assert not second.accepted and not second.quarantined
     assert second.duplicates == second.lines == first.lines
+
+
+meta_value = st.one_of(st.none(), texts, st.integers(), st.lists(texts, max_size=2))
+any_record = st.one_of(
+    record,
+    record.flatmap(
+        lambda r: st.dictionaries(
+            st.sampled_from(["source", "model_version", "arm", "created_at", "tags", "extra"]),
+            meta_value,
+            max_size=3,
+        ).map(lambda meta: {**r, **meta} if isinstance(r, dict) else r)
+    ),
+    st.fixed_dictionaries({"messages": st.lists(st.one_of(message, texts), max_size=3)}),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(any_record)
+def test_fast_record_check_agrees_with_pydantic(data: Any) -> None:
+    """parse_plain returns parse_record's result or None (never a record pydantic refuses)."""
+    fast = parse_plain(data)
+    try:
+        expected = plain(parse_record(data))
+    except InvalidRecord:
+        assert fast is None
+        return
+    if fast is not None:
+        assert fast == expected
+
+
+def test_fast_paths_give_the_same_pool_lines_as_pydantic() -> None:
+    """Well-formed lines take the fast path; a pool line equals PoolRecord's dump of it."""
+    raw = line({**GOOD, "source": "a@b.example.com", "tags": ["x", "13812345678"]})
+    result = ingest.ingest(iter([ingest.Line("f.jsonl", 1, raw)]), set(), 1000, "t")
+    stored = PoolRecord.model_validate_json(result.accepted[0])
+    assert json.loads(result.accepted[0]) == stored.model_dump(mode="json")
+    assert (
+        result.accepted[0]
+        == (json.dumps(stored.model_dump(mode="json"), ensure_ascii=False) + "\n").encode()
+    )
+    assert stored.meta == {
+        "source": "<EMAIL>",
+        "model_version": None,
+        "arm": None,
+        "created_at": None,
+        "tags": ["x", "<PHONE>"],
+    }
+    assert result.pii == {"EMAIL": 1, "PHONE": 1}

@@ -566,3 +566,22 @@ def test_run_checks_times_every_check_and_keeps_going() -> None:
     assert text.startswith("# preflight REFUSED") and "| a | fail |" in text
     assert report.as_dict()["counts"] == {"pass": 1, "warn": 0, "fail": 1, "skip": 0}
     assert np.isclose(report.as_dict()["seconds"], 0.5)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\n",
+        b'{"a": 1}',
+        b'{"a": 1}\n{"b": 2}\n',
+        b'\n\n{"a": 1}\n  \n\t{"b": 2}\r\n \x0c\n{"c": 3}',
+        b'  \n{"a": 1}\n\n',
+    ],
+)
+def test_json_lines_are_the_non_blank_lines(data: bytes) -> None:
+    lines = pf_data.JsonLines(data)
+    expected = [line for line in data.split(b"\n") if line.strip()]
+    assert len(lines) == len(expected)
+    assert [lines[i] for i in range(len(lines))] == expected
+    assert lines[:] == expected

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from tuneloop import neardup
 from tuneloop.chat import ChatTokenizer, render
@@ -214,7 +215,7 @@ def _blob(lines: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 
 def features(raw_lines: Sequence[bytes], params: CleanParams, tokenizer: ChatTokenizer) -> Features:
     """The per-record work of pool lines (JSON records as ingest wrote them), in batches."""
-    records = [json.loads(line) for line in raw_lines]
+    records = [orjson.loads(line) for line in raw_lines]
     n = len(records)
     chats = [to_chat(r) for r in records]
     reasons: list[str | None] = [

@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +67,11 @@ def atomic_dir(target: Path) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_bytes(path: Path, data: bytes, mode: int = PRIVATE, durable: bool = True) -> None:
-    """Write ``data`` to ``path`` atomically, with permissions ``mode``.
+def write_bytes(
+    path: Path, data: bytes | Sequence[bytes], mode: int = PRIVATE, durable: bool = True
+) -> None:
+    """Write ``data`` (bytes, or byte strings one after the other) to ``path`` atomically,
+    with permissions ``mode``.
 
     ``durable=False`` skips the fsyncs, for a file rewritten every few seconds
     whose loss in a crash does not matter (a heartbeat).
@@ -78,7 +81,10 @@ def write_bytes(path: Path, data: bytes, mode: int = PRIVATE, durable: bool = Tr
     try:
         with os.fdopen(fd, "wb") as out:
             os.fchmod(out.fileno(), mode)
-            out.write(data)
+            if isinstance(data, bytes):
+                out.write(data)
+            else:
+                out.writelines(data)
             if durable:
                 out.flush()
                 os.fsync(out.fileno())

@@ -93,13 +93,26 @@ def shingles(text: str, ngram: int) -> set[str]:
 def sketch_texts(
     texts: Iterable[str], ngram: int = NGRAM, num_perm: int = NUM_PERM, seed: int = SEED
 ) -> np.ndarray:
-    """One R-MinHash row (``num_perm`` uint32) per text, as an ``(n, num_perm)`` array."""
+    """One R-MinHash row (``num_perm`` uint32) per text, as an ``(n, num_perm)`` array.
+
+    Equal texts are sketched once (greetings and stock questions recur by the thousand, and
+    reading a row out of rensa costs more than computing it).
+    """
+    texts = list(texts)
+    distinct: dict[str, int] = {}
+    which = np.fromiter(
+        (distinct.setdefault(text, len(distinct)) for text in texts),
+        dtype=np.int64,
+        count=len(texts),
+    )
+    if not distinct:
+        return np.zeros((0, num_perm), dtype=np.uint32)
     matrix = RMinHash.digest_matrix_from_token_sets(
-        [shingles(text, ngram) for text in texts], num_perm, seed
+        [shingles(text, ngram) for text in distinct], num_perm, seed
     )
     rows = matrix.to_rows()
     flat = np.fromiter(chain.from_iterable(rows), dtype=np.uint32, count=len(rows) * num_perm)
-    return flat.reshape(len(rows), num_perm)
+    return flat.reshape(len(rows), num_perm)[which]
 
 
 def similarity(a: np.ndarray, b: np.ndarray) -> np.ndarray:

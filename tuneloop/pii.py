@@ -22,6 +22,12 @@ Design points, each one a way mixed Chinese/English text defeats a naive scrubbe
 
 ``scrub_bytes(raw)`` does the same for bytes that may be neither UTF-8 nor JSON
 (a line ingest rejected), so even what is kept of a bad line is scrubbed.
+``scrub_fields(texts)`` scrubs a record's fields in one pass, each as ``scrub`` would.
+
+Speed (ingest scrubs every field of a million lines a month): the fold is one
+``str.translate``; a detector runs only on a shadow holding the character every one of
+its hits needs (a digit, or '@' for e-mail); a digit run too short to hold a card number
+is not split into groups. Each shortcut skips only work that cannot find a hit.
 """
 
 from __future__ import annotations
@@ -32,8 +38,7 @@ import itertools
 import re
 import unicodedata
 from collections import Counter
-from collections.abc import Callable
-from functools import lru_cache
+from collections.abc import Callable, Sequence
 
 EMAIL, PHONE, CN_ID, BANK_CARD, IP = "EMAIL", "PHONE", "CN_ID", "BANK_CARD", "IP"
 PII_TYPES: tuple[str, ...] = (EMAIL, PHONE, CN_ID, BANK_CARD, IP)
@@ -99,7 +104,6 @@ def placeholder(kind: str) -> str:
     return f"<{kind}>"
 
 
-@lru_cache(maxsize=8192)
 def _fold_char(ch: str) -> str:
     if ch.isdecimal():
         return str(unicodedata.decimal(ch))
@@ -107,10 +111,22 @@ def _fold_char(ch: str) -> str:
     return folded if len(folded) == 1 and folded.isascii() else ch
 
 
+class _FoldTable(dict[int, str]):
+    """A ``str.translate`` table of ``_fold_char``, filled as characters are met: one C-level
+    pass over a text instead of a Python call per character."""
+
+    def __missing__(self, code: int) -> str:
+        self[code] = folded = _fold_char(chr(code))
+        return folded
+
+
+_FOLD = _FoldTable()
+
+
 def _fold(text: str) -> str:
     if text.isascii():
         return text
-    return "".join(map(_fold_char, text))
+    return text.translate(_FOLD)
 
 
 def cn_id_valid(candidate: str) -> bool:
@@ -162,6 +178,8 @@ def _card_shaped(groups: list[str], seps: list[str]) -> bool:
 def _card_spans(shadow: str) -> list[Span]:
     spans: list[Span] = []
     for run in _DIGIT_RUN_RE.finditer(shadow):
+        if run.end() - run.start() < _CARD_MIN_DIGITS:
+            continue  # fewer characters than a card has digits: no span of it can be one
         groups = [(m.start(), m.end(), m.group()) for m in _GROUP_RE.finditer(shadow, *run.span())]
         i = 0
         while i < len(groups):
@@ -200,16 +218,21 @@ def _regex(
     return spans
 
 
-# In the order they run; see the module docstring for why this order.
-_DETECTORS: tuple[tuple[str, Callable[[str], list[Span]]], ...] = (
-    (EMAIL, _regex(_EMAIL_RE)),
-    (CN_ID, _regex(_CN_ID_RE, cn_id_valid)),
-    (PHONE, _regex(_CN_MOBILE_RE)),
-    (PHONE, _regex(_INTL_PHONE_RE)),
-    (BANK_CARD, _card_spans),
-    (IP, _regex(_IPV6_RE, _ipv6_valid)),
-    (IP, _regex(_IPV4_RE)),
+# In the order they run; see the module docstring for why this order. Each with the
+# character every one of its hits contains ('@', or an ASCII digit: an IPv6 address without
+# one is refused by _ipv6_valid), so a shadow without it is not scanned.
+_DETECTORS: tuple[tuple[str, str, Callable[[str], list[Span]]], ...] = (
+    (EMAIL, "@", _regex(_EMAIL_RE)),
+    (CN_ID, "0", _regex(_CN_ID_RE, cn_id_valid)),
+    (PHONE, "0", _regex(_CN_MOBILE_RE)),
+    (PHONE, "0", _regex(_INTL_PHONE_RE)),
+    (BANK_CARD, "0", _card_spans),
+    (IP, "0", _regex(_IPV6_RE, _ipv6_valid)),
+    (IP, "0", _regex(_IPV4_RE)),
 )
+# Field separator of scrub_fields: no pattern's character classes or look-arounds take it,
+# and it folds to itself, so no hit crosses it and each side sees it as a text's end.
+_FIELD_SEP = "\x00"
 
 
 def _replace(text: str, spans: list[Span], kind: str) -> str:
@@ -224,12 +247,17 @@ def _replace(text: str, spans: list[Span], kind: str) -> str:
 
 def _scrub_once(text: str, counts: Counter[str]) -> str:
     shadow = _fold(text)
-    for kind, detect in _DETECTORS:
+    has = {"@": "@" in shadow, "0": _DIGIT_RE.search(shadow) is not None}
+    for kind, needs, detect in _DETECTORS:
+        if not has[needs]:
+            continue
         spans = detect(shadow)
         if spans:
             counts[kind] += len(spans)
             text = _replace(text, spans, kind)
             shadow = _replace(shadow, spans, kind)
+            # A placeholder removes digits and '@' and adds none.
+            has = {"@": "@" in shadow, "0": _DIGIT_RE.search(shadow) is not None}
     return text
 
 
@@ -250,6 +278,27 @@ def scrub(text: str) -> tuple[str, Counter[str]]:
             return text, counts
         counts.update(found)
         text = scrubbed
+
+
+def scrub_fields(texts: Sequence[str]) -> tuple[list[str], Counter[str]]:
+    """``scrub`` of each text, and the hits of all of them: ``[scrub(t)[0] for t in texts]``.
+
+    The texts are scrubbed as one, joined by a separator no hit can cross or touch (see
+    ``_FIELD_SEP``), so a record's fields cost one pass instead of one each; texts that
+    hold the separator themselves are scrubbed one by one.
+    """
+    if not texts:
+        return [], Counter()
+    if any(_FIELD_SEP in text for text in texts):
+        counts: Counter[str] = Counter()
+        out = []
+        for text in texts:
+            scrubbed, found = scrub(text)
+            counts.update(found)
+            out.append(scrubbed)
+        return out, counts
+    joined, counts = scrub(_FIELD_SEP.join(texts))
+    return joined.split(_FIELD_SEP), counts
 
 
 def scrub_bytes(raw: bytes) -> tuple[str, Counter[str]]:

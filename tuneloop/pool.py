@@ -34,7 +34,7 @@ import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -123,10 +123,14 @@ def _drop(staging: Path) -> None:
     fsync_dir(staging.parent)
 
 
-def commit(pool: Path, batch: str, files: Mapping[str, bytes], mode: int = PRIVATE) -> None:
+def commit(
+    pool: Path, batch: str, files: Mapping[str, bytes | Sequence[bytes]], mode: int = PRIVATE
+) -> None:
     """Add ``files`` (path inside the pool -> content) to the pool, all of them or none.
 
-    Call it holding ``locked(pool)``, after ``recover(pool)``.
+    A content is bytes or a sequence of byte strings written one after the other (a month's
+    records, without joining them into one copy first). Call it holding ``locked(pool)``,
+    after ``recover(pool)``.
     """
     staging = staging_root(pool) / batch
     if staging.exists():
@@ -136,9 +140,10 @@ def commit(pool: Path, batch: str, files: Mapping[str, bytes], mode: int = PRIVA
         target = pool / name
         if target.exists():
             raise FileExistsError(f"{target} exists; the pool is append-only")
-        entries.append(
-            {"path": name, "staged": str(number), "sha256": hashlib.sha256(data).hexdigest()}
-        )
+        digest = hashlib.sha256()
+        for part in [data] if isinstance(data, bytes) else data:
+            digest.update(part)
+        entries.append({"path": name, "staged": str(number), "sha256": digest.hexdigest()})
     staging.mkdir(mode=0o700, parents=True)
     try:
         for entry, data in zip(entries, files.values(), strict=True):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -82,27 +83,26 @@ class PoolRecord(BaseModel):
     provenance: dict[str, Any]
 
 
-def _check_turns(messages: list[Message], last: Role) -> None:
-    for index, message in enumerate(messages):
-        if not message.content.strip():
-            raise InvalidRecord(
-                "empty_content", f"messages[{index}] ({message.role}) has empty content"
-            )
-        if message.role == "system" and index != 0:
+def _check_turns(messages: list[tuple[str, str]], last: Role) -> None:
+    """Turn order and content of ``(role, content)`` pairs; InvalidRecord says what is wrong."""
+    for index, (role, content) in enumerate(messages):
+        if not content.strip():
+            raise InvalidRecord("empty_content", f"messages[{index}] ({role}) has empty content")
+        if role == "system" and index != 0:
             raise InvalidRecord(
                 "system_not_first",
                 f"messages[{index}] is a system turn; only the first turn may be",
             )
-    turns = messages[1:] if messages[0].role == "system" else messages
-    for index, message in enumerate(turns):
+    turns = messages[1:] if messages[0][0] == "system" else messages
+    for index, (role, _) in enumerate(turns):
         expected = "user" if index % 2 == 0 else "assistant"
-        if message.role != expected:
+        if role != expected:
             raise InvalidRecord(
                 "wrong_turn_order",
-                f"wrong turn order: turn {index} is {message.role!r}, expected {expected!r} "
+                f"wrong turn order: turn {index} is {role!r}, expected {expected!r} "
                 "(turns alternate user/assistant after an optional system turn)",
             )
-    if not turns or turns[-1].role != last:
+    if not turns or turns[-1][0] != last:
         raise InvalidRecord("wrong_turn_order", f"the conversation must end with a {last} turn")
 
 
@@ -167,19 +167,124 @@ def parse_record(data: Any) -> Chat | Badcase:
         for message in record.messages:
             if not message.content.strip():
                 raise InvalidRecord("empty_content", f"empty {message.role} text")
-    if isinstance(record, Chat):
-        _check_turns(record.messages, last="assistant")
-    else:
-        _check_turns(record.messages, last="user")
+    pairs: list[tuple[str, str]] = [(m.role, m.content) for m in record.messages]
+    _check_turns(pairs, last="assistant" if isinstance(record, Chat) else "user")
     return record
 
 
-def content_hash(record: Chat | Badcase) -> str:
-    """Identity of a record's content (not its metadata): equal conversations are duplicates."""
-    body: dict[str, Any] = {"messages": [[m.role, m.content.strip()] for m in record.messages]}
+# --- the same, without pydantic, for ingest's million lines -------------------------------
+
+META_FIELDS = ("source", "model_version", "arm", "created_at")
+_CHAT_KEYS = frozenset({"messages", *META_FIELDS, "tags"})
+_BADCASE_KEYS = _CHAT_KEYS | {"bad_response", "corrected_response"}
+_PROMPT_KEYS = frozenset({"prompt", "response", *META_FIELDS, "tags"})
+_ROLES = frozenset(("system", "user", "assistant"))
+_MESSAGE_KEYS = frozenset(("role", "content"))
+
+
+@dataclass(slots=True)
+class PlainRecord:
+    """``parse_record``'s result as plain values: what ingest scrubs, hashes and stores."""
+
+    kind: Literal["chat", "badcase"]
+    messages: list[tuple[str, str]]  # (role, content)
+    bad_response: str | None
+    corrected_response: str | None
+    meta: dict[str, Any]  # source, model_version, arm, created_at, tags (in this order)
+
+
+def plain(record: Chat | Badcase) -> PlainRecord:
+    meta = record.model_dump(include={*META_FIELDS, "tags"})
+    messages: list[tuple[str, str]] = [(m.role, m.content) for m in record.messages]
     if isinstance(record, Badcase):
-        body["bad"] = record.bad_response.strip()
-        body["corrected"] = (record.corrected_response or "").strip()
+        return PlainRecord(
+            "badcase", messages, record.bad_response, record.corrected_response, meta
+        )
+    return PlainRecord("chat", messages, None, None, meta)
+
+
+def _text(value: Any) -> bool:
+    return type(value) is str and len(value) > 0
+
+
+def parse_plain(data: Any) -> PlainRecord | None:
+    """``plain(parse_record(data))`` for a well-formed record, or None for anything else.
+
+    Validating a line with pydantic and dumping it again took most of ingest's time. This
+    accepts only values ``parse_record`` accepts unchanged (exact ``str``, ``list`` and
+    ``dict`` types, no coercion), and returns None for everything else, including every
+    invalid record: the caller then runs ``parse_record``, whose result or error stands.
+    ``tests/test_ingest.py`` checks the two agree on generated records.
+    """
+    if type(data) is not dict:
+        return None
+    kind: Literal["chat", "badcase"]
+    if "bad_response" in data:
+        allowed, kind = _BADCASE_KEYS, "badcase"
+    elif "messages" in data:
+        allowed, kind = _CHAT_KEYS, "chat"
+    elif "prompt" in data or "response" in data:
+        allowed, kind = _PROMPT_KEYS, "chat"
+    else:
+        return None
+    if not data.keys() <= allowed:
+        return None
+    meta: dict[str, Any] = {}
+    for name in META_FIELDS:
+        value = data.get(name)
+        if value is not None and type(value) is not str:
+            return None
+        meta[name] = value
+    tags = data.get("tags", [])
+    if type(tags) is not list or not all(type(tag) is str for tag in tags):
+        return None
+    meta["tags"] = list(tags)
+    if allowed is _PROMPT_KEYS:
+        prompt, response = data.get("prompt"), data.get("response")
+        if not (type(prompt) is str and prompt and type(response) is str and response):
+            return None
+        messages: list[tuple[str, str]] = [("user", prompt), ("assistant", response)]
+    else:
+        raw = data["messages"]
+        if type(raw) is not list or len(raw) < (2 if kind == "chat" else 1):
+            return None
+        messages = []
+        for message in raw:
+            if type(message) is not dict or message.keys() != _MESSAGE_KEYS:
+                return None
+            role, content = message["role"], message["content"]
+            if type(role) is not str or role not in _ROLES or not _text(content):
+                return None
+            messages.append((role, content))
+    bad = corrected = None
+    if kind == "badcase":
+        bad, corrected = data["bad_response"], data.get("corrected_response")
+        if not _text(bad) or not (corrected is None or _text(corrected)):
+            return None
+    try:
+        _check_turns(messages, last="assistant" if kind == "chat" else "user")
+    except InvalidRecord:
+        return None
+    return PlainRecord(kind, messages, bad, corrected, meta)
+
+
+def content_hash(record: Chat | Badcase | PlainRecord) -> str:
+    """Identity of a record's content (not its metadata): equal conversations are duplicates."""
+    bad: str | None = None
+    corrected: str | None = None
+    if isinstance(record, PlainRecord):
+        messages = record.messages
+        badcase = record.kind == "badcase"
+        bad, corrected = record.bad_response, record.corrected_response
+    else:
+        messages = [(m.role, m.content) for m in record.messages]
+        badcase = isinstance(record, Badcase)
+        if isinstance(record, Badcase):
+            bad, corrected = record.bad_response, record.corrected_response
+    body: dict[str, Any] = {"messages": [[role, content.strip()] for role, content in messages]}
+    if badcase:
+        body["bad"] = (bad or "").strip()
+        body["corrected"] = (corrected or "").strip()
     canonical = json.dumps(body, ensure_ascii=False, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
 

@@ -13,13 +13,17 @@ run without the cache makes (``tests/test_packing.py``).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
+import os
 import shutil
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 from tuneloop.chat import ChatTokenizer, tokenize_chats
 from tuneloop.io import read_json, write_json
@@ -28,6 +32,8 @@ log = logging.getLogger(__name__)
 
 # Chats tokenized per batch call; bounds the Python objects alive at once.
 CHUNK = 4096
+# Below this many lines to tokenize, starting worker processes costs more than it saves.
+PARALLEL_MIN_LINES = 16_000
 _ARRAYS = ("ids", "labels", "lengths")
 
 
@@ -48,17 +54,68 @@ def _lines(data: bytes) -> list[bytes]:
     return [line for line in data.split(b"\n") if line.strip()]
 
 
+def _tokenize_chunk(
+    lines: list[bytes], tokenizer: ChatTokenizer
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    chats = [orjson.loads(line)["messages"] for line in lines]
+    ids, labels, offsets = tokenize_chats(tokenizer, chats)
+    return ids, labels, np.diff(offsets)
+
+
+_WORKER: ChatTokenizer | None = None
+
+
+def _start_worker(folder: Path) -> None:
+    global _WORKER
+    # One process per core already: Rust thread pools in the worker would fight over them.
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    _WORKER = ChatTokenizer.from_folder(folder)
+
+
+def _worker_chunk(lines: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    assert _WORKER is not None, "worker not started"
+    return _tokenize_chunk(lines, _WORKER)
+
+
+def _usable_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def tokenize_lines(
     lines: list[bytes], tokenizer: ChatTokenizer
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Lines of a chats file (``{"messages": ...}`` each) as ``tokenize_chats`` arrays."""
+    """Lines of a chats file (``{"messages": ...}`` each) as ``tokenize_chats`` arrays.
+
+    Over all usable cores when there are many lines (rendering the chat template is
+    Python, most of the time): spawned worker processes load the tokenizer once each and
+    tokenize chunks of lines, returned in order, so the result is the same either way.
+    """
+    chunks = [lines[start : start + CHUNK] for start in range(0, len(lines), CHUNK)]
+    workers = min(_usable_cores(), len(chunks))
+    parts: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    if len(lines) < PARALLEL_MIN_LINES or workers < 2 or tokenizer.folder is None:
+        parts = (_tokenize_chunk(chunk, tokenizer) for chunk in chunks)
+        return _join(parts)
+    log.info("pack: tokenizing %d lines on %d processes", len(lines), workers)
+    with ProcessPoolExecutor(
+        workers,
+        mp_context=get_context("spawn"),
+        initializer=_start_worker,
+        initargs=(tokenizer.folder,),
+    ) as pool:
+        return _join(pool.map(_worker_chunk, chunks))
+
+
+def _join(
+    parts: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ids, labels, lengths = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-    for start in range(0, len(lines), CHUNK):
-        chats = [json.loads(line)["messages"] for line in lines[start : start + CHUNK]]
-        chunk_ids, chunk_labels, offsets = tokenize_chats(tokenizer, chats)
+    for chunk_ids, chunk_labels, chunk_lengths in parts:
         ids.append(chunk_ids)
         labels.append(chunk_labels)
-        lengths.append(np.diff(offsets))
+        lengths.append(chunk_lengths)
     counts = np.concatenate(lengths)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     return np.concatenate(ids), np.concatenate(labels), offsets

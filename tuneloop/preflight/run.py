@@ -29,6 +29,7 @@ from tuneloop.preflight.config import (
     check_warmup,
 )
 from tuneloop.preflight.data import (
+    JsonLines,
     Shards,
     StepPlan,
     check_eval_contamination,
@@ -111,10 +112,14 @@ def run_preflight(
     plan = StepPlan.of(shards, batch, train.epochs, train.max_steps)
     read_seconds = time.perf_counter() - started
 
+    # Read once for the two checks that need it (hundreds of MB at 100k chats).
+    train_jsonl = paths.clean / "train.jsonl"
+    train_data = train_jsonl.read_bytes() if train_jsonl.exists() else None
+
     def roundtrip() -> Check:
-        lines = [
-            line for line in (paths.clean / "train.jsonl").read_bytes().split(b"\n") if line.strip()
-        ]
+        if train_data is None:
+            raise FileNotFoundError(f"{train_jsonl} is missing; run `clean` first")
+        lines = JsonLines(train_data)
         manifest = paths.packed / "manifest.json"
         packed_samples = read_json(manifest).get("samples") if manifest.exists() else None
         return check_template_roundtrip(
@@ -147,9 +152,10 @@ def run_preflight(
         lambda: check_vocab(shards, embedding_rows, len(tokenizer)),
         roundtrip,
         lambda: check_eval_contamination(
-            paths.clean / "train.jsonl",
+            train_jsonl,
             # The fixed badcases are trained on by design (suites.held_out_questions).
             list(suites.held_out_questions(paths.eval_suites, paths.fixed_badcases)),
+            train_data,
         ),
         lambda: check_learning_rate(train.method, phase_rates(train)),
         lambda: check_warmup(train.warmup_ratio, plan.total_steps),
