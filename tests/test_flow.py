@@ -216,8 +216,8 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
 def test_changing_the_learning_rate_reruns_train_and_after_only(
     flow_result: tuple[Path, dict[str, Any]],
 ) -> None:
-    # What `dvc repro` would run, not a run: the sweep above ran these stages for real in its
-    # experiments, and the session's project is shared, so params.yaml is put back after.
+    # What `dvc repro` would run, not a run: the sweep above ran the stages after train for real
+    # in its experiments, and the session's project is shared, so params.yaml is put back.
     repo, _ = flow_result
     path = repo / "params.yaml"
     before = path.read_text()
@@ -237,6 +237,8 @@ def test_changing_the_learning_rate_reruns_train_and_after_only(
         out = dvc(repo, "repro", "--dry")
     finally:
         path.write_text(before)
+    # A dry run lists the stages whose own inputs changed; merge and export follow once train
+    # has written a new adapter, as each experiment of the sweep above ran them.
     ran = {line.split("'")[1] for line in out.splitlines() if "Running stage" in line}
-    assert ran == {"init", "preflight", "train", "merge", "export", "evaluate"}
+    assert ran == {"init", "preflight", "train", "evaluate"}
     assert only_init_runs_again(dvc(repo, "status"))
