@@ -71,13 +71,20 @@ class RequestIds:
     def signing(self) -> bool:
         return self._key is not None
 
+    def user_key(self, user: str | None) -> str | None:
+        """The keyed hash a request id carries for ``user``: the same on every replica that
+        shares the secret, and no user id in clear; None without a user or a secret."""
+        if self._key is None or not user:
+            return None
+        return _mac(self._key, _USER_DOMAIN, user.encode("utf-8"))[:8].hex()
+
     def issue(self, arm: str, model_version: str, user: str | None) -> str:
         """A new request id for a request this router is about to serve."""
         nonce = secrets.token_hex(8)
-        key = self._key
-        if key is None:
+        if self._key is None:
             return nonce  # not ours to vouch for: attributes nothing
-        user_key = _mac(key, _USER_DOMAIN, user.encode("utf-8"))[:8].hex() if user else nonce
+        key = self._key
+        user_key = self.user_key(user) or nonce
         # Fields joined by "|", the version last: it is the one field that may hold a "|".
         payload = f"{nonce}|{int(time.time())}|{arm}|{user_key}|{model_version}".encode()
         signature = _mac(key, _DOMAIN, payload)[:_SIGNATURE_BYTES]

@@ -147,8 +147,6 @@ class RouterState:
     ids: RequestIds
     flagged_ids: SeenKeys
     flagged_users: dict[str, SeenKeys]
-    # Users whose flag marked a sample since the weight last changed (see the feedback route).
-    flagged_at_weight: dict[str, SeenKeys]
     buckets: dict[str, TokenBucket]
     clients: dict[str, httpx.AsyncClient] = field(default_factory=dict)
     last_change: dict[str, Any] | None = None
@@ -264,7 +262,6 @@ def create_app(config: RouterConfig) -> FastAPI:
         ids=RequestIds(secret or None, config.request_id_max_age_s),
         flagged_ids=SeenKeys(config.flag_memory),
         flagged_users={arm: SeenKeys(config.flag_memory) for arm in ARMS},
-        flagged_at_weight={arm: SeenKeys(config.flag_memory) for arm in ARMS},
         buckets={
             p.name: TokenBucket(p.rate_per_minute / 60, p.burst, float(p.burst), ticking)
             for p in config.feedback_producers
@@ -536,7 +533,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         request_id = state.ids.issue(arm, arm_config.model_version, user)
         stats = state.stats[arm]
         stats.requests += 1
-        sample = state.samples.open(request_id, arm)
+        sample = state.samples.open(request_id, arm, state.ids.user_key(user))
 
         client = state.clients[arm]
         upstream = client.build_request(
@@ -794,13 +791,12 @@ def create_app(config: RouterConfig) -> FastAPI:
                 state.stats[arm].badcases += 1
                 if state.flagged_users[arm].add(attribution.user_key):
                     state.stats[arm].badcase_users += 1
-                # The request's own sample too, so its interval's analysis sees it: a user's
-                # first flag on the arm since the weight last changed, on both arms alike.
-                # Counted since the router started instead, the champion's users had mostly
-                # been counted before the canary began, and a challenger as wrong as the
+                # The request's own sample too, so its interval's analysis sees it. The
+                # analysis counts flagged users among the interval's users, per arm: a user
+                # counted once "ever" instead made the champion's users, flagged before the
+                # canary began, count for nothing in it, and a challenger as wrong as the
                 # champion looked three times worse (the demo's first release rolled back).
-                if state.flagged_at_weight[arm].add(attribution.user_key):
-                    state.samples.flag(str(flag.request_id))
+                state.samples.flag(str(flag.request_id))
         else:
             logger.info("feedback from %s written unattributed: %s", producer, why)
         return JSONResponse(
@@ -930,8 +926,6 @@ def create_app(config: RouterConfig) -> FastAPI:
                 return not_saved("weight unchanged", error)
             if state.rollbacks != rollbacks:
                 return overtaken()
-            if update.challenger_percent != before:
-                state.flagged_at_weight = {arm: SeenKeys(config.flag_memory) for arm in ARMS}
             state.challenger_percent = update.challenger_percent
             state.last_change = done
             logger.info(

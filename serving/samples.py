@@ -12,7 +12,8 @@ neither side ever holds more than one ring, however long a release runs.
 
 A flag arrives after its request: a sample stays findable by its request id
 while it is in the ring, and a flag marks it ``badcase`` when the router counts
-it (attributed, the arm's current version, the user's first on that arm). An
+it (attributed, the arm's current version). Each sample carries its user's keyed
+hash, so the analysis counts flagged *users* among the users of its interval. An
 analysis that read a sample before the flag came does not see it; the
 cumulative counters and the badcase files still do.
 
@@ -48,6 +49,7 @@ class Sample:
     ttft_s: float | None = None
     error: str | None = None  # an ErrorKind of serving.metrics, or None for a good answer
     badcase: bool = False
+    user: str | None = None  # the user's keyed hash (as in request ids); None: anonymous
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -57,6 +59,7 @@ class Sample:
             "ttft_ms": _ms(self.ttft_s),
             "error": self.error,
             "badcase": self.badcase,
+            "user": self.user,
         }
 
 
@@ -154,8 +157,8 @@ class SampleLog:
         self._by_id: OrderedDict[str, Sample] = OrderedDict()
         self._size = size
 
-    def open(self, request_id: str, arm: str) -> Sample:
-        sample = Sample(arm)
+    def open(self, request_id: str, arm: str, user: str | None = None) -> Sample:
+        sample = Sample(arm, user=user)
         self._by_id[request_id] = sample
         if len(self._by_id) > self._size:
             self._by_id.popitem(last=False)

@@ -186,32 +186,30 @@ def test_badcases_count_once_per_user_for_the_analysis(
     )
 
 
-def test_each_weight_counts_a_users_first_flag_on_each_arm_afresh(
+def test_every_counted_flag_marks_its_sample_with_the_users_keyed_hash(
     backends: dict[str, str], tmp_path: Path
 ) -> None:
-    """Both arms' badcases in an interval are counted from the same moment: the last change."""
+    """The analysis counts flagged users per interval: the samples carry who, never in clear."""
 
     def flag(client: Any, user: str) -> None:
         request_id = chat(client, user).headers["x-request-id"]
         r = client.post("/v1/feedback", json={**FLAG, "request_id": request_id}, headers=PRODUCER)
         assert r.json()["counted"] is True
 
-    def marked(client: Any, since: int) -> tuple[int, int]:
-        page = client.get(f"/admin/samples?since={since}", headers=ADMIN).json()
-        return sum(s["badcase"] for s in page["items"]), int(page["next"])
-
     with running_router(make_config(backends, tmp_path, percent=0)) as client:
         flag(client, "alice")  # before the canary, on the champion
-        flag(client, "alice")
-        first, cursor = marked(client, 0)
         weights = {"challenger_percent": 10, "reason": "canary"}
         client.post("/admin/weights", json=weights, headers=ADMIN).raise_for_status()
         flag(client, "alice")  # the same user, still on the champion at 10 %
-        again, _ = marked(client, cursor)
+        flag(client, "bob")
+        samples = client.get("/admin/samples?since=0", headers=ADMIN).json()["items"]
         stats = client.get("/admin/stats", headers=ADMIN).json()["arms"]["champion"]
-    assert (first, again) == (1, 1)
+    # Each flagged request is marked, so a later interval sees alice's flag in it too.
+    assert [s["badcase"] for s in samples] == [True, True, True]
+    alice, again, bob = (s["user"] for s in samples)
+    assert alice == again != bob and "alice" not in alice and len(alice) == 16
     # The cumulative figure still counts each user once per arm.
-    assert (stats["badcases"], stats["badcase_users"]) == (3, 1)
+    assert (stats["badcases"], stats["badcase_users"]) == (3, 2)
 
 
 def test_without_its_secret_the_router_attributes_nothing(

@@ -27,6 +27,7 @@ from tests.router_helpers import (  # noqa: F401 (fixtures)
     running_router,
     served_arm,
 )
+from tuneloop.release.analysis import tally
 
 
 def samples(client: httpx.Client, headers: dict[str, str], since: int = 0, **query: Any) -> Any:
@@ -73,7 +74,7 @@ def test_an_interval_reads_its_own_requests_by_cursor(
     assert bad.status_code == 422
 
 
-def test_a_counted_badcase_marks_its_own_request_once_per_user(
+def test_a_counted_badcase_marks_its_own_request_and_names_its_user_by_hash(
     backends: dict[str, str], tmp_path: Path, admin_token: dict[str, str]
 ) -> None:
     with running_router(make_config(backends, tmp_path, percent=100)) as client:
@@ -86,9 +87,12 @@ def test_a_counted_badcase_marks_its_own_request_once_per_user(
             }
             client.post("/v1/feedback", json=flag, headers=PRODUCER).raise_for_status()
         found = samples(client, admin_token)["items"]
-    # ann's second flag is written but not counted: one user counts once for the analysis.
-    assert [s["badcase"] for s in found] == [True, False, True]
-    assert sum(s["badcase"] for s in found) <= len(found)
+    assert [s["badcase"] for s in found] == [True, True, True]
+    # One user counts once in the analysis: it counts distinct user hashes, per interval.
+    ann, again, bob = (s["user"] for s in found)
+    assert ann == again != bob
+    challenger = tally(found, 100, 0).arms["challenger"]
+    assert (challenger.users, challenger.badcase_users, challenger.badcases) == (2, 2, 3)
 
 
 def test_one_debug_line_per_request_and_none_above_debug(

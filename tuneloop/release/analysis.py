@@ -11,10 +11,10 @@ calls these. What is decided here:
   or **inconclusive**: a difference past its limit fails only when it is
   significant (p < ``alpha``); past the limit but not significant, or too few
   samples, is inconclusive, and the flow extends the interval (up to
-  ``max_extensions`` times) before it counts as a failure. A badcase counts once
-  per distinct user, and only when the router attributed it through a request id
-  it signed: a client cannot charge flags to the other arm, and one user flagging
-  many answers counts once;
+  ``max_extensions`` times) before it counts as a failure. The badcase rate is the
+  share of the interval's users with a flagged answer, a flag counting only when the
+  router attributed it through a request id it signed: a client cannot charge
+  flags to the other arm, and one user flagging many answers counts once;
 - **the shadow step's analysis**: both arms' answers to the same mirrored
   requests, compared on errors, latency, the suites' answer format (paired, by an
   exact McNemar test), answer length and, where a request is a suite's question,
@@ -150,8 +150,10 @@ class ArmSamples:
     """One arm's requests in one interval, from the router's per-request samples.
 
     ``badcases``: requests flagged by a counted badcase (attributed through a
-    signed request id, the arm's current version, the user's first flag on the
-    arm), so at most one per user and never more than ``requests``.
+    signed request id, on the arm's current version). ``users``: the distinct users
+    among ``requests`` (an anonymous request is a user of its own), ``badcase_users``
+    those with a flagged request: the badcase rate is per user, so a user who flags
+    many answers counts once, and every interval counts its own users afresh.
     """
 
     requests: int = 0
@@ -159,6 +161,15 @@ class ArmSamples:
     badcases: int = 0
     latency_ms: tuple[float, ...] = ()
     ttft_ms: tuple[float, ...] = ()
+    users: int = 0
+    badcase_users: int = 0
+
+    @property
+    def badcase_figures(self) -> tuple[int, int]:
+        """(flagged, served) for the badcase rate: users, or requests where users are unknown."""
+        if self.users:
+            return self.badcase_users, self.users
+        return self.badcases, self.requests
 
 
 @dataclass(frozen=True)
@@ -180,8 +191,10 @@ def tally(samples: Iterable[Mapping[str, Any]], challenger_percent: int, dropped
     counts = {arm: [0, 0, 0] for arm in ARMS}
     latency: dict[str, list[float]] = {arm: [] for arm in ARMS}
     ttft: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    users: dict[str, set[object]] = {arm: set() for arm in ARMS}
+    flagged: dict[str, set[object]] = {arm: set() for arm in ARMS}
     try:
-        for sample in samples:
+        for number, sample in enumerate(samples):
             arm = sample["arm"]
             if arm not in counts:
                 raise ValueError(f"unknown arm {arm!r}")
@@ -189,6 +202,13 @@ def tally(samples: Iterable[Mapping[str, Any]], challenger_percent: int, dropped
             c[0] += 1
             c[1] += sample["error"] is not None
             c[2] += sample["badcase"] is True
+            user = sample.get("user")
+            if user is not None and not isinstance(user, str):
+                raise ValueError(f"user {user!r}")
+            who = user if user is not None else number  # anonymous: a user of its own
+            users[arm].add(who)
+            if sample["badcase"] is True:
+                flagged[arm].add(who)
             for key, into in (("latency_ms", latency), ("ttft_ms", ttft)):
                 value = sample[key]
                 if value is not None:
@@ -202,7 +222,13 @@ def tally(samples: Iterable[Mapping[str, Any]], challenger_percent: int, dropped
         ) from None
     arms = {
         arm: ArmSamples(
-            counts[arm][0], counts[arm][1], counts[arm][2], tuple(latency[arm]), tuple(ttft[arm])
+            counts[arm][0],
+            counts[arm][1],
+            counts[arm][2],
+            tuple(latency[arm]),
+            tuple(ttft[arm]),
+            users=len(users[arm]),
+            badcase_users=len(flagged[arm]),
         )
         for arm in ARMS
     }
@@ -445,8 +471,8 @@ def analyse(traffic: Traffic, params: ReleaseParams, expected_percent: int) -> V
         ),
         rate_check(
             "badcase_rate",
-            (ch.badcases, ch.requests),
-            (champ.badcases, champ.requests),
+            ch.badcase_figures,
+            champ.badcase_figures,
             params.max_badcase_rate_increase,
             params,
             alone,
