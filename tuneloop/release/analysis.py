@@ -194,7 +194,7 @@ def tally(samples: Iterable[Mapping[str, Any]], challenger_percent: int, dropped
     users: dict[str, set[object]] = {arm: set() for arm in ARMS}
     flagged: dict[str, set[object]] = {arm: set() for arm in ARMS}
     try:
-        for number, sample in enumerate(samples):
+        for index, sample in enumerate(samples):
             arm = sample["arm"]
             if arm not in counts:
                 raise ValueError(f"unknown arm {arm!r}")
@@ -205,7 +205,7 @@ def tally(samples: Iterable[Mapping[str, Any]], challenger_percent: int, dropped
             user = sample.get("user")
             if user is not None and not isinstance(user, str):
                 raise ValueError(f"user {user!r}")
-            who = user if user is not None else number  # anonymous: a user of its own
+            who = user if user is not None else index  # anonymous: a user of its own
             users[arm].add(who)
             if sample["badcase"] is True:
                 flagged[arm].add(who)
