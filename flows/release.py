@@ -100,6 +100,7 @@ from tuneloop.release import shadow as suite_judges
 from tuneloop.release.admin import AdminError, Batch, Cursor, LeaseKeeper, RouterAdmin
 from tuneloop.release.analysis import (
     WEIGHT_CHECK,
+    ArmSamples,
     Approval,
     Check,
     InvalidAnswer,
@@ -270,6 +271,8 @@ class Release:
     history: list[dict[str, Any]] = field(default_factory=list)
     pending: list[dict[str, Any]] = field(default_factory=list)
     dropped: int = 0
+    # The champion's requests of the last interval it served: what 100 % is judged against.
+    champion_reference: ArmSamples | None = None
     samples: Cursor = field(init=False)
     pairs: Cursor = field(init=False)
 
@@ -337,7 +340,11 @@ class Release:
                 "challenger_share": traffic.challenger_share,
                 "requests": {arm: f.requests for arm, f in traffic.arms.items()},
             }
-            return analyse(traffic, self.params, percent), {"metrics": metrics, **fields}
+            champion = traffic.arms["champion"]
+            verdict = analyse(traffic, self.params, percent, self.champion_reference)
+            if percent < 100 and champion.requests >= self.params.min_requests:
+                self.champion_reference = champion  # what 100 % is compared with
+            return verdict, {"metrics": metrics, **fields}
 
         return self._analysis(f"{percent} %", percent, judge)
 

@@ -229,6 +229,28 @@ def test_no_streamed_request_skips_ttft_and_at_100_percent_rates_are_absolute() 
     assert outcomes(failing)["error_rate"] == "fail"
 
 
+def test_at_100_percent_the_champions_last_interval_is_the_reference() -> None:
+    # The demo's month 1: the challenger is wrong for 60 % of its users, the champion it
+    # replaces was wrong for all of its users at 50 %. Held to 0.2 as an absolute rate the
+    # release rolled back; against the champion it replaces, it is much better.
+    challenger = ArmSamples(
+        100, 0, 60, tuple(spread(100, 100, 1)), tuple(spread(20, 100, 2)), 100, 60
+    )
+    champion = ArmSamples(
+        100, 0, 100, tuple(spread(100, 100, 3)), tuple(spread(20, 100, 4)), 100, 100
+    )
+    alone = traffic(challenger, arm(0), 100)
+    assert outcomes(analyse(alone, release_params(), 100))["badcase_rate"] == "fail"
+    judged = analyse(alone, release_params(), 100, reference=champion)
+    assert outcomes(judged)["badcase_rate"] == "pass" and judged.passed
+    assert outcomes(judged)["latency_ms"] == "pass"  # compared, not skipped
+    # A challenger worse than that champion still fails at 100 %.
+    worse = ArmSamples(100, 0, 90, (), (), 100, 90)
+    better = ArmSamples(100, 0, 20, (), (), 100, 20)
+    verdict = analyse(traffic(worse, arm(0), 100), release_params(), 100, reference=better)
+    assert outcomes(verdict)["badcase_rate"] == "fail"
+
+
 def test_a_weight_moved_by_someone_else_interrupts_the_release() -> None:
     verdict = analyse(traffic(healthy(60, 1), healthy(540, 2), percent=0), release_params(), 10)
     assert verdict.interrupted and not verdict.passed

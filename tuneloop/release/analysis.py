@@ -444,14 +444,25 @@ def _p99(values: Sequence[float]) -> float:
     return ordered[max(1, math.ceil(0.99 * len(ordered))) - 1]
 
 
-def analyse(traffic: Traffic, params: ReleaseParams, expected_percent: int) -> Verdict:
+def analyse(
+    traffic: Traffic,
+    params: ReleaseParams,
+    expected_percent: int,
+    reference: ArmSamples | None = None,
+) -> Verdict:
     """Judge one interval of canary traffic: pass, fail or inconclusive, with p-values.
 
     A router weight other than the one the flow set means someone else moved it
-    (a manual rollback): ``interrupted``.
+    (a manual rollback): ``interrupted``. ``reference``: the champion's requests of the
+    last interval it served, the comparison at 100 % (where it serves none); without one
+    the challenger is held to the limits as absolute rates there.
     """
     ch, champ = traffic.arms["challenger"], traffic.arms["champion"]
     alone = expected_percent == 100
+    if alone and reference is not None and reference.requests:
+        # An absolute limit at 100 % held a challenger that was wrong for 60 % of its users
+        # to 20 % while the champion it replaced was wrong for all of them (the demo's).
+        champ, alone = reference, False
     weight = Check(
         WEIGHT_CHECK,
         float(traffic.challenger_percent),
