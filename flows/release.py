@@ -100,8 +100,8 @@ from tuneloop.release import shadow as suite_judges
 from tuneloop.release.admin import AdminError, Batch, Cursor, LeaseKeeper, RouterAdmin
 from tuneloop.release.analysis import (
     WEIGHT_CHECK,
-    ArmSamples,
     Approval,
+    ArmSamples,
     Check,
     InvalidAnswer,
     StatsError,
