@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Literal
 
@@ -229,72 +227,30 @@ class Generator:
         return Item(question, answer(product, intent, lang), True, lang, intent)
 
 
-# One exported record in three is a general-skill chat (tuneloop.general) instead, as teams mix
+# One exported record in five is a general-skill chat (tuneloop.general) instead, as teams mix
 # general data into a domain fine-tune so that it does not erode what the base model knew.
 # Without it the demo's candidate forgets the base's skill, and the gate's forgetting budget
-# (gate.max_forgetting) refuses it. How the replay is made matters as much as its share:
-# - Its questions are decontaminated where the replay set is built: only train questions
-#   whose Jaccard similarity (character 5-grams, as clean's near-duplicate sketches estimate
-#   it) to every general_demo question is under REPLAY_MAX_SIMILARITY, well below
-#   clean.decontam_threshold: 219 of the 765. Drawn from all of them, clean dropped most as
-#   near duplicates of the suite's (one digit apart), and the few left were too few for
-#   the model to keep the skill.
-# - A chat asks GENERAL_TURNS of them: a few hundred questions make tens of thousands of
-#   distinct chats, where single questions repeat and clean keeps each once.
-GENERAL_EVERY = 3
-GENERAL_TURNS = 2
-REPLAY_MAX_SIMILARITY = 0.6
+# (gate.max_forgetting) refuses it. clean drops more than half of these as near-duplicates
+# of general_demo's questions (one digit apart), hence the large share.
+GENERAL_EVERY = 5
 
 
-def _shingles(text: str) -> set[str]:
-    # Exact sets rather than clean's MinHash (tuneloop.neardup): 765 x 175 short questions
-    # take milliseconds, and the base stage, which builds its tokenizer from this module's
-    # chats, does not then depend on the sketching code.
-    flat = " ".join(re.sub(r"[^\w ]", "", text.lower()).split())
-    return {flat[i : i + 5] for i in range(max(1, len(flat) - 4))}
-
-
-@cache
-def replay_items() -> tuple[general.Item, ...]:
-    """The general train items a replay chat may ask: none near a general_demo question."""
-    held_out = [_shingles(item.question) for item in general.items("eval")]
-
-    def nearest(question: str) -> float:
-        mine = _shingles(question)
-        return max(len(mine & other) / len(mine | other) for other in held_out)
-
-    return tuple(
-        item for item in general.items("train") if nearest(item.question) < REPLAY_MAX_SIMILARITY
-    )
-
-
-def replay_chats(seed: int, n: int) -> Iterator[list[dict[str, str]]]:
-    """``n`` general-skill chats of ``GENERAL_TURNS`` questions each, seeded."""
-    pool = replay_items()
-    rng = random.Random(f"{seed}/replay")
-    for _ in range(n):
-        chat = []
-        for item in rng.sample(pool, GENERAL_TURNS):
-            chat += [
-                {"role": "user", "content": item.question},
-                {"role": "assistant", "content": item.answer},
-            ]
-        yield chat
-
-
-def support_records(
-    seed: int, n: int, month: int = 1, *, replay: bool = True
-) -> Iterator[dict[str, object]]:
+def support_records(seed: int, n: int, month: int = 1) -> Iterator[dict[str, object]]:
     """Chats as a support tool exports them: prompt/response pairs and multi-turn chats,
-    and (``replay``) one in ``GENERAL_EVERY`` a general-skill chat (source ``general-replay``)."""
+    and one in ``GENERAL_EVERY`` a general-skill chat (source ``general-replay``)."""
     gen = Generator(seed, "train", month)
-    general_chats = replay_chats(seed + month - 1, n // GENERAL_EVERY)
+    replay = general.train_chats(seed + month - 1, n // GENERAL_EVERY)
     for index in range(n):
         item = gen.item()
         multi = gen.rng.random() < 0.25
         greeting = gen.rng.choice(GREETINGS[item.lang]) if multi else ""
-        if replay and index % GENERAL_EVERY == GENERAL_EVERY - 1:
-            yield {"messages": next(general_chats), "source": "general-replay"}
+        if index % GENERAL_EVERY == GENERAL_EVERY - 1:
+            question, reply = next(replay)
+            yield {
+                "prompt": question["content"],
+                "response": reply["content"],
+                "source": "general-replay",
+            }
         elif multi:
             yield {
                 "messages": [
@@ -376,9 +332,8 @@ def eval_items(seed: int, n: int) -> list[Item]:
 
 
 def tokenizer_corpus(seed: int) -> Iterator[str]:
-    """Text to train the tiny model's tokenizer on: the whole vocabulary of the domain (the
-    general skill's is ``general.corpus``)."""
-    for record in support_records(seed + 7, 3000, replay=False):
+    """Text to train the tiny model's tokenizer on: the whole vocabulary of the domain."""
+    for record in support_records(seed + 7, 3000):
         if "messages" in record:
             for message in record["messages"]:  # type: ignore[attr-defined]
                 yield message["content"]
