@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT, TINY_OVERRIDES, copy_project, write_params  # noqa: F401
+from tests.helpers import (  # noqa: F401
+    ROOT,
+    TINY_OVERRIDES,
+    copy_project,
+    seed_demo_month,
+    write_params,
+)
 
 TRACKING_ENV = (
     "MLFLOW_TRACKING_URI",
@@ -75,17 +81,9 @@ def tiny_project(
     (params.yaml, dvc.lock and the outs stay as the flow left them).
     """
     from flows.retrain import retrain
-    from tuneloop import demo
-    from tuneloop.params import load_params
 
     repo = copy_project(tmp_path_factory.mktemp("tiny-project"))
-    params = load_params(repo / "params.yaml")
-    demo.seed_incoming(
-        repo / params.paths.incoming,
-        params.demo.seed,
-        params.demo.n_support,
-        params.demo.n_badcases,
-    )
+    seed_demo_month(repo)
     return repo, retrain(repo=repo)
 
 

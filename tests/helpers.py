@@ -66,6 +66,20 @@ def flow_runs(repo: Path) -> tuple[Any, dict[str, Any]]:
     return parent, children
 
 
+def seed_demo_month(repo: Path) -> None:
+    """The demo's month 1 in ``repo``'s incoming folder, sized by its own params.yaml."""
+    from tuneloop import demo
+    from tuneloop.params import load_params
+
+    params = load_params(repo / "params.yaml")
+    demo.seed_incoming(
+        repo / params.paths.incoming,
+        params.demo.seed,
+        params.demo.n_support,
+        params.demo.n_badcases,
+    )
+
+
 def copy_project(target: Path) -> Path:
     """A git + DVC checkout of this project's code in ``target``, with tiny params."""
     for name in ("dvc.yaml", ".dvcignore", "pyproject.toml"):

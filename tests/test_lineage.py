@@ -21,9 +21,9 @@ import yaml
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from tests.helpers import ROOT, copy_project, write_params
-from tuneloop import demo, lineage
-from tuneloop.params import ParamsError, load_params, parse_params
+from tests.helpers import ROOT, copy_project, seed_demo_month, write_params
+from tuneloop import lineage
+from tuneloop.params import ParamsError, parse_params
 from tuneloop.pipeline import StageOrderError, stage_order
 
 # Enough lines that the demo's malformed ones stay under ingest.max_reject_rate.
@@ -92,13 +92,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny project whose base, ingest and clean stages ran under `dvc repro`."""
     repo = copy_project(tmp_path_factory.mktemp("lineage"))
     write_params(repo, SMALL)
-    params = load_params(repo / "params.yaml")
-    demo.seed_incoming(
-        repo / params.paths.incoming,
-        params.demo.seed,
-        params.demo.n_support,
-        params.demo.n_badcases,
-    )
+    seed_demo_month(repo)
     dvc(repo, "repro", "clean")
     return repo
 

@@ -38,9 +38,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.helpers import ROOT, copy_project, write_params
-from tuneloop import demo
-from tuneloop.params import load_params
+from tests.helpers import ROOT, copy_project, seed_demo_month, write_params
 from tuneloop.pipeline import stage_order
 
 pytestmark = pytest.mark.slow
@@ -304,13 +302,7 @@ def project(stack: Stack) -> Path:
     git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
     subprocess.run([*git, "add", "-A"], cwd=folder, check=True)
     subprocess.run([*git, "commit", "-qm", "deployable"], cwd=folder, check=True)
-    params = load_params(folder / "params.yaml")
-    demo.seed_incoming(
-        folder / params.paths.incoming,
-        params.demo.seed,
-        params.demo.n_support,
-        params.demo.n_badcases,
-    )
+    seed_demo_month(folder)
     said = stack.cli(str(BIN / "tuneloop"), "deploy", "--project", str(folder))
     assert "automation 'tuneloop: crash flow runs whose heartbeats stopped': created" in said
     assert "queue tuneloop-gpu/default: the pool's default queue" in said
