@@ -65,6 +65,11 @@ FEEDBACK_TOKEN_ENV = "TUNELOOP_DEMO_FEEDBACK_TOKEN"
 USERS = 300
 BURST = 24
 CONCURRENCY = 4
+# The customers' questions: BURSTS different bursts (1,536 questions, about what one release
+# sees on 2 cores), then the same ones again. What they flag is next month's training data, so
+# it must not depend on how long the release ran: a slower machine or a longer approval wait
+# repeats questions (clean keeps each correction once) instead of teaching month 2 more.
+BURSTS = 64
 # The demo's answers are one short sentence (~15 tokens); the random base would run on.
 MAX_TOKENS = 24
 
@@ -232,7 +237,7 @@ def keep_customers_coming(stack: Stack, month: int, stop: threading.Event) -> tr
             stack.router_url,
             requests=BURST,
             users=USERS,
-            seed=burst,
+            seed=burst % BURSTS,
             month=month + 1,  # customers ask about what the shop sells now, next month's world
             feedback_token=stack.feedback_token,
             concurrency=CONCURRENCY,
@@ -360,6 +365,8 @@ def run(repo: Path, months: int, approval_wait_s: float) -> list[dict[str, Any]]
                 params.demo.n_support,
                 params.demo.n_badcases,
                 month,
+                replay_every=params.demo.replay_every,
+                replay_turns=params.demo.replay_turns,
             )
             print(f"\n=== month {month} ({label}): {len(written)} export file(s) seeded ===")
             summary: dict[str, Any] = {"month": month, "label": label}

@@ -25,10 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     # A few steps of the base's general-skill pre-training: the code path, not the skill.
     "model": {"tiny": {"pretrain_steps": 10}},
-    "demo": {"n_support": 500, "n_badcases": 40},
+    # One single-question replay chat in five: the small loops' 30-step LoRA learns the reply
+    # format from the domain chats (the demo's two-question replay, one in three, left it less).
+    "demo": {"n_support": 500, "n_badcases": 40, "replay_every": 5, "replay_turns": 1},
     "pack": {"seq_len": 128},
     # LoRA, the method real models train with (the demo's default trains the tiny one in full).
-    "train": {"method": "lora", "learning_rate": 3.0e-3, "max_steps": 30, "logging_steps": 5},
+    "train": {
+        "method": "lora",
+        "learning_rate": 3.0e-3,
+        "max_steps": 30,
+        "logging_steps": 5,
+        "loss_spike_factor": 5.0,
+    },
     "evaluate": {"limit": 12, "batch_size": 12},
     "gate": {"min_gain": 0.0, "max_forgetting": 0.05, "fp8_max_drop": 0.02},
 }
@@ -77,6 +85,8 @@ def seed_demo_month(repo: Path) -> None:
         params.demo.seed,
         params.demo.n_support,
         params.demo.n_badcases,
+        replay_every=params.demo.replay_every,
+        replay_turns=params.demo.replay_turns,
     )
 
 

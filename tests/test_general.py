@@ -49,6 +49,28 @@ def test_train_and_eval_questions_are_disjoint_and_answers_right() -> None:
     assert all(chat[0]["content"] in {i.question for i in train} for chat in chats)
 
 
+def test_the_demos_two_question_replay_stays_clear_of_the_general_suite() -> None:
+    params = load_params(ROOT / "params.yaml").demo
+    assert (params.replay_every, params.replay_turns) == (3, 2)  # what the demo ships
+    records = list(demo.support_records(0, 300, replay_every=params.replay_every, replay_turns=2))
+    replay = [r for r in records if r["source"] == "general-replay"]
+    assert len(replay) == 100 and all(len(r["messages"]) == 4 for r in replay)  # type: ignore[arg-type]
+    asked = {m["content"] for r in replay for m in r["messages"] if m["role"] == "user"}  # type: ignore[attr-defined]
+    allowed = {item.question for item in demo.replay_items()}
+    assert asked <= allowed and len(allowed) == 219
+    # Decontaminated where the replay is made: none of them within clean's threshold of a
+    # general_demo question, so clean does not drop a two-question chat for one of its halves.
+    threshold = load_params(ROOT / "params.yaml").clean.decontam_threshold
+    held_out = [demo._shingles(item.question) for item in general.items("eval")]
+    for question in asked:
+        mine = demo._shingles(question)
+        assert max(len(mine & o) / len(mine | o) for o in held_out) < min(0.6, threshold)
+    # Seeded, and distinct chats where single questions would repeat.
+    again = list(demo.support_records(0, 300, replay_every=3, replay_turns=2))
+    assert again == records
+    assert len({str(r["messages"]) for r in replay}) == len(replay)
+
+
 @pytest.mark.usefixtures("one_torch_thread")
 def test_pretraining_trains_the_layers_and_keeps_the_embedding() -> None:
     shape = load_params(ROOT / "params.yaml").model.tiny.model_copy(

@@ -16,7 +16,12 @@ def _seed_demo(args: argparse.Namespace) -> int:
 
     params = load_params()
     written = demo.seed_incoming(
-        params.paths.incoming, params.demo.seed, params.demo.n_support, params.demo.n_badcases
+        params.paths.incoming,
+        params.demo.seed,
+        params.demo.n_support,
+        params.demo.n_badcases,
+        replay_every=params.demo.replay_every,
+        replay_turns=params.demo.replay_turns,
     )
     for path in written:
         print(f"wrote {path}")

@@ -19,7 +19,7 @@ which last month's champion refuses as unknown. Month 2's exports talk about it,
 demo's customers ask about it while month 1's model is being released, so the router's
 feedback carries corrections for it: the loop has something real to learn.
 
-The support export also carries a share of general-skill chats (``GENERAL_EVERY``), the
+The support export also carries a share of general-skill chats (``demo.replay_every``), the
 replay that keeps a fine-tuned candidate from forgetting what the base knew.
 """
 
@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Literal
 
@@ -227,30 +229,93 @@ class Generator:
         return Item(question, answer(product, intent, lang), True, lang, intent)
 
 
-# One exported record in five is a general-skill chat (tuneloop.general) instead, as teams mix
-# general data into a domain fine-tune so that it does not erode what the base model knew.
-# Without it the demo's candidate forgets the base's skill, and the gate's forgetting budget
-# (gate.max_forgetting) refuses it. clean drops more than half of these as near-duplicates
-# of general_demo's questions (one digit apart), hence the large share.
-GENERAL_EVERY = 5
+# A share of every export is general-skill chats (tuneloop.general), as teams mix general data
+# into a domain fine-tune so that it does not erode what the base model knew: one record in
+# ``demo.replay_every``, each asking ``demo.replay_turns`` questions. Without it the candidate
+# forgets the base's skill and the gate's forgetting budget (gate.max_forgetting) refuses it.
+# How the replay is made matters as much as its share (params.yaml sets the demo's: one in
+# three, two questions a chat):
+# - A single question a chat repeats: a few hundred train questions, and clean keeps each
+#   once. Two questions a chat make tens of thousands of distinct chats.
+# - A chat of several questions is dropped whole when one of them is near a general_demo
+#   question (clean's decontamination), so those are drawn only from the train questions whose
+#   Jaccard similarity (character 5-grams, what clean's sketches estimate) to every
+#   general_demo question is under REPLAY_MAX_SIMILARITY, well below clean.decontam_threshold:
+#   219 of the 765. Single questions come from the whole train split, as before: clean
+#   decontaminates them one by one.
+# The defaults below are the single-question mix the test suite's small loops are tuned to
+# (and the tokenizer's corpus: the base model does not change with the demo's replay params).
+REPLAY_EVERY = 5
+REPLAY_TURNS = 1
+REPLAY_MAX_SIMILARITY = 0.6
 
 
-def support_records(seed: int, n: int, month: int = 1) -> Iterator[dict[str, object]]:
+def _shingles(text: str) -> set[str]:
+    # Exact sets rather than clean's MinHash (tuneloop.neardup): 765 x 175 short questions
+    # take milliseconds, and the base stage, which builds its tokenizer from this module's
+    # chats, does not then depend on the sketching code.
+    flat = " ".join(re.sub(r"[^\w ]", "", text.lower()).split())
+    return {flat[i : i + 5] for i in range(max(1, len(flat) - 4))}
+
+
+@cache
+def replay_items() -> tuple[general.Item, ...]:
+    """The general train items a multi-question replay chat may ask: none near general_demo."""
+    held_out = [_shingles(item.question) for item in general.items("eval")]
+
+    def nearest(question: str) -> float:
+        mine = _shingles(question)
+        return max(len(mine & other) / len(mine | other) for other in held_out)
+
+    return tuple(
+        item for item in general.items("train") if nearest(item.question) < REPLAY_MAX_SIMILARITY
+    )
+
+
+def replay_chats(seed: int, n: int, turns: int) -> Iterator[list[dict[str, str]]]:
+    """``n`` general-skill chats of ``turns`` questions each, seeded."""
+    if turns == 1:
+        yield from general.train_chats(seed, n)
+        return
+    pool = replay_items()
+    rng = random.Random(f"{seed}/replay")
+    for _ in range(n):
+        chat = []
+        for item in rng.sample(pool, turns):
+            chat += [
+                {"role": "user", "content": item.question},
+                {"role": "assistant", "content": item.answer},
+            ]
+        yield chat
+
+
+def support_records(
+    seed: int,
+    n: int,
+    month: int = 1,
+    *,
+    replay_every: int = REPLAY_EVERY,
+    replay_turns: int = REPLAY_TURNS,
+) -> Iterator[dict[str, object]]:
     """Chats as a support tool exports them: prompt/response pairs and multi-turn chats,
-    and one in ``GENERAL_EVERY`` a general-skill chat (source ``general-replay``)."""
+    and one in ``replay_every`` a general-skill chat of ``replay_turns`` questions (source
+    ``general-replay``)."""
     gen = Generator(seed, "train", month)
-    replay = general.train_chats(seed + month - 1, n // GENERAL_EVERY)
+    replay = replay_chats(seed + month - 1, n // replay_every, replay_turns)
     for index in range(n):
         item = gen.item()
         multi = gen.rng.random() < 0.25
         greeting = gen.rng.choice(GREETINGS[item.lang]) if multi else ""
-        if index % GENERAL_EVERY == GENERAL_EVERY - 1:
-            question, reply = next(replay)
-            yield {
-                "prompt": question["content"],
-                "response": reply["content"],
-                "source": "general-replay",
-            }
+        if index % replay_every == replay_every - 1:
+            chat = next(replay)
+            if len(chat) == 2:  # one question: exported as a prompt/response pair
+                yield {
+                    "prompt": chat[0]["content"],
+                    "response": chat[1]["content"],
+                    "source": "general-replay",
+                }
+            else:
+                yield {"messages": chat, "source": "general-replay"}
         elif multi:
             yield {
                 "messages": [
@@ -367,7 +432,14 @@ def _write_jsonl(
 
 
 def seed_incoming(
-    incoming: Path, seed: int, n_support: int, n_badcases: int, month: int = 1
+    incoming: Path,
+    seed: int,
+    n_support: int,
+    n_badcases: int,
+    month: int = 1,
+    *,
+    replay_every: int = REPLAY_EVERY,
+    replay_turns: int = REPLAY_TURNS,
 ) -> list[Path]:
     """Write the demo's ``month`` of incoming data, unless it is already there.
 
@@ -376,7 +448,9 @@ def seed_incoming(
     """
     label = month_label(month)
     files = {
-        incoming / f"support-export-{label}.jsonl": lambda: support_records(seed, n_support, month),
+        incoming / f"support-export-{label}.jsonl": lambda: support_records(
+            seed, n_support, month, replay_every=replay_every, replay_turns=replay_turns
+        ),
         incoming / f"router-feedback-{label}.jsonl": lambda: badcase_records(
             seed, n_badcases, month
         ),

@@ -183,6 +183,8 @@ class DemoParams(_Group):
     seed: int
     n_support: int = Field(gt=0, description="support-tool chats seeded into incoming/")
     n_badcases: int = Field(ge=0, description="router badcases (wrong answer + correction)")
+    replay_every: int = Field(5, ge=2, description="one support chat in this many is replay")
+    replay_turns: int = Field(1, ge=1, le=4, description="general questions a replay chat asks")
 
 
 class IngestParams(_Group):
