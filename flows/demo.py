@@ -105,6 +105,17 @@ def _use_api(url: str) -> Iterator[str]:
             os.environ["PREFECT_API_URL"] = previous
 
 
+def _send_queued_logs() -> None:
+    """Flow-run logs still queued for the API, sent before the server stops (else they fail
+    at exit, as 'Error logging to API', after the summary)."""
+    from prefect.logging.handlers import APILogHandler
+
+    try:
+        APILogHandler.flush()
+    except Exception as error:  # the logs are in the terminal and logs/ either way
+        log.debug("sending queued flow-run logs: %s", error)
+
+
 @contextlib.contextmanager
 def prefect_server(logs: Path) -> Iterator[str]:
     """A Prefect API other terminals can reach: ``PREFECT_API_URL``, or one started here."""
@@ -134,7 +145,10 @@ def prefect_server(logs: Path) -> Iterator[str]:
                 )
             time.sleep(1)
         with _use_api(url):
-            yield url
+            try:
+                yield url
+            finally:
+                _send_queued_logs()
     finally:
         process.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -7,6 +7,7 @@ compared with an uncached run of the same pool and params.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import tempfile
@@ -307,6 +308,36 @@ def test_seen_batches_are_replayed_at_the_share_and_new_ones_in_full(
     assert run(root, root / "cache", tokenizer, seen=("19990101T000000000000Z",)).files == (
         full.files
     )
+
+
+def test_corrected_badcases_of_seen_batches_are_all_trained_on_again(
+    filled: tuple[Path, Run], tokenizer_folder: Path
+) -> None:
+    root, _ = filled
+    tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
+    month1 = sorted((root / "pool" / "records").glob("*.jsonl"))[0].stem
+    write_pool(root / "m1" / "pool", [demo_lines(1, 90)])
+    alone = run(root / "m1", root / "m1" / "cache", tokenizer)
+    month1_train = _lines(alone.files["train.jsonl"])
+    month1_pairs = _lines(alone.files["dpo.jsonl"])
+    # A corrected badcase's chat: its prompt with the correction as the reply.
+    corrected = [json.loads(line) for line in month1_pairs]
+    chats = {str([*p["prompt"], {"role": "assistant", "content": p["chosen"]}]) for p in corrected}
+    assert chats  # the demo month has corrected badcases that clean keeps
+
+    keep = PARAMS.model_copy(update={"replay_corrections": True})
+    replay = run(root, root / "cache", tokenizer, keep, seen=(month1,))
+    train = _lines(replay.files["train.jsonl"])
+    again = {line for line in month1_train if str(json.loads(line)["messages"]) in chats}
+    assert again and again <= train  # every correction, as a chat...
+    assert month1_pairs <= _lines(replay.files["dpo.jsonl"])  # ...and as a preference pair
+    assert replay.report.dpo_removed["not_replayed"] == 0
+    # The other chats of the month stay at the share: corrections are not a way round it.
+    others = (train & month1_train) - again
+    assert 0 < len(others) <= 0.45 * len(month1_train - again)
+    shared = run(root, root / "cache", tokenizer, seen=(month1,))
+    assert (_lines(shared.files["train.jsonl"]) & month1_train) - again == others
+    assert uncached(root, tokenizer, params=keep, seen=(month1,)).files == replay.files
 
 
 def test_a_new_month_draws_a_new_replay_sample(tmp_path: Path, tokenizer_folder: Path) -> None:

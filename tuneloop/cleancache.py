@@ -308,8 +308,9 @@ def clean_pool(
     chats and DPO pairs only ``params.replay_fraction`` is trained on again: chosen by a hash
     of the sample's key salted with the newest batch, so the same pool gives the same set, a
     new month draws a fresh one, and the cached decisions (which do not depend on which
-    batches are new) stay valid. Their validation chats all stay, so the validation loss also
-    watches what earlier months taught.
+    batches are new) stay valid. With ``params.replay_corrections`` their corrected badcases
+    are all trained on again (chat and pair), the items the fixed-badcase suite tests. Their
+    validation chats all stay, so the validation loss also watches what earlier months taught.
     """
     cache.mkdir(parents=True, exist_ok=True)
     batches = pool_batches(pool)
@@ -365,6 +366,8 @@ def clean_pool(
                     ],
                     dtype=bool,
                 )
+                if params.replay_corrections:  # a corrected badcase is the record with a pair
+                    replayed |= np.diff(f.dpo_offsets) > 0
             train_rows = np.flatnonzero((codes == TRAIN) & replayed)
             val_rows = np.flatnonzero(codes == VAL)
             report.records_in += len(codes)

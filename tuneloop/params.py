@@ -210,6 +210,11 @@ class CleanParams(_Group):
         description="share of the records the starting model already trained on (its pool "
         "batches) that training sees again; the rest of the pool is trained on in full",
     )
+    replay_corrections: bool = Field(
+        False,
+        description="train on every corrected badcase of those batches again, whatever the "
+        "replay share: the fixed-badcase suite checks that they stay fixed",
+    )
 
 
 class BatchParams(_Group):
