@@ -108,10 +108,10 @@ def _use_api(url: str) -> Iterator[str]:
 def _send_queued_logs() -> None:
     """Flow-run logs still queued for the API, sent before the server stops (else they fail
     at exit, as 'Error logging to API', after the summary)."""
-    from prefect.logging.handlers import APILogHandler
+    from prefect.logging.handlers import APILogWorker
 
     try:
-        APILogHandler.flush()
+        APILogWorker.drain_all(timeout=10, at_exit=False)
     except Exception as error:  # the logs are in the terminal and logs/ either way
         log.debug("sending queued flow-run logs: %s", error)
 
