@@ -16,8 +16,9 @@ Where to look:
               press Compare (one month each); Models -> {model}: every version, its aliases
               (champion, previous-champion) and the lineage tags (tuneloop.init_from: what
               each month started from)
-  DVC      .venv/bin/dvc metrics show; after `git add dvc.lock metrics && git commit` each month
-           (or schedule.commit_results), `dvc metrics diff <month-1> <month-2>`
+  DVC      .venv/bin/dvc metrics diff tuneloop/results~1 tuneloop/results: the last two months
+           (schedule.commit_results commits each month's dvc.lock and metrics/ to that branch,
+           with a tag per retrain; `git tag -l 'retrain-*'`)
   Prefect  PREFECT_API_URL=http://127.0.0.1:4200/api .venv/bin/prefect server start
            -> http://127.0.0.1:4200: the retrain and release flow runs of every month
 """
