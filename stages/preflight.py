@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import logging
 
-import mlflow
-
 from tuneloop.io import write_json, write_text
 from tuneloop.params import load_params
 from tuneloop.preflight.run import report_markdown, run_preflight
-from tuneloop.stage import setup_logging, write_metrics
-from tuneloop.tracking import stage_run
+from tuneloop.stage import logged_after, setup_logging, write_metrics
 
 STAGE = "preflight"
 log = logging.getLogger(__name__)
@@ -30,7 +27,7 @@ log = logging.getLogger(__name__)
 def main() -> None:
     setup_logging()
     params = load_params()
-    with stage_run(STAGE, params):
+    with logged_after(STAGE, params) as run:
         report = run_preflight(params)
         data = report.as_dict()
         table = report_markdown(report)
@@ -49,9 +46,9 @@ def main() -> None:
                 "optimizer_steps": report.plan.total_steps,
             },
         )
-        mlflow.log_dict(data, "preflight/preflight.json")
-        mlflow.log_text(table, "preflight/preflight.md")
-        mlflow.set_tags({f"preflight.{c.name}": c.status for c in report.checks})
+        run.log_dict(data, "preflight/preflight.json")
+        run.log_text(table, "preflight/preflight.md")
+        run.set_tags({f"preflight.{c.name}": c.status for c in report.checks})
         print(table)
         for c in report.checks:
             if c.status == "warn":

@@ -110,6 +110,23 @@ def test_encodes_like_transformers(pair: Any) -> None:
         assert tokenize_chat(fast, messages) == tokenize_chat(reference, messages)
 
 
+def test_decodes_and_counts_like_transformers(pair: Any) -> None:
+    """What preflight's round trip and vocabulary checks ask of the tokenizer."""
+    fast, reference = pair
+    assert len(fast) == len(reference)
+    for messages in conversations():
+        ids = tokenize_chat(fast, messages).input_ids
+        for skip in (False, True):
+            ours = fast.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            theirs = reference.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+            )
+            assert ours == theirs
+        assert fast.decode(ids) == render(fast, messages)  # the round trip preflight checks
+    with pytest.raises(ValueError, match="without clean-up"):
+        fast.decode([0], clean_up_tokenization_spaces=True)
+
+
 def test_batched_tokenization_equals_one_by_one(pair: Any) -> None:
     fast, _ = pair
     chats = conversations()

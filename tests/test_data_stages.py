@@ -1,8 +1,8 @@
 """The data stages start fast and log their MLflow run after the work.
 
-ingest, clean and pack import no torch, transformers or MLflow before their work starts
-(seconds of start-up each); ``logged_after`` then logs the run as ``stage_run`` would,
-a failed one included.
+ingest, clean, pack and preflight import no torch, transformers or MLflow before their work
+starts (seconds of start-up each; preflight imports torch once it probes the machine);
+``logged_after`` then logs the run as ``stage_run`` would, a failed one included.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tuneloop.params import load_params
 from tuneloop.stage import logged_after, write_metrics
 
 
-@pytest.mark.parametrize("stage", ["ingest", "clean", "pack"])
+@pytest.mark.parametrize("stage", ["ingest", "clean", "pack", "preflight"])
 def test_data_stage_imports_nothing_heavy(stage: str) -> None:
     code = (
         f"import sys, stages.{stage}; "

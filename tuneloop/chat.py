@@ -262,6 +262,21 @@ class ChatTokenizer:
             out["offset_mapping"] = encoding.offsets
         return out
 
+    def decode(
+        self,
+        ids: Sequence[int],
+        skip_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool = False,
+    ) -> str:
+        """The text of ``ids``, as a transformers fast tokenizer decodes it."""
+        if clean_up_tokenization_spaces:
+            raise ValueError("ChatTokenizer decodes without clean-up only, as preflight needs")
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def __len__(self) -> int:
+        """Tokens in the vocabulary, added ones included (``len()`` of a transformers one)."""
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
     def encode_many(self, texts: list[str]) -> list[tokenizers.Encoding]:
         """Token ids and offsets of many texts, no special tokens added, in one call."""
         return self.tokenizer.encode_batch(texts, add_special_tokens=False)

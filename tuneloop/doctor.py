@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import pynvml
-import torch
 
 from tuneloop.io import write_json
 from tuneloop.preflight.check import Check, counts
@@ -199,6 +198,10 @@ def _text(value: str | bytes) -> str:
 
 
 def read_torch_versions() -> TorchVersions:
+    # Imported here, not with the module: preflight imports this module, and torch's import
+    # (seconds) is paid only when the machine is probed.
+    import torch
+
     nccl: str | None = None
     if torch.version.cuda is not None:
         # CPU builds lack the NCCL binding altogether (AttributeError).

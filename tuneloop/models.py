@@ -7,6 +7,7 @@ start seconds sooner for it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -86,7 +87,19 @@ def load_causal_lm(ref: str | Path, dtype: str = "float32") -> PreTrainedModel:
 
 
 def model_limits(model_ref: str | Path) -> tuple[int, int]:
-    """``(context length, embedding rows)`` from the model's config, without loading weights."""
+    """``(context length, embedding rows)`` from the model's config, without loading weights.
+
+    A local folder whose ``config.json`` states both is read as JSON (preflight's budget is
+    a second, importing transformers takes several); anything else goes through AutoConfig.
+    """
+    folder = Path(model_ref)
+    if (folder / "config.json").is_file():
+        config_json = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        text = config_json.get("text_config") or config_json
+        if isinstance(text.get("vocab_size"), int) and isinstance(
+            text.get("max_position_embeddings"), int
+        ):
+            return int(text["max_position_embeddings"]), int(text["vocab_size"])
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(model_ref))

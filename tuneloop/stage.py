@@ -1,8 +1,8 @@
 """What every stage's ``main()`` shares: logging set-up, writing its metrics, its MLflow run.
 
-The data stages (ingest, clean, pack) log their MLflow run after the work, through
-``logged_after``: importing MLflow takes seconds, longer than a small month's work, so
-it is loaded only once there is something to log.
+The data stages (ingest, clean, pack, preflight) log their MLflow run after the work,
+through ``logged_after``: importing MLflow takes seconds, longer than a small month's work
+(and preflight's whole budget), so it is loaded only once there is something to log.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,37 +49,63 @@ def write_metrics(params: Params, stage: str, metrics: dict[str, Any]) -> Path:
     return path
 
 
+@dataclass
+class Deferred:
+    """What a stage under ``logged_after`` logs into its MLflow run once the work is done."""
+
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    dicts: dict[str, Any] = field(default_factory=dict)  # artifact file -> JSON data
+    texts: dict[str, str] = field(default_factory=dict)  # artifact file -> text
+    tags: dict[str, str] = field(default_factory=dict)
+
+    def log_dict(self, data: Any, artifact_file: str) -> None:
+        self.dicts[artifact_file] = data
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.texts[artifact_file] = text
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.tags.update(tags)
+
+
 @contextlib.contextmanager
-def logged_after(stage: str, params: Params) -> Iterator[None]:
+def logged_after(stage: str, params: Params) -> Iterator[Deferred]:
     """Do a stage's work, then log it as the stage's MLflow run (``tracking.stage_run``).
 
     The run gets the lineage tags and params as any stage run, the metrics written during the
-    work and the work's wall time (``stage_seconds``); a stage that fails leaves a failed run,
-    as it would inside ``stage_run``.
+    work, what the work gave the yielded ``Deferred`` (artifacts, tags) and the work's wall
+    time (``stage_seconds``); a stage that fails leaves a failed run with all of that, as it
+    would inside ``stage_run``.
     """
     global _pending
-    pending: list[dict[str, Any]] = []
-    _pending = pending
+    deferred = Deferred()
+    _pending = deferred.metrics
     start = time.monotonic()
     try:
-        yield
+        yield deferred
     except BaseException:
         _pending = None
-        with _run(stage, params, pending, time.monotonic() - start):
+        with _run(stage, params, deferred, time.monotonic() - start):
             raise
     _pending = None
-    with _run(stage, params, pending, time.monotonic() - start):
+    with _run(stage, params, deferred, time.monotonic() - start):
         pass
 
 
 @contextlib.contextmanager
-def _run(
-    stage: str, params: Params, metrics: list[dict[str, Any]], seconds: float
-) -> Iterator[None]:
+def _run(stage: str, params: Params, deferred: Deferred, seconds: float) -> Iterator[None]:
+    import mlflow
+
     from tuneloop import tracking
 
     with tracking.stage_run(stage, params):
-        for entry in metrics:
+        for entry in deferred.metrics:
             tracking.log_metrics(entry)
         tracking.log_metrics({"stage_seconds": round(seconds, 3)})
+        for name, data in deferred.dicts.items():
+            mlflow.log_dict(data, name)
+        for name, text in deferred.texts.items():
+            mlflow.log_text(text, name)
+        if deferred.tags:
+            mlflow.set_tags(deferred.tags)
         yield

@@ -13,16 +13,15 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from tuneloop.chat import render, tokenize_chat
+from tuneloop.chat import ChatTokenizer, render, tokenize_chat
 from tuneloop.params import BatchParams
 from tuneloop.preflight.check import Check
 from tuneloop.shards import IGNORE_INDEX as IGNORE
@@ -36,6 +35,11 @@ from tuneloop.shards import (
     shard_name,
 )
 from tuneloop.shards import list_column as _list_column
+
+if TYPE_CHECKING:  # the stage reads with a ChatTokenizer; a transformers one works as well
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    Tokenizer = ChatTokenizer | PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -430,7 +434,7 @@ def _difference(decoded: str, rendered: str) -> str:
 
 
 def roundtrip_one(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
     ids: list[int],
     labels: list[int],
@@ -468,7 +472,7 @@ def check_template_roundtrip(
     shards: Shards,
     source_lines: Sequence[bytes],
     packed_samples: int | None,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Tokenizer,
     seq_len: int,
     n_checked: int,
 ) -> Check:

@@ -17,8 +17,9 @@ from typing import Any
 import pynvml
 
 from tuneloop import doctor, suites
+from tuneloop.chat import load_chat_tokenizer
 from tuneloop.io import read_json
-from tuneloop.models import base_model_ref, load_tokenizer, model_limits
+from tuneloop.models import base_model_ref, model_limits
 from tuneloop.params import Params, TrainParams
 from tuneloop.preflight.check import Check, counts, run_timed
 from tuneloop.preflight.config import (
@@ -106,7 +107,7 @@ def run_preflight(
     ref = base_model_ref(params)
     shards = Shards.read(paths.packed, batch.world_size)
     context, embedding_rows = model_limits(ref)
-    tokenizer = load_tokenizer(ref)
+    tokenizer = load_chat_tokenizer(ref)
     inv = doctor.read_gpus(nvml)
     machine = training_environment(batch.world_size)
     plan = StepPlan.of(shards, batch, train.epochs, train.max_steps)
