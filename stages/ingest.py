@@ -25,11 +25,16 @@ second ingest at the same time refuses instead of adding the same lines twice.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
+import itertools
 import json
 import logging
+import multiprocessing
+import os
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +43,7 @@ import orjson
 
 from tuneloop import pii
 from tuneloop import pool as pool_writes
-from tuneloop.io import jsonl_text, read_jsonl, write_jsonl
+from tuneloop.io import jsonl_text, read_jsonl, usable_cores, write_jsonl
 from tuneloop.params import load_params
 from tuneloop.records import (
     META_FIELDS,
@@ -237,12 +242,51 @@ def quarantine_entry(
     return entry, found
 
 
-def ingest(lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str) -> IngestResult:
+# A line's own work (parse, PII scrub, content hash, its pool line): what the workers do.
+# ("record", digest, PII found, pool line, source) or ("invalid", kind, reason).
+Sorted = tuple[Any, ...]
+# Over this many lines a run spreads its lines' own work over the usable cores, a window of
+# WINDOW_LINES at a time (one window's lines and results in memory, not the month's).
+PARALLEL_MIN_LINES = 20_000
+WINDOW_LINES = 40_000
+
+
+def sort_one(line: Line, max_line_bytes: int, now: str) -> Sorted:
+    """What a line is on its own, before the run's deduplication decides whether it counts."""
+    try:
+        record = parse_line(line, max_line_bytes)
+    except InvalidRecord as error:
+        return ("invalid", error.kind, str(error))
+    record, found = scrub_plain(record)
+    digest = content_hash(record)
+    provenance = {"file": _scrubbed_name(line.file), "line": line.number, "sha256": digest}
+    provenance["ingested_at"] = now
+    source = str(record.meta["source"] or "unknown")
+    return ("record", digest, tuple(found.items()), pool_line(record, digest, provenance), source)
+
+
+@functools.lru_cache(maxsize=1024)
+def _scrubbed_name(name: str) -> str:
+    return pii.scrub(name)[0]
+
+
+def _sort_many(lines: list[Line], max_line_bytes: int, now: str) -> list[Sorted]:
+    return [sort_one(line, max_line_bytes, now) for line in lines]
+
+
+def ingest(
+    lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str, workers: int = 1
+) -> IngestResult:
     """Sort every line into accepted, quarantined or duplicate.
 
     ``known`` holds the content hashes of the pool's records and the raw-line
     hashes of lines quarantined before: a line seen before, good or bad, is a
     duplicate, so ingesting the same file twice adds nothing.
+
+    With ``workers`` > 1 a window of lines is screened first (blank, seen before, a repeat
+    of a line already sent): the rest are sorted by ``sort_one`` in worker processes, and
+    the window is then decided line by line in order exactly as one process decides it, so
+    the pool and quarantine get the same bytes either way (``tests/test_ingest.py``).
     """
     result = IngestResult()
     seen = set(known)
@@ -251,45 +295,76 @@ def ingest(lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str
     # line's digest, rather than worked out again. Not for a file's first line, where a
     # byte-order mark is dropped (the same bytes elsewhere are not the same record).
     earlier: dict[bytes, tuple[tuple[str, int], ...]] = {}
-    files: dict[str, str] = {}
-    for line in lines:
+
+    def decide(line: Line, outcome: Sorted | None = None) -> None:
+        """The line's fate, in order; ``outcome`` is its ``sort_one`` if a worker did it."""
         if not line.raw.strip():
             result.blank += 1
-            continue
+            return
         raw_hash = hashlib.sha256(line.raw.rstrip(b"\r\n")).digest()
         raw_digest = "raw:" + raw_hash.hex()
         if raw_digest in seen:
             result.duplicates += 1
-            continue
+            return
         remembered = earlier.get(raw_hash) if line.number != 1 else None
         if remembered is not None:
             result.pii.update(dict(remembered))
             result.duplicates += 1
-            continue
-        try:
-            record = parse_line(line, max_line_bytes)
-        except InvalidRecord as error:
+            return
+        if outcome is None:
+            outcome = sort_one(line, max_line_bytes, now)
+        if outcome[0] == "invalid":
+            error = InvalidRecord(outcome[1], outcome[2])
             result.reasons[error.kind] += 1
             seen.add(raw_digest)
             entry, found = quarantine_entry(line, error, raw_digest, max_line_bytes, now)
             result.pii.update(found)
             result.quarantined.append(entry)
-            continue
-        record, found = scrub_plain(record)
-        result.pii.update(found)
-        digest = content_hash(record)
+            return
+        _, digest, found_items, pooled, source = outcome
+        result.pii.update(dict(found_items))
         if line.number != 1:
-            earlier[raw_hash] = tuple(found.items()) if found else ()
+            earlier[raw_hash] = found_items
         if digest in seen:
             result.duplicates += 1
-            continue
+            return
         seen.add(digest)
-        if line.file not in files:
-            files[line.file] = pii.scrub(line.file)[0]
-        provenance = {"file": files[line.file], "line": line.number, "sha256": digest}
-        provenance["ingested_at"] = now
-        result.accepted.append(pool_line(record, digest, provenance))
-        result.by_source[str(record.meta["source"] or "unknown")] += 1
+        result.accepted.append(pooled)
+        result.by_source[source] += 1
+
+    if workers <= 1:
+        for line in lines:
+            decide(line)
+        return result
+
+    context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as executor:
+        for window in iter(lambda: list(itertools.islice(lines, WINDOW_LINES)), []):
+            # Which lines need their own work: a conservative screen (the decision in order
+            # below is the exact one; a line screened out here never reaches its sort).
+            todo: list[int] = []
+            sent: set[bytes] = set()
+            for index, line in enumerate(window):
+                if not line.raw.strip():
+                    continue
+                raw_hash = hashlib.sha256(line.raw.rstrip(b"\r\n")).digest()
+                if "raw:" + raw_hash.hex() in seen or (line.number != 1 and raw_hash in earlier):
+                    continue
+                if line.number != 1:
+                    if raw_hash in sent:
+                        continue
+                    sent.add(raw_hash)
+                todo.append(index)
+            share = -(-len(todo) // (workers * 2)) or 1
+            parts = [[window[i] for i in todo[k : k + share]] for k in range(0, len(todo), share)]
+            done: dict[int, Sorted] = {}
+            results = executor.map(
+                _sort_many, parts, itertools.repeat(max_line_bytes), itertools.repeat(now)
+            )
+            for k, part_result in zip(range(0, len(todo), share), results, strict=True):
+                done.update(zip(todo[k : k + len(part_result)], part_result, strict=True))
+            for index, line in enumerate(window):
+                decide(line, done.pop(index, None))
     return result
 
 
@@ -310,11 +385,15 @@ def main() -> None:
         known = known_hashes(pool)
         pooled = sum(1 for key in known if not key.startswith("raw:"))
         now = dt.datetime.now(dt.UTC)
+        incoming = params.paths.incoming
+        size = sum(path.stat().st_size for path in incoming.rglob("*.jsonl"))
         result = ingest(
-            read_lines(params.paths.incoming),
+            read_lines(incoming),
             known,
             params.ingest.max_line_bytes,
             now.isoformat(timespec="seconds"),
+            # Lines of ~300 bytes: spread over the cores above PARALLEL_MIN_LINES of them.
+            workers=usable_cores() if size > PARALLEL_MIN_LINES * 300 else 1,
         )
         reject_rate = len(result.quarantined) / max(result.lines, 1)
         metrics = {

@@ -228,6 +228,49 @@ def test_property_conservation_and_idempotence(raw: list[bytes]) -> None:
     assert second.duplicates == second.lines == first.lines
 
 
+def _files(raw: list[bytes], names: int) -> list[ingest.Line]:
+    """``raw`` dealt over ``names`` files, numbered per file (first lines included)."""
+    numbers = [0] * names
+    lines = []
+    for i, r in enumerate(raw):
+        numbers[i % names] += 1
+        lines.append(ingest.Line(f"f{i % names}.jsonl", numbers[i % names], r))
+    return sorted(lines, key=lambda x: (x.file, x.number))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(raw_line, max_size=30), st.integers(1, 3), st.integers(1, 3))
+def test_property_workers_give_what_one_process_gives(
+    raw: list[bytes], names: int, repeat: int
+) -> None:
+    """Same lines in, same result out: lines sorted by workers a window at a time, with
+    repeats inside a window and across windows, first lines of files and blank lines."""
+    lines = _files(raw * repeat, names)
+    known = {"raw:" + hashlib.sha256(raw[0].rstrip(b"\r\n")).hexdigest()} if raw else set()
+    one = ingest.ingest(iter(lines), set(known), 1000, "t")
+    previous = ingest.WINDOW_LINES
+    ingest.WINDOW_LINES = 7  # several windows even for a few lines
+    try:
+        many = ingest.ingest(iter(lines), set(known), 1000, "t", workers=2)
+    finally:
+        ingest.WINDOW_LINES = previous
+    assert many == one
+
+
+def test_workers_give_the_same_month_as_one_process() -> None:
+    from tuneloop import demo
+
+    export = [line(r) for r in demo.support_records(0, 400)]
+    feedback = [line(r) for r in demo.badcase_records(0, 60)]
+    hostile, _ = hostile_file()
+    raw = [*export, *feedback, *hostile.splitlines(keepends=True), *export[:50]]
+    lines = _files(raw, 3)
+    one = ingest.ingest(iter(lines), set(), 1000, "t")
+    many = ingest.ingest(iter(lines), set(), 1000, "t", workers=2)
+    assert many == one
+    assert one.accepted and one.quarantined and one.duplicates and sum(one.pii.values())
+
+
 meta_value = st.one_of(st.none(), texts, st.integers(), st.lists(texts, max_size=2))
 any_record = st.one_of(
     record,

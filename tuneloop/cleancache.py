@@ -51,7 +51,7 @@ from tuneloop.cleaning import (
     features_fingerprint,
     hash_fraction,
 )
-from tuneloop.io import atomic_dir, read_json, write_json
+from tuneloop.io import atomic_dir, read_json, usable_cores, write_json
 from tuneloop.params import CleanParams
 from tuneloop.records import pool_batches
 
@@ -184,12 +184,6 @@ def _worker_features(batch: Path, start: int, end: int) -> Features:
     return _features_of(batch, start, end, *_WORKER)
 
 
-def _usable_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def _chunks(segment: Segment) -> list[tuple[Path, int, int]]:
     """Byte ranges of about CHUNK_LINES lines each, cut at line ends."""
     data = np.fromfile(
@@ -217,7 +211,7 @@ def _compute_features(
     """
     chunks = {segment: _chunks(segment) for segment in missing}
     n_chunks = sum(map(len, chunks.values()))
-    workers = min(_usable_cores(), n_chunks)
+    workers = min(usable_cores(), n_chunks)
     if n_chunks * CHUNK_LINES < PARALLEL_MIN_RECORDS or workers < 2 or tokenizer.folder is None:
         total = 0
         for segment in missing:

@@ -126,3 +126,10 @@ def read_jsonl(path: Path) -> Iterator[Any]:
         for line in lines:
             if line.strip():
                 yield json.loads(line)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

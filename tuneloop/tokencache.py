@@ -26,7 +26,7 @@ import numpy as np
 import orjson
 
 from tuneloop.chat import ChatTokenizer, tokenize_chats
-from tuneloop.io import read_json, write_json
+from tuneloop.io import read_json, usable_cores, write_json
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +77,6 @@ def _worker_chunk(lines: list[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return _tokenize_chunk(lines, _WORKER)
 
 
-def _usable_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def tokenize_lines(
     lines: list[bytes], tokenizer: ChatTokenizer
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -93,7 +87,7 @@ def tokenize_lines(
     tokenize chunks of lines, returned in order, so the result is the same either way.
     """
     chunks = [lines[start : start + CHUNK] for start in range(0, len(lines), CHUNK)]
-    workers = min(_usable_cores(), len(chunks))
+    workers = min(usable_cores(), len(chunks))
     parts: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]]
     if len(lines) < PARALLEL_MIN_LINES or workers < 2 or tokenizer.folder is None:
         parts = (_tokenize_chunk(chunk, tokenizer) for chunk in chunks)
