@@ -19,6 +19,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import platform
 import shutil
 import statistics
@@ -150,7 +151,8 @@ def build(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def import_seconds() -> float:
-    """Importing the stage in a fresh interpreter: torch, transformers, pyarrow, mlflow."""
+    """Importing the stage in a fresh interpreter (pyarrow and numpy; torch is imported when
+    the machine is probed, MLflow after the checks)."""
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import stages.preflight"], cwd=ROOT, check=True)
     return time.perf_counter() - start
@@ -172,6 +174,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic chats")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    load_before = os.getloadavg()
+    print(f"load average before: {load_before}", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="preflight-bench-") as tmp:
         folder = Path(tmp)
@@ -181,7 +185,9 @@ def main() -> None:
         with contextlib.chdir(folder):
             params = load_params()
             pf_run.run_preflight(params)  # warm-up: page cache, tokenizer files
+            timed_load = os.getloadavg()  # the 1-minute figure covers the timed runs below
             reports = [pf_run.run_preflight(params) for _ in range(args.repeats)]
+            timed_load_after = os.getloadavg()
     imports = import_seconds()
 
     totals = [r.seconds for r in reports]
@@ -191,7 +197,9 @@ def main() -> None:
         f"{built['tokens']:,} tokens, {built['bins']:,} bins of <= {args.seq_len} on "
         f"{args.world_size} ranks ({built['micro_batches_per_rank']} micro-batches each); "
         f"train.jsonl {built['train_jsonl_mb']} MB, shards {built['shards_mb']} MB\n"
-        f"{platform.machine()}, CPython {platform.python_version()}\n"
+        f"{platform.machine()}, {os.cpu_count()} CPU cores, CPython {platform.python_version()}; "
+        f"load average (1 min) {load_before[0]:.2f} at start, {timed_load[0]:.2f} / "
+        f"{timed_load_after[0]:.2f} before / after the timed runs\n"
     )
     print("| gate | best (s) | median (s) |\n|---|---|---|")
     print(f"| whole gate | {min(totals):.3f} | {statistics.median(totals):.3f} |")

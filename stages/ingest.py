@@ -34,7 +34,7 @@ import multiprocessing
 import os
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -296,12 +296,13 @@ def ingest(
     # byte-order mark is dropped (the same bytes elsewhere are not the same record).
     earlier: dict[bytes, tuple[tuple[str, int], ...]] = {}
 
-    def decide(line: Line, outcome: Sorted | None = None) -> None:
+    def decide(line: Line, raw_hash: bytes | None = None, outcome: Sorted | None = None) -> None:
         """The line's fate, in order; ``outcome`` is its ``sort_one`` if a worker did it."""
         if not line.raw.strip():
             result.blank += 1
             return
-        raw_hash = hashlib.sha256(line.raw.rstrip(b"\r\n")).digest()
+        if raw_hash is None:
+            raw_hash = hashlib.sha256(line.raw.rstrip(b"\r\n")).digest()
         raw_digest = "raw:" + raw_hash.hex()
         if raw_digest in seen:
             result.duplicates += 1
@@ -337,35 +338,66 @@ def ingest(
             decide(line)
         return result
 
+    def send(window: list[Line]) -> Sending:
+        """Screen a window and hand the lines that need their own work to the workers.
+
+        The screen is conservative (``decide`` makes the exact decision, in order): blank
+        lines, lines seen before and repeats of a line already sent are not sent. It may
+        run on the state of a window ago, which only sends a little more work.
+        """
+        hashes: list[bytes | None] = []
+        todo: list[int] = []
+        sent: set[bytes] = set()
+        for index, line in enumerate(window):
+            if not line.raw.strip():
+                hashes.append(None)
+                continue
+            raw_hash = hashlib.sha256(line.raw.rstrip(b"\r\n")).digest()
+            hashes.append(raw_hash)
+            if "raw:" + raw_hash.hex() in seen or (line.number != 1 and raw_hash in earlier):
+                continue
+            if line.number != 1:
+                if raw_hash in sent:
+                    continue
+                sent.add(raw_hash)
+            todo.append(index)
+        share = -(-len(todo) // workers) or 1
+        parts = [
+            executor.submit(
+                _sort_many, [window[i] for i in todo[k : k + share]], max_line_bytes, now
+            )
+            for k in range(0, len(todo), share)
+        ]
+        return Sending(window, hashes, todo, parts)
+
+    def settle(sending: Sending) -> None:
+        outcomes = (outcome for part in sending.parts for outcome in part.result())
+        done = dict(zip(sending.todo, outcomes, strict=True))
+        for index, line in enumerate(sending.window):
+            decide(line, sending.hashes[index], done.pop(index, None))
+
     context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as executor:
+        # Window N+1 is sorted by the workers while this process decides window N.
+        in_flight: Sending | None = None
         for window in iter(lambda: list(itertools.islice(lines, WINDOW_LINES)), []):
-            # Which lines need their own work: a conservative screen (the decision in order
-            # below is the exact one; a line screened out here never reaches its sort).
-            todo: list[int] = []
-            sent: set[bytes] = set()
-            for index, line in enumerate(window):
-                if not line.raw.strip():
-                    continue
-                raw_hash = hashlib.sha256(line.raw.rstrip(b"\r\n")).digest()
-                if "raw:" + raw_hash.hex() in seen or (line.number != 1 and raw_hash in earlier):
-                    continue
-                if line.number != 1:
-                    if raw_hash in sent:
-                        continue
-                    sent.add(raw_hash)
-                todo.append(index)
-            share = -(-len(todo) // (workers * 2)) or 1
-            parts = [[window[i] for i in todo[k : k + share]] for k in range(0, len(todo), share)]
-            done: dict[int, Sorted] = {}
-            results = executor.map(
-                _sort_many, parts, itertools.repeat(max_line_bytes), itertools.repeat(now)
-            )
-            for k, part_result in zip(range(0, len(todo), share), results, strict=True):
-                done.update(zip(todo[k : k + len(part_result)], part_result, strict=True))
-            for index, line in enumerate(window):
-                decide(line, done.pop(index, None))
+            sending = send(window)
+            if in_flight is not None:
+                settle(in_flight)
+            in_flight = sending
+        if in_flight is not None:
+            settle(in_flight)
     return result
+
+
+@dataclass
+class Sending:
+    """A window of lines whose own work is with the workers."""
+
+    window: list[Line]
+    hashes: list[bytes | None]  # each line's raw hash (None: blank)
+    todo: list[int]  # the window's lines sent, in order
+    parts: list[Future[list[Sorted]]]  # their outcomes, a consecutive share of todo each
 
 
 def known_hashes(pool: Path) -> set[str]:
