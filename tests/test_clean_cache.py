@@ -243,7 +243,7 @@ def test_features_on_worker_processes_equal_inline(
     inline = uncached(tmp_path, tokenizer)
     monkeypatch.setattr(cleancache, "CHUNK_LINES", 50)
     monkeypatch.setattr(cleancache, "PARALLEL_MIN_RECORDS", 100)
-    monkeypatch.setattr(cleancache, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(cleancache, "usable_cores", lambda: 2)
     parallel = uncached(tmp_path, tokenizer)
     assert parallel.files == inline.files
     assert parallel.report.records_in == inline.report.records_in > 300

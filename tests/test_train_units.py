@@ -241,7 +241,9 @@ def test_memory_ceiling_stops() -> None:
 def test_no_rule_no_stop_and_rules_come_from_params() -> None:
     callback = StopLossCallback(StopRules(), StepMeter(), started_at=0.0)
     assert not run_steps(callback, [1.0, 100.0, math.nan]).should_training_stop
-    rules = StopRules.from_params(params(max_wall_hours=2, max_gpu_memory_gb=70).train, "sft")
+    rules = StopRules.from_params(
+        params(max_wall_hours=2, max_gpu_memory_gb=70, loss_spike_factor=5.0).train, "sft"
+    )
     assert rules.max_wall_seconds == 7200 and rules.max_gpu_memory_bytes == 70 * GB
     assert rules.spike_factor == 5.0
     assert StopRules.from_params(params().train, "dpo").spike_factor is None
