@@ -548,8 +548,9 @@ class JsonLines(Sequence[bytes]):
 
     The round trip needs a handful of rows and the row count of a file of hundreds of MB;
     ``bytes.split`` made a Python object of every line (a third of a second at 100k lines).
-    Line ends are found in numpy; a line is blank (skipped, as pack skips it) when its
-    first byte is whitespace and it strips to nothing.
+    Line ends are found by ``bytes.find`` (memchr: 64 ms for 219 MB in 100k lines here, where
+    comparing every byte in numpy and ``flatnonzero`` took 1.35 s); a line is blank (skipped,
+    as pack skips it) when its first byte is whitespace and it strips to nothing.
     """
 
     _WHITESPACE = np.frombuffer(b" \t\n\r\x0b\x0c", dtype=np.uint8)
@@ -557,7 +558,12 @@ class JsonLines(Sequence[bytes]):
     def __init__(self, data: bytes) -> None:
         self.data = data
         view = np.frombuffer(data, dtype=np.uint8)
-        ends = np.flatnonzero(view == ord("\n"))
+        found: list[int] = []
+        find, end = data.find, data.find(b"\n")
+        while end >= 0:
+            found.append(end)
+            end = find(b"\n", end + 1)
+        ends = np.array(found, dtype=np.int64)
         starts = np.concatenate([[0], ends + 1])
         ends = np.concatenate([ends, [len(data)]])
         first = view[np.minimum(starts, max(len(data) - 1, 0))] if len(data) else starts
