@@ -52,9 +52,7 @@ def build_project(folder: Path, samples: int, seq_len: int) -> None:
     params["pack"]["seq_len"] = seq_len
     (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     loaded = load_params()
-    demo.seed_incoming(
-        loaded.paths.incoming, loaded.demo.seed, loaded.demo.n_support, loaded.demo.n_badcases
-    )
+    demo.seed_month(loaded.paths.incoming, loaded.demo)
     for stage in (base, ingest, clean, pack):
         stage.main()
 

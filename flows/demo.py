@@ -373,15 +373,7 @@ def run(repo: Path, months: int, approval_wait_s: float) -> list[dict[str, Any]]
         for month in range(1, months + 1):
             started = time.monotonic()
             label = demo.month_label(month)
-            written = demo.seed_incoming(
-                params.paths.incoming,
-                params.demo.seed,
-                params.demo.n_support,
-                params.demo.n_badcases,
-                month,
-                replay_every=params.demo.replay_every,
-                replay_turns=params.demo.replay_turns,
-            )
+            written = demo.seed_month(params.paths.incoming, params.demo, month)
             print(f"\n=== month {month} ({label}): {len(written)} export file(s) seeded ===")
             summary: dict[str, Any] = {"month": month, "label": label}
             summary["retrain"] = retrain(repo=repo)

@@ -245,9 +245,10 @@ def quarantine_entry(
 # A line's own work (parse, PII scrub, content hash, its pool line): what the workers do.
 # ("record", digest, PII found, pool line, source) or ("invalid", kind, reason).
 Sorted = tuple[Any, ...]
-# Over this many lines a run spreads its lines' own work over the usable cores, a window of
-# WINDOW_LINES at a time (one window's lines and results in memory, not the month's).
-PARALLEL_MIN_LINES = 20_000
+# Over this much incoming data (about 20,000 lines) a run spreads its lines' own work over the
+# usable cores, a window of WINDOW_LINES at a time (one window's lines and results in memory,
+# not the month's).
+PARALLEL_MIN_BYTES = 6 << 20
 WINDOW_LINES = 40_000
 
 
@@ -424,8 +425,7 @@ def main() -> None:
             known,
             params.ingest.max_line_bytes,
             now.isoformat(timespec="seconds"),
-            # Lines of ~300 bytes: spread over the cores above PARALLEL_MIN_LINES of them.
-            workers=usable_cores() if size > PARALLEL_MIN_LINES * 300 else 1,
+            workers=usable_cores() if size > PARALLEL_MIN_BYTES else 1,
         )
         reject_rate = len(result.quarantined) / max(result.lines, 1)
         metrics = {

@@ -80,14 +80,7 @@ def seed_demo_month(repo: Path) -> None:
     from tuneloop.params import load_params
 
     params = load_params(repo / "params.yaml")
-    demo.seed_incoming(
-        repo / params.paths.incoming,
-        params.demo.seed,
-        params.demo.n_support,
-        params.demo.n_badcases,
-        replay_every=params.demo.replay_every,
-        replay_turns=params.demo.replay_turns,
-    )
+    demo.seed_month(repo / params.paths.incoming, params.demo)
 
 
 def copy_project(target: Path) -> Path:

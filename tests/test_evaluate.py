@@ -90,9 +90,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     os.chdir(folder)
     try:
         params = load_params()
-        demo.seed_incoming(
-            params.paths.incoming, params.demo.seed, params.demo.n_support, params.demo.n_badcases
-        )
+        demo.seed_month(params.paths.incoming, params.demo)
         for stage in (
             base,
             ingest,

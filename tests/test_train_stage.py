@@ -57,9 +57,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     try:
         write_params(folder)
         params = load_params()
-        demo.seed_incoming(
-            params.paths.incoming, params.demo.seed, params.demo.n_support, params.demo.n_badcases
-        )
+        demo.seed_month(params.paths.incoming, params.demo)
         for stage in (base, ingest, clean, pack):
             stage.main()
         write_params(folder, {"batch": {"world_size": 2, "effective_batch": 2}})

@@ -15,14 +15,7 @@ def _seed_demo(args: argparse.Namespace) -> int:
     from tuneloop.params import load_params
 
     params = load_params()
-    written = demo.seed_incoming(
-        params.paths.incoming,
-        params.demo.seed,
-        params.demo.n_support,
-        params.demo.n_badcases,
-        replay_every=params.demo.replay_every,
-        replay_turns=params.demo.replay_turns,
-    )
+    written = demo.seed_month(params.paths.incoming, params.demo)
     for path in written:
         print(f"wrote {path}")
     if not written:

@@ -32,9 +32,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from tuneloop import general
+
+if TYPE_CHECKING:
+    from tuneloop.params import DemoParams
 
 Lang = Literal["en", "zh"]
 Intent = Literal["return", "warranty", "shipping"]
@@ -462,6 +465,19 @@ def seed_incoming(
             _write_jsonl(path, make(), extra)
             written.append(path)
     return written
+
+
+def seed_month(incoming: Path, params: DemoParams, month: int = 1) -> list[Path]:
+    """``seed_incoming`` sized and mixed by params.yaml's ``demo`` group."""
+    return seed_incoming(
+        incoming,
+        params.seed,
+        params.n_support,
+        params.n_badcases,
+        month,
+        replay_every=params.replay_every,
+        replay_turns=params.replay_turns,
+    )
 
 
 def write_eval_suite(path: Path, seed: int, n: int) -> int:
