@@ -35,7 +35,6 @@ import tempfile
 from pathlib import Path
 
 import mlflow
-from lm_eval.tasks import TaskManager
 
 from tuneloop import cards, registry, scoring
 from tuneloop.gate import (
@@ -84,12 +83,13 @@ def main() -> None:
     setup_logging()
     params = load_params()
     with stage_run(STAGE, params):
-        tasks = TaskManager(include_path=str(params.paths.eval_suites))
         kind = scoring.backend(params)
         champion = registry.find_alias(params.tracking.registered_model, registry.CHAMPION)
+        fixed = fixed_suite(params, registry.describe(champion))
+        wanted = [*params.evaluate.suites, *params.evaluate.general_suites, *filter(None, [fixed])]
+        tasks = scoring.task_index(params.paths.eval_suites, wanted)
         could_not_run = scoring.unavailable(params.evaluate.general_suites, tasks)
         general = [s for s in params.evaluate.general_suites if s not in could_not_run]
-        fixed = fixed_suite(params, registry.describe(champion))
         scores: Scores = {}
         items: Items = {}
         directions: Directions = {}

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from tuneloop import lineage
+from tuneloop.io import read_yaml
 from tuneloop.params import Params
 from tuneloop.records import pool_records
 
@@ -75,9 +76,9 @@ def gather(params: Params, repo: Path, watch_root: Path | None = None) -> Facts:
             facts.pool[(_month(record.meta, record.provenance), source)] += 1
     lock = repo / "dvc.lock"
     if lock.exists():
-        stages = (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages", {})
-        for stage in stages:
-            facts.md5s |= lineage.dvc_lock_md5s(stage, repo)["outs"]
+        stages = (read_yaml(lock) or {}).get("stages", {})
+        for entry in stages.values():
+            facts.md5s |= {out["path"]: out.get("md5", "") for out in entry.get("outs", [])}
     git = lineage.git_state(repo)
     facts.commit, facts.dirty = git.commit, git.dirty
     if watch_root is not None and (repo / watch_root).exists():

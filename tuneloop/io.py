@@ -108,6 +108,19 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def read_yaml(path: Path) -> Any:
+    """A YAML file through libyaml's C loader where PyYAML was built with it.
+
+    The pure-Python loader takes 0.3 s for this project's dvc.lock on 2 cores, and a stage
+    reads dvc.lock and dvc.yaml a dozen times over (lineage, cards); the C loader is about
+    ten times faster and accepts the same documents (``yaml.safe_load`` semantics).
+    """
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return yaml.load(path.read_text(encoding="utf-8"), Loader=loader)
+
+
 def jsonl_text(records: Iterable[Any]) -> str:
     """Records as JSON lines, one object a line."""
     return "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import yaml
-
 from tuneloop import __version__
+from tuneloop.io import read_yaml
 from tuneloop.params import Params
 
 log = logging.getLogger(__name__)
@@ -54,7 +53,7 @@ def git_state(repo: Path = Path()) -> GitState:
 def _load_yaml(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    data = read_yaml(path)
     return data if isinstance(data, dict) else {}
 
 

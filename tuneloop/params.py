@@ -24,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from tuneloop.io import read_yaml
+
 # Relative to the working directory, as in DVC: stages run from the project root.
 PARAMS_FILE = Path("params.yaml")
 
@@ -606,7 +608,7 @@ def load_params(path: Path | None = None) -> Params:
     """Read and validate params.yaml (the project's own unless ``path`` is given)."""
     source = path or PARAMS_FILE
     try:
-        data = yaml.safe_load(source.read_text(encoding="utf-8"))
+        data = read_yaml(source)
     except FileNotFoundError:
         raise ParamsError(f"{source} not found") from None
     except yaml.YAMLError as error:

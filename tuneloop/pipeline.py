@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import yaml
+from tuneloop.io import read_yaml
 
 
 class StageOrderError(ValueError):
@@ -22,7 +22,7 @@ class StageOrderError(ValueError):
 
 def stage_order(root: Path = Path()) -> tuple[str, ...]:
     """The stages of ``root``'s dvc.yaml, in the order written, checked to be a valid run order."""
-    spec = yaml.safe_load((root / "dvc.yaml").read_text(encoding="utf-8"))
+    spec = read_yaml(root / "dvc.yaml")
     order = tuple(spec["stages"])
     # Imported here: dvc takes about a second to import.
     from dvc.repo import Repo
