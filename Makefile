@@ -12,6 +12,8 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS ?= dev,server
 BIN    := $(VENV)/bin
+# Test workers (pytest-xdist): one a core, at most four; TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 
 # Offline-friendly defaults: nothing phones home; Hugging Face caches stay in the project.
 export MLFLOW_DISABLE_TELEMETRY ?= true
@@ -37,7 +39,7 @@ demo: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/tuneloop demo
 
 test: setup
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

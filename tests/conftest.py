@@ -18,6 +18,12 @@ from tests.helpers import (  # noqa: F401
     write_params,
 )
 
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Workers keep every core busy: a second torch thread in a worker or in the stages it
+    # starts spin-waits for a core another worker holds (a tiny forward pass took 1.5 s with
+    # two threads and 16 ms with one). Read by torch at import, and inherited by subprocesses.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 TRACKING_ENV = (
     "MLFLOW_TRACKING_URI",
     "MLFLOW_RUN_ID",
@@ -30,6 +36,36 @@ TRACKING_ENV = (
 def _drop_tracking_env() -> None:
     for name in TRACKING_ENV:
         os.environ.pop(name, None)
+
+
+# Modules that share the session's trained tiny project: one xdist worker builds it for all.
+TINY_PROJECT_MODULES = {"test_flow", "test_stages"}
+# The longest groups (whole months of the loop, the team stack, the tiny project's flows)
+# start first, so no worker is left with one of them while the other has gone idle.
+LONG_FIRST = ("tiny-project", "test_loop", "test_team_stack", "test_evaluate", "test_train_stage")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``pytest -n`` (``make test``), one worker runs a whole module.
+
+    A module's fixtures (a trained project, a release, a team stack) are module-scoped and
+    are built by the worker that runs it; tests of one module spread over two workers would
+    build them twice. ``--dist loadgroup`` keeps each group on one worker.
+    """
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else item.nodeid
+        group = "tiny-project" if module in TINY_PROJECT_MODULES else module
+        item.add_marker(pytest.mark.xdist_group(group))
+        item.stash[_GROUP] = group
+
+    def rank(item: pytest.Item) -> int:
+        group = item.stash[_GROUP]
+        return LONG_FIRST.index(group) if group in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)  # stable: a module's tests keep their order
+
+
+_GROUP = pytest.StashKey[str]()
 
 
 @pytest.fixture(autouse=True)
