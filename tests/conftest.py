@@ -45,6 +45,8 @@ TINY_PROJECT_MODULES = {"test_flow", "test_stages"}
 LONG_FIRST = ("tiny-project", "test_loop", "test_team_stack", "test_evaluate", "test_train_stage")
 
 
+# Before xdist's own hook, which reads the groups off the markers.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under ``pytest -n`` (``make test``), one worker runs a whole module.
 

@@ -7,8 +7,6 @@ suite, a slice that lost what the rest gained.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -339,7 +337,8 @@ def test_bootstrap_means_are_weighted_and_paired() -> None:
     assert np.isnan(empty).all() and stats.interval(0.0, empty[:, 0], 0.95) is None
 
 
-def test_the_gate_is_fast_on_10k_items() -> None:
+def test_the_gate_judges_ten_thousand_items_a_model() -> None:
+    # How fast is benchmarks/gate.py's question; here, that the figures at this size are right.
     n = 10_000
     ids = [str(i) for i in range(n)]
     rng = np.random.default_rng(0)
@@ -353,9 +352,12 @@ def test_the_gate_is_fast_on_10k_items() -> None:
         }
         for name, p in ((BASE, 0.4), (CHAMPION, 0.7), (CANDIDATE, 0.72), (FP8, 0.72))
     }
-    started = time.perf_counter()
-    decide(items, DIRECTIONS, GATE, [SUITE])
-    assert time.perf_counter() - started < 20  # ~1 s unloaded; benchmarks/gate.py measures it
+    decision = decide(items, DIRECTIONS, GATE, [SUITE])
+    # Accuracy 0.72 against 0.40 on 10,000 paired items is far outside any interval's width;
+    # every metric of the suite is held to the champion and to the FP8 export.
+    assert statuses(decision, "beats_base") == {"accuracy": "pass"}
+    for rule in ("no_regression", "fp8_within"):
+        assert set(statuses(decision, rule)) == set(DIRECTIONS[SUITE]), rule
 
 
 # --- input errors -----------------------------------------------------------------------------

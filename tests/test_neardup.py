@@ -4,7 +4,6 @@ recall at the thresholds in params.yaml against the datasketch MinHash it replac
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 import numpy as np
@@ -156,16 +155,13 @@ def test_dedup_is_deterministic() -> None:
     assert not np.array_equal(NearDupIndex(0.7, seed=2).sketch(EN), NearDupIndex(0.7).sketch(EN))
 
 
-def test_dedup_ten_thousand_short_texts_is_fast() -> None:
+def test_dedup_of_ten_thousand_short_texts_finds_every_planted_duplicate() -> None:
+    # How fast is benchmarks/data_path.py's question (clean's sketching and lookups).
     rows = _corpus(10_000, seed=7)
-    start = time.perf_counter()
     kept, removed = dedup(rows, threshold=0.8)
-    elapsed = time.perf_counter() - start
     assert {f"dup{i}" for i in range(0, 10_000, 10)} <= removed.keys()
     assert all(removed[f"dup{i}"] == f"t{i}" for i in range(0, 10_000, 10))
     assert len(kept) + len(removed) == len(rows)
-    # A few seconds on a laptop core; generous so a loaded CI box does not flake.
-    assert elapsed < 20, f"dedup of {len(rows)} texts took {elapsed:.1f}s"
 
 
 # --- recall against the MinHash this replaced ------------------------------------------
