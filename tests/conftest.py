@@ -45,29 +45,38 @@ TINY_PROJECT_MODULES = {"test_flow", "test_stages"}
 LONG_FIRST = ("tiny-project", "test_loop", "test_team_stack", "test_evaluate", "test_train_stage")
 
 
-# Before xdist's own hook, which reads the groups off the markers.
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``pytest -n`` (``make test``), one worker runs a whole module.
+def group_of(nodeid: str) -> str:
+    """The worker's unit of a test under ``pytest -n``: its module, or the tiny project's."""
+    module = Path(nodeid.split("::", 1)[0]).stem
+    return "tiny-project" if module in TINY_PROJECT_MODULES else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``pytest -n`` (``make test``), one worker runs a whole group (``group_of``).
 
     A module's fixtures (a trained project, a release, a team stack) are module-scoped and
-    are built by the worker that runs it; tests of one module spread over two workers would
-    build them twice. ``--dist loadgroup`` keeps each group on one worker.
+    are built by the worker that runs it; a module spread over two workers would build them
+    twice, and the tiny project is session-scoped across two modules. (xdist's own
+    ``--dist loadgroup`` renames node ids, which pytest 9 no longer honours.)
     """
-    for item in items:
-        module = item.module.__name__.rpartition(".")[2] if item.module else item.nodeid
-        group = "tiny-project" if module in TINY_PROJECT_MODULES else module
-        item.add_marker(pytest.mark.xdist_group(group))
-        item.stash[_GROUP] = group
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return GroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest groups first (xdist hands out groups in collection order)."""
 
     def rank(item: pytest.Item) -> int:
-        group = item.stash[_GROUP]
+        group = group_of(item.nodeid)
         return LONG_FIRST.index(group) if group in LONG_FIRST else len(LONG_FIRST)
 
     items.sort(key=rank)  # stable: a module's tests keep their order
-
-
-_GROUP = pytest.StashKey[str]()
 
 
 @pytest.fixture(autouse=True)
