@@ -62,6 +62,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """
     from xdist.scheduler import LoadScopeScheduling
 
+    # In collection order (``LONG_FIRST``), not xdist's default of the most tests first.
+    config.option.loadscopereorder = False
+
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
