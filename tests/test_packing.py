@@ -213,6 +213,27 @@ def test_arrow_rows_pack_like_lists_and_shards_round_trip(tmp_path: Path) -> Non
     ]
 
 
+def test_int32_shards_reach_the_trainer_as_int64_tensors(tmp_path: Path) -> None:
+    ids = long_tailed(200, 128, seed=8)
+    packed = pack_samples(ids, ids, 128, overlong="split")
+    path = tmp_path / shards.shard_name(0)
+    shards.write_shard(packed.bins.table(), path)
+    assert pq.read_schema(path).field(shards.INPUT_IDS).type == pa.list_(pa.int32())
+    # As training reads a shard (tuneloop.training.methods.rank_shard) and TRL collates it.
+    rows = datasets.Dataset.from_parquet(str(path))
+    collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+    batch = collator([rows[0], rows[1]])
+    assert batch["input_ids"].dtype == batch["labels"].dtype == torch.int64
+    first = packed.bins.bin(0).input_ids + packed.bins.bin(1).input_ids
+    assert batch["input_ids"][0].tolist() == first
+
+
+def test_a_value_past_int32_is_refused_not_wrapped() -> None:
+    packed = pack_samples([[1, 2, 3]], [[1, 2, 2**31]], 8, overlong="split")
+    with pytest.raises(ValueError, match="must fit in int32"):
+        packed.bins.table()
+
+
 def test_bad_input_names_the_sample() -> None:
     with pytest.raises(ValueError, match="sample 1 has 2 input ids but 1 labels"):
         pack_samples([[1], [2, 3]], [[1], [2]], 8, "truncate")
