@@ -26,7 +26,6 @@ from typing import Any
 import yaml
 
 from tuneloop import lineage
-from tuneloop.io import read_yaml
 from tuneloop.params import Params
 from tuneloop.records import pool_records
 
@@ -74,11 +73,8 @@ def gather(params: Params, repo: Path, watch_root: Path | None = None) -> Facts:
         for record in pool_records(pool):
             source = str(record.meta.get("source") or "unknown")
             facts.pool[(_month(record.meta, record.provenance), source)] += 1
-    lock = repo / "dvc.lock"
-    if lock.exists():
-        stages = (read_yaml(lock) or {}).get("stages", {})
-        for entry in stages.values():
-            facts.md5s |= {out["path"]: out.get("md5", "") for out in entry.get("outs", [])}
+    for md5s in lineage.dvc_lock_md5s(repo).values():
+        facts.md5s |= md5s["outs"]
     git = lineage.git_state(repo)
     facts.commit, facts.dirty = git.commit, git.dirty
     if watch_root is not None and (repo / watch_root).exists():

@@ -90,16 +90,20 @@ def params_hash(params: Params, groups: list[str]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def dvc_lock_md5s(stage: str, repo: Path = Path()) -> dict[str, dict[str, str]]:
-    """``{"deps": {path: md5}, "outs": {path: md5}}`` of a stage as dvc.lock records them.
+def dvc_lock_md5s(repo: Path = Path()) -> dict[str, dict[str, dict[str, str]]]:
+    """``{stage: {"deps": {path: md5}, "outs": {path: md5}}}`` as dvc.lock records them, one
+    read of the file for every stage (none before the first ``dvc repro``).
 
     What the last ``dvc repro``/``dvc commit`` recorded, not necessarily what is in the
     workspace now: a stage's own run uses ``stage_md5s``.
     """
-    entry = _load_yaml(repo / "dvc.lock").get("stages", {}).get(stage, {})
+    stages = _load_yaml(repo / "dvc.lock").get("stages") or {}
     return {
-        kind: {item["path"]: item.get("md5", "") for item in entry.get(kind, [])}
-        for kind in ("deps", "outs")
+        stage: {
+            kind: {item["path"]: item.get("md5", "") for item in entry.get(kind, [])}
+            for kind in ("deps", "outs")
+        }
+        for stage, entry in stages.items()
     }
 
 

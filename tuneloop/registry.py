@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-import yaml
 from mlflow.entities import Run
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
@@ -274,8 +273,7 @@ def lineage_tags(params: Params, flow_run_id: str | None) -> dict[str, str]:
     }
     if flow_run_id:
         tags[tracking.TAG_FLOW_RUN] = flow_run_id
-    for stage in _locked_stages():
-        md5s = lineage.dvc_lock_md5s(stage)
+    for md5s in lineage.dvc_lock_md5s().values():
         for path, md5 in md5s["outs"].items():
             tags[f"dvc.out.{path}"] = md5
         # Data deps only; code is pinned by the commit.
@@ -306,15 +304,6 @@ def data_tags(params: Params) -> dict[str, str]:
         init_from.TAG_NEW_BATCHES: ",".join(clean["replay"]["new_batches"]),
         init_from.TAG_REPLAY: str(clean["replay"]["fraction"]),
     }
-
-
-def _locked_stages(repo: Path = Path()) -> list[str]:
-    """The stages dvc.lock records (none before the first ``dvc repro``)."""
-    path = repo / "dvc.lock"
-    if not path.exists():
-        return []
-    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    return list(data.get("stages", {}))
 
 
 def _existing(client: MlflowClient, name: str, key: str) -> ModelVersion | None:

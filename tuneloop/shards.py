@@ -37,13 +37,14 @@ REQUIRED_COLUMNS = (INPUT_IDS, LABELS, SEQ_LENGTHS)
 """What the trainer needs."""
 SOURCE_COLUMN = SAMPLE_INDICES
 """Written by pack for preflight; a shard without it still trains."""
-VALUE_TYPE = pa.int32()
+_VALUES = np.int32
+VALUE_TYPE = pa.from_numpy_dtype(_VALUES)
 """Token ids, labels, sequence lengths and row numbers all fit in 32 bits. Parquet writes an
 int32 column in about half the time of an int64 one of the same values and reads it in about
 60 %, at the same file size (``benchmarks/shard_format.py``, RESULTS.md); the trainer's collator
 makes int64 tensors of them. Readers take int64 shards too (hand-made, or from an older pack)."""
 SCHEMA = pa.schema([(name, pa.list_(VALUE_TYPE)) for name in (*REQUIRED_COLUMNS, SOURCE_COLUMN)])
-_LIMITS = np.iinfo(np.int32)
+_LIMITS = np.iinfo(_VALUES)
 
 
 def shard_name(rank: int) -> str:
@@ -57,7 +58,7 @@ def _list_array(offsets: np.ndarray, values: np.ndarray) -> pa.ListArray:
             "a token id that large is not from a real vocabulary"
         )
     return pa.ListArray.from_arrays(
-        pa.array(offsets, pa.int32()), pa.array(values.astype(np.int32, copy=False))
+        pa.array(offsets, pa.int32()), pa.array(values.astype(_VALUES, copy=False))
     )
 
 
