@@ -5,7 +5,8 @@ Reads:  ``paths.pool`` records; eval suite items under ``paths.eval_suites`` (al
         tokenizer (for the token limit); ``paths.clean_cache``; ``paths.init``/init.json
         (the pool batches the start already trained on).
 Writes: ``paths.clean``/train.jsonl, val.jsonl (``{"id", "messages"}``), dpo.jsonl
-        (``{"id", "prompt", "chosen", "rejected"}``), manifest.json;
+        (``{"id", "prompt", "chosen", "rejected"}``), train.turns.npz (the key of each user
+        turn of train.jsonl, for preflight: ``tuneloop.turnkeys``), manifest.json;
         ``paths.clean_cache`` (each record's work, and the decisions in pool order);
         ``metrics/clean.json``.
 Params: ``clean``, ``model.base``, ``paths``.

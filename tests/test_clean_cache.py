@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.clean_helpers import PARAMS, pool_line, write_pool
-from tuneloop import cleancache, demo, tiny
+from tuneloop import cleancache, demo, text, tiny, turnkeys
 from tuneloop.chat import ChatTokenizer
 from tuneloop.cleancache import CleanReport, clean_pool
 from tuneloop.io import write_jsonl
@@ -85,7 +85,22 @@ def run(
     out = Path(tempfile.mkdtemp(dir=root))
     report = clean_pool(root / "pool", cache, out, evals, params, tokenizer, seen)
     files = {name: (out / name).read_bytes() for name in ("train.jsonl", "val.jsonl", "dpo.jsonl")}
+    assert_turn_keys_describe(out)
     return Run(report, files)
+
+
+def assert_turn_keys_describe(out: Path) -> None:
+    """The keys clean writes for preflight are those of every user turn of train.jsonl."""
+    data = (out / "train.jsonl").read_bytes()
+    keys = turnkeys.read(out / turnkeys.NAME, data)
+    assert keys is not None
+    expected = [
+        (row, text.key(m["content"]))
+        for row, line in enumerate(data.splitlines())
+        for m in json.loads(line)["messages"]
+        if m["role"] == "user"
+    ]
+    assert [(int(r), k.tobytes()) for r, k in zip(keys.rows, keys.keys, strict=True)] == expected
 
 
 def uncached(root: Path, tokenizer: ChatTokenizer, **kwargs: Any) -> Run:

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers import chat_messages
-from tuneloop import demo, doctor, tiny
+from tuneloop import demo, doctor, text, tiny, turnkeys
 from tuneloop.packing import balance_ranks, pack_samples
 from tuneloop.params import BatchParams, Params, load_params
 from tuneloop.preflight import check as pf_check
@@ -353,6 +353,51 @@ def test_eval_question_in_training_data_fails(tmp_path: Path) -> None:
     result = pf_data.check_eval_contamination(train, questions)
     assert result.status == "fail"
     assert "1 user turn(s)" in result.detail and "row 7 = support_demo/1" in result.detail
+
+
+def write_turn_keys(train: Path, leave_out_line: int | None = None) -> None:
+    """What clean writes beside train.jsonl: the key of each user turn and its line."""
+    data = train.read_bytes()
+    lines = data.splitlines(keepends=True)
+    turns = [
+        [m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"]
+        if i != leave_out_line
+        else []
+        for i, line in enumerate(lines)
+    ]
+    keys = [np.frombuffer(text.key(t), dtype=np.uint8) for line in turns for t in line]
+    writer = turnkeys.TurnKeysWriter()
+    writer.add(data, len(lines), np.array([len(t) for t in turns]), np.array(keys))
+    writer.save(train.parent / turnkeys.NAME)
+
+
+def test_contamination_is_read_from_clean_keys_of_exactly_these_bytes(tmp_path: Path) -> None:
+    questions = [("support_demo/1", "How long is the warranty on the Orbit watch?"), ("x/2", "Hi")]
+    chats = demo_chats(20)
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chats))
+    write_turn_keys(train)
+    result = pf_data.check_eval_contamination(train, questions)
+    assert result.status == "pass" and turnkeys.NAME in result.detail
+
+    # Edited after clean: the keys are of other bytes, so the file is parsed.
+    chats[7]["messages"][0]["content"] = "  how long is the WARRANTY on the Orbit\u00a0watch? "
+    train.write_text("".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chats))
+    result = pf_data.check_eval_contamination(train, questions)
+    assert result.status == "fail" and "row 7 = support_demo/1" in result.detail
+
+    # Keys of these bytes are trusted: found through them, and only through them.
+    write_turn_keys(train)
+    result = pf_data.check_eval_contamination(train, questions)
+    assert result.status == "fail" and "1 user turn(s)" in result.detail
+    assert "row 7 = support_demo/1" in result.detail
+    write_turn_keys(train, leave_out_line=7)
+    assert pf_data.check_eval_contamination(train, questions).status == "pass"
+
+    # A damaged keys file is no keys file.
+    (tmp_path / turnkeys.NAME).write_bytes(b"PK\x03\x04 not an archive")
+    result = pf_data.check_eval_contamination(train, questions)
+    assert result.status == "fail" and "row 7 = support_demo/1" in result.detail
 
 
 def test_no_eval_suite_warns(tmp_path: Path) -> None:

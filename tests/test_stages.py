@@ -77,6 +77,9 @@ def test_preflight_passes_and_reports_every_check(project: Path) -> None:
     # The demo's learning rate (3e-3, a random-init tiny model) warns; nothing may fail.
     assert report["ok"] and "fail" not in {c["status"] for c in report["checks"]}
     assert {c["name"] for c in report["checks"]} >= {"ranks_balanced", "labels_present"}
+    # The contamination check read the user-turn keys clean wrote, not the JSON.
+    (contamination,) = [c for c in report["checks"] if c["name"] == "no_eval_contamination"]
+    assert contamination["status"] == "pass" and "train.turns.npz" in contamination["detail"]
 
 
 def test_train_changes_only_the_adapter(project: Path) -> None:

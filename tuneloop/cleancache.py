@@ -14,7 +14,9 @@ size):
 
 A month's run therefore computes features for its new records only and decides them
 against the cached index of the earlier ones. The output is the same bytes whether an
-entry came from the cache or not (``tests/test_clean_cache.py``).
+entry came from the cache or not (``tests/test_clean_cache.py``). Beside train.jsonl goes
+the key of each of its user turns (``tuneloop.turnkeys``), which preflight checks eval
+contamination with.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from tuneloop import turnkeys
 from tuneloop.chat import ChatTokenizer
 from tuneloop.cleaning import (
     DPO_REASONS,
@@ -275,10 +278,14 @@ def _load_decisions(folder: Path, chain: str) -> Decisions | None:
         return None
 
 
-def _copy_lines(blob: np.ndarray, offsets: np.ndarray, rows: np.ndarray, out: BinaryIO) -> int:
+def _lines(blob: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> bytes:
     starts, ends = offsets[rows].tolist(), offsets[rows + 1].tolist()
     data = np.asarray(blob).data
-    out.write(b"".join(data[s:e] for s, e in zip(starts, ends, strict=True)))
+    return b"".join(data[s:e] for s, e in zip(starts, ends, strict=True))
+
+
+def _copy_lines(blob: np.ndarray, offsets: np.ndarray, rows: np.ndarray, out: BinaryIO) -> int:
+    out.write(_lines(blob, offsets, rows))
     return len(rows)
 
 
@@ -326,6 +333,7 @@ def clean_pool(
     evals = EvalSet(eval_questions, params.decontam_threshold)
     chain = decisions_fingerprint(params, evals)
     history = History(params.near_dup_threshold)
+    turn_keys = turnkeys.TurnKeysWriter()
     with (
         (out / "train.jsonl").open("wb") as train,
         (out / "val.jsonl").open("wb") as val,
@@ -365,7 +373,11 @@ def clean_pool(
             train_rows = np.flatnonzero((codes == TRAIN) & replayed)
             val_rows = np.flatnonzero(codes == VAL)
             report.records_in += len(codes)
-            report.train += _copy_lines(f.lines, f.line_offsets, train_rows, train)
+            lines = _lines(f.lines, f.line_offsets, train_rows)
+            train.write(lines)
+            user_rows, turns_per_line = f.user_rows(train_rows)
+            turn_keys.add(lines, len(train_rows), turns_per_line, f.user_key[user_rows])
+            report.train += len(train_rows)
             report.val += _copy_lines(f.lines, f.line_offsets, val_rows, val)
             report.train_tokens += int(np.asarray(f.tokens)[train_rows].sum())
             if skipped := int(((codes == TRAIN) & ~replayed).sum()):
@@ -394,6 +406,7 @@ def clean_pool(
             for code, count in zip(*np.unique(codes, return_counts=True), strict=True):
                 if code >= 2:
                     report.removed[REASONS[int(code) - 2]] += int(count)
+    turn_keys.save(out / turnkeys.NAME)
     _prune(cache, segments)
     report.cache["records_reused"] = report.records_in - report.cache["records_computed"]
     return report

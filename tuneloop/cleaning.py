@@ -38,11 +38,10 @@ from tuneloop import neardup
 from tuneloop.chat import ChatTokenizer, render
 from tuneloop.neardup import NearDupIndex
 from tuneloop.params import CleanParams
-from tuneloop.text import normalise
+from tuneloop.text import KEY_BYTES, normalise
+from tuneloop.text import key as text_key
 
 log = logging.getLogger(__name__)
-
-USER_KEY_BYTES = 16
 
 # Why a record was removed; the decision codes are TRAIN, VAL and 2 + index here.
 REASONS = (
@@ -164,7 +163,7 @@ class Features:
     key: np.ndarray  # (n, 32) uint8: text_digest
     sketch: np.ndarray  # (n, NUM_PERM) uint32: the whole conversation's text
     user_offsets: np.ndarray  # (n + 1,) int64: record i's user turns are rows [o[i], o[i + 1])
-    user_key: np.ndarray  # (m, USER_KEY_BYTES) uint8: digest of each normalised user turn
+    user_key: np.ndarray  # (m, KEY_BYTES) uint8: digest of each normalised user turn
     user_sketch: np.ndarray  # (m, NUM_PERM) uint32
     lines: np.ndarray  # uint8 blob: each passing record's train/val line, newline included
     line_offsets: np.ndarray  # (n + 1,) int64
@@ -174,6 +173,13 @@ class Features:
 
     def __len__(self) -> int:
         return len(self.verdict)
+
+    def user_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The user turns of records ``rows``, in order, and how many each record has."""
+        counts = self.user_offsets[rows + 1] - self.user_offsets[rows]
+        starts = np.repeat(self.user_offsets[rows], counts)
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        return starts + within, counts
 
     def save(self, folder: Path) -> None:
         for f in fields(self):
@@ -248,9 +254,9 @@ def features(raw_lines: Sequence[bytes], params: CleanParams, tokenizer: ChatTok
         sketch[[i for i, _ in passing]] = neardup.sketch_texts(
             ["\n".join(m["content"] for m in messages) for _, messages in passing]
         )
-    user_key = np.zeros((len(user_texts), USER_KEY_BYTES), dtype=np.uint8)
+    user_key = np.zeros((len(user_texts), KEY_BYTES), dtype=np.uint8)
     for row, text in enumerate(user_texts):
-        user_key[row] = np.frombuffer(_user_digest(text), dtype=np.uint8)
+        user_key[row] = np.frombuffer(text_key(text), dtype=np.uint8)
     pairs = [dpo_pair(r) for r in records]
     dpo_verdict = pair_verdicts(pairs, verdict, params, tokenizer)
     line_blob, line_offsets = _blob(lines)
@@ -307,10 +313,6 @@ def pair_verdicts(
     return out
 
 
-def _user_digest(text: str) -> bytes:
-    return hashlib.sha256(normalise(text).encode()).digest()[:USER_KEY_BYTES]
-
-
 def features_fingerprint(params: CleanParams, tokenizer: ChatTokenizer) -> str:
     """Everything a record's features depend on besides the record itself."""
     code = Path(__file__).parent
@@ -339,7 +341,7 @@ class EvalSet:
     """The eval questions, normalised and sketched: what training data must not contain."""
 
     def __init__(self, questions: Sequence[str], threshold: float) -> None:
-        self.exact = {_user_digest(q) for q in questions}
+        self.exact = {text_key(q) for q in questions}
         self.index = NearDupIndex(threshold)
         if questions:
             self.index.add_sketches(self.index.sketch_many(questions))
@@ -350,10 +352,7 @@ class EvalSet:
 
     def contaminated(self, f: Features, rows: np.ndarray) -> np.ndarray:
         """Which of ``rows`` have a user turn equal to, or near, an eval question."""
-        counts = f.user_offsets[rows + 1] - f.user_offsets[rows]
-        user_rows = np.repeat(f.user_offsets[rows], counts) + (
-            np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        )
+        user_rows, counts = f.user_rows(rows)
         owner = np.repeat(np.arange(len(rows)), counts)
         hit = np.zeros(len(rows), dtype=bool)
         keys = np.asarray(f.user_key[user_rows])

@@ -12,10 +12,13 @@ cache keys on this file's bytes, so the cache is recomputed, never reused, after
 
 from __future__ import annotations
 
+import hashlib
 import re
 import unicodedata
 
 _WHITESPACE = re.compile(r"\s+")
+# A text's key: the first bytes of the sha256 of its normalised form.
+KEY_BYTES = 16
 
 
 def normalise(text: str) -> str:
@@ -26,3 +29,8 @@ def normalise(text: str) -> str:
     """
     text = unicodedata.normalize("NFKC", text).lower()
     return _WHITESPACE.sub(" ", text).strip()
+
+
+def key(text: str) -> bytes:
+    """What clean's exact eval matches and preflight's contamination check compare."""
+    return hashlib.sha256(normalise(text).encode()).digest()[:KEY_BYTES]

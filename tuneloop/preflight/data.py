@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
+from tuneloop import text, turnkeys
 from tuneloop.chat import ChatTokenizer, render, tokenize_chat
 from tuneloop.params import BatchParams
 from tuneloop.preflight.check import Check
@@ -634,11 +635,28 @@ def check_eval_contamination(
 ) -> Check:
     """No eval-suite question among the training data's user turns (normalised, hash lookup).
 
-    ``data`` is the file's content when the caller has read it already.
+    The turns' keys come from what clean wrote beside the file (``tuneloop.turnkeys``) when
+    that was written for exactly these bytes; otherwise the file is parsed and normalised
+    here. ``data`` is the file's content when the caller has read it already.
     """
     name = "no_eval_contamination"
     if not eval_questions:
         return Check(name, "warn", "no eval suite found: contamination cannot be checked")
+    if data is None and train_jsonl.exists():
+        data = train_jsonl.read_bytes()
+    keys = turnkeys.read(train_jsonl.parent / turnkeys.NAME, data) if data is not None else None
+    if keys is not None:  # clean's keys of exactly these bytes: no JSON to parse
+        by_key = {text.key(q): (item, text.normalise(q)) for item, q in eval_questions}
+        found = keys.find(set(by_key))
+        if found.size:
+            item, question = by_key[keys.keys[found[0]].tobytes()]
+            return _contaminated(train_jsonl, found.size, int(keys.rows[found[0]]), item, question)
+        return Check(
+            name,
+            "pass",
+            f"none of {len(keys.keys)} user turns matches the {len(eval_questions)} eval "
+            f"questions (by the keys clean wrote for this file, {turnkeys.NAME})",
+        )
     turns, rows = user_turns(train_jsonl if data is None else data)
     normalised_eval = normalise_texts(pa.array([q for _, q in eval_questions], pa.string()))
     hits = np.flatnonzero(
@@ -650,15 +668,20 @@ def check_eval_contamination(
         )
         first = int(hits[0])
         question = normalise_texts(pa.array([turns[first].as_py()], pa.string()))[0].as_py()
-        return Check(
-            name,
-            "fail",
-            f"{hits.size} user turn(s) in {train_jsonl} are eval items (first: row "
-            f"{int(rows[first])} = {item_of[question]}, {question!r}); training on them "
-            "inflates the gate's score. Re-run `clean`, which decontaminates against eval/",
-        )
+        return _contaminated(train_jsonl, hits.size, int(rows[first]), item_of[question], question)
     return Check(
         name,
         "pass",
-        f"none of {len(turns)} user turns matches the {len(eval_questions)} eval questions",
+        f"none of {len(turns)} user turns matches the {len(eval_questions)} eval questions "
+        f"(parsed from the file: no keys of clean's for these bytes)",
+    )
+
+
+def _contaminated(train_jsonl: Path, hits: int, row: int, item: str, question: str) -> Check:
+    return Check(
+        "no_eval_contamination",
+        "fail",
+        f"{hits} user turn(s) in {train_jsonl} are eval items (first: row {row} = {item}, "
+        f"{question!r}); training on them inflates the gate's score. Re-run `clean`, which "
+        "decontaminates against eval/",
     )
