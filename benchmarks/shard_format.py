@@ -1,10 +1,12 @@
-"""Time writing and reading a packed shard's token columns as Parquet int64 against int32.
+"""Time writing and reading a packed shard's token columns: int64 against int32, and
+Parquet's default encoding against the plain + LZ4 that ``tuneloop.shards`` writes.
 
 pack writes one Parquet shard per rank (``tuneloop.shards``); preflight and training read
 them. Two list columns (``input_ids``, ``labels``) of ``--tokens`` values in bins of
 ``--seq-len``: ids uniform below 32,000, 40 % of labels masked (-100). Each layout is written
-once and read ``--repeats`` times (best), with pyarrow's default writer options (dictionary
-encoding, snappy), both in this process, one after the other. The load average is printed.
+once and read ``--repeats`` times (best), in this process, one after the other: int64 and
+int32 with pyarrow's default writer options (dictionary encoding, snappy), then int32 plain
+(no dictionary) with LZ4, as pack writes it. The load average is printed.
 
     python benchmarks/shard_format.py
 """
@@ -16,6 +18,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -42,13 +45,18 @@ def main() -> None:
     ids = rng.integers(0, 32_000, args.tokens)
     labels = np.where(rng.random(args.tokens) < 0.4, -100, ids)
     print(f"load average (1 min) before: {os.getloadavg()[0]:.2f}; {os.cpu_count()} cores")
-    print("values  write (s)  read best (s)  size (MB)")
+    print("layout           write (s)  read best (s)  size (MB)")
     with tempfile.TemporaryDirectory() as tmp:
-        for name, dtype in (("int64", np.int64), ("int32", np.int32)):
-            path = Path(tmp) / f"{name}.parquet"
+        layouts: tuple[tuple[str, type, dict[str, Any]], ...] = (
+            ("int64", np.int64, {}),
+            ("int32", np.int32, {}),
+            ("int32 plain lz4", np.int32, {"use_dictionary": False, "compression": "lz4"}),
+        )
+        for name, dtype, options in layouts:
+            path = Path(tmp) / f"{name.replace(' ', '-')}.parquet"
             built = table(ids, labels, args.seq_len, dtype)
             start = time.perf_counter()
-            pq.write_table(built, path)
+            pq.write_table(built, path, **options)
             wrote = time.perf_counter() - start
             best = float("inf")
             for _ in range(args.repeats):
@@ -56,7 +64,7 @@ def main() -> None:
                 pq.read_table(path).column("input_ids").combine_chunks().values.to_numpy()
                 best = min(best, time.perf_counter() - start)
             size = path.stat().st_size / 1e6
-            print(f"{name:6}  {wrote:9.2f}  {best:13.2f}  {size:9.0f}")
+            print(f"{name:15}  {wrote:9.2f}  {best:13.2f}  {size:9.0f}")
     print(f"load average (1 min) after: {os.getloadavg()[0]:.2f}")
 
 

@@ -84,9 +84,15 @@ def bins_table(
 
 
 def write_shard(table: pa.Table, path: Path) -> None:
+    """Plain-encoded, LZ4. Parquet's default dictionary-encodes every column: on pack's shard
+    of a million demo chats (33M tokens) that took 1.44 s to write and 0.97 s to read, against
+    0.81 s and 0.31 s plain with LZ4, for a file of 18 MB instead of 25. On uniform ids of a
+    32k vocabulary (``benchmarks/shard_format.py``) the dictionary halves the file, for the
+    same write time and a slower read. Shards are rewritten every month and read by every
+    preflight and training rank; disk is the cheaper of the two."""
     if table.schema != SCHEMA:
         raise ValueError(f"a shard table must have the schema {SCHEMA}, got {table.schema}")
-    pq.write_table(table, path)
+    pq.write_table(table, path, use_dictionary=False, compression="lz4")
 
 
 def list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -39,9 +39,9 @@ _ARRAYS = ("ids", "labels", "lengths")
 
 @dataclass(frozen=True)
 class Tokens:
-    ids: np.ndarray
-    labels: np.ndarray
-    offsets: np.ndarray
+    ids: np.ndarray  # int32, every line's tokens one after the other
+    labels: np.ndarray  # int32
+    offsets: np.ndarray  # int64: line i is [offsets[i], offsets[i + 1])
     lines_tokenized: int
     """Lines tokenized by this run (the others came from the cache)."""
 
@@ -133,7 +133,7 @@ def tokens_of(path: Path, cache: Path | None, tokenizer: ChatTokenizer) -> Token
     if cache is None:
         lines = _lines(path.read_bytes())
         ids, labels, offsets = tokenize_lines(lines, tokenizer)
-        return Tokens(ids, labels, offsets, len(lines))
+        return Tokens(ids.astype(np.int32), labels.astype(np.int32), offsets, len(lines))
     expected = fingerprint(tokenizer)
     data = path.read_bytes()
     try:
@@ -149,7 +149,9 @@ def tokens_of(path: Path, cache: Path | None, tokenizer: ChatTokenizer) -> Token
             end = int(segment["end"])
             if end > len(data) or _md5(data[start:end]) != segment["md5"]:
                 break
-            arrays = tuple(np.load(cache / f"{segment['name']}.{n}.npy") for n in _ARRAYS)
+            arrays = tuple(
+                np.load(cache / f"{segment['name']}.{n}.npy", mmap_mode="r") for n in _ARRAYS
+            )
         except (OSError, ValueError, KeyError, TypeError) as error:
             log.warning("pack: cached tokens in %s are unreadable (%s); recomputing", cache, error)
             break
@@ -176,9 +178,10 @@ def tokens_of(path: Path, cache: Path | None, tokenizer: ChatTokenizer) -> Token
         else:
             stale.unlink()
     lengths = np.concatenate([p[2] for p in parts]).astype(np.int64)
+    # int32 as cached (and as the shards hold them): a million chats' tokens are copied once.
     return Tokens(
-        ids=np.concatenate([p[0] for p in parts]).astype(np.int64),
-        labels=np.concatenate([p[1] for p in parts]).astype(np.int64),
+        ids=np.concatenate([p[0] for p in parts]),
+        labels=np.concatenate([p[1] for p in parts]),
         offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
         lines_tokenized=len(fresh),
     )
