@@ -46,10 +46,12 @@ from tuneloop import pool as pool_writes
 from tuneloop.io import jsonl_text, read_jsonl, usable_cores, write_jsonl
 from tuneloop.params import load_params
 from tuneloop.records import (
+    IDS_SUFFIX,
     META_FIELDS,
     InvalidRecord,
     PlainRecord,
     content_hash,
+    ids_index,
     parse_plain,
     parse_record,
     plain,
@@ -78,6 +80,7 @@ class Line:
 class IngestResult:
     # Each accepted record as its pool line (bytes, not objects: a month can be a million).
     accepted: list[bytes] = field(default_factory=list)
+    accepted_ids: list[str] = field(default_factory=list)  # their ids (content hashes)
     by_source: Counter[str] = field(default_factory=Counter)
     quarantined: list[dict[str, Any]] = field(default_factory=list)
     duplicates: int = 0
@@ -332,6 +335,7 @@ def ingest(
             return
         seen.add(digest)
         result.accepted.append(pooled)
+        result.accepted_ids.append(digest)
         result.by_source[source] += 1
 
     if workers <= 1:
@@ -463,6 +467,7 @@ def main() -> None:
         files: dict[str, bytes | list[bytes]] = {}
         if result.accepted:
             files[f"records/{batch}.jsonl"] = result.accepted
+            files[f"records/{batch}{IDS_SUFFIX}"] = ids_index(result.accepted, result.accepted_ids)
         if result.quarantined:
             files[f"quarantine/{batch}.jsonl"] = jsonl_text(result.quarantined).encode()
         if files:

@@ -16,12 +16,17 @@ from hypothesis import strategies as st
 from stages import ingest
 from tests.helpers import write_params
 from tuneloop import pii
+from tuneloop.io import read_jsonl
 from tuneloop.records import (
+    IDS_SUFFIX,
     InvalidRecord,
     PoolRecord,
+    ids_index,
     parse_plain,
     parse_record,
     plain,
+    pool_batches,
+    pool_ids,
     pool_records,
 )
 
@@ -163,6 +168,38 @@ def test_ingesting_the_same_files_twice_adds_nothing(project: Path) -> None:
     assert m["accepted"] == 0 and m["quarantined"] == 0
     assert m["duplicates"] == m["lines"]
     assert pool_digest(pool) == before
+
+
+def test_the_pool_ids_come_from_the_ids_files_only_while_they_match_their_batch(
+    project: Path,
+) -> None:
+    data, _ = hostile_file()
+    (project / "data/badcases/incoming/hostile.jsonl").write_bytes(data)
+    ingest.main()
+    pool = project / "data/pool"
+    batches = pool_batches(pool)
+    assert len(batches) == 2 and all(b.with_suffix(IDS_SUFFIX).exists() for b in batches)
+    written = {PoolRecord.model_validate(r).id for b in batches for r in read_jsonl(b)}
+    assert pool_ids(pool) == written
+
+    # An ids file that no longer matches its batch is not believed: the batch is read.
+    newest = batches[-1]
+    index = newest.with_suffix(IDS_SUFFIX)
+    other = hashlib.sha256(b"not in the pool").hexdigest()
+    content = newest.read_bytes()
+    index.write_bytes(ids_index(content + b"\n", [other]))  # of a longer batch
+    assert pool_ids(pool) == written
+    index.write_bytes(ids_index(content.replace(b"{", b"["), [other]))  # of other bytes
+    assert pool_ids(pool) == written
+    index.write_bytes(ids_index(content, [other]) + b"\x00")  # damaged
+    assert pool_ids(pool) == written
+    index.unlink()  # a batch from before ids files
+    assert pool_ids(pool) == written
+
+    # One that matches is believed (so a batch's ids are read without its JSON).
+    index.write_bytes(ids_index(content, [other]))
+    newest_ids = {PoolRecord.model_validate(r).id for r in read_jsonl(newest)}
+    assert pool_ids(pool) == (written - newest_ids) | {other}
 
 
 def test_a_crash_mid_ingest_leaves_the_pool_as_it_was(

@@ -280,7 +280,7 @@ def test_pool_quarantine_and_reports_are_private(hostile: Path) -> None:
     ingest.main()
     folders = [hostile / "data/pool", hostile / "reports"]
     paths = [p for folder in folders for p in folder.rglob("*") if p.is_file()]
-    assert len(paths) == 3  # records, quarantine, report
+    assert len(paths) == 4  # records, their ids, quarantine, report
     for path in paths:
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode & 0o027 == 0, f"{path} is {oct(mode)}"

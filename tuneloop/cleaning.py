@@ -372,9 +372,11 @@ class History:
         self.index = NearDupIndex(near_dup_threshold)
         self._prefix = np.zeros(0, dtype=np.uint64)  # sorted; first 8 bytes of each key
         self._keys = np.zeros((0, 32), dtype=np.uint8)  # in the order of _prefix
+        self._pending: list[np.ndarray] = []  # keys added since the last merge
 
     def seen(self, keys: np.ndarray) -> np.ndarray:
         """Which keys were seen before (exact match on all 32 bytes)."""
+        self._merge_pending()
         prefix = np.ascontiguousarray(keys[:, :8]).view(np.uint64).reshape(-1)
         lo = np.searchsorted(self._prefix, prefix, side="left")
         hi = np.searchsorted(self._prefix, prefix, side="right")
@@ -384,6 +386,14 @@ class History:
         return found
 
     def add_seen(self, keys: np.ndarray) -> None:
+        # Merged when next asked (``seen``): one merge for a history of many segments.
+        self._pending.append(np.asarray(keys))
+
+    def _merge_pending(self) -> None:
+        if not self._pending:
+            return
+        keys = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        self._pending = []
         prefix = np.ascontiguousarray(keys[:, :8]).view(np.uint64).reshape(-1)
         order = np.argsort(prefix, kind="stable")
         at = np.searchsorted(self._prefix, prefix[order], side="right")

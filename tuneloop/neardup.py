@@ -193,6 +193,7 @@ class NearDupIndex:
         n_bands = self.bands[0]
         self._sorted_keys = np.zeros((n_bands, 0), dtype=np.uint64)
         self._sorted_ids = np.zeros((n_bands, 0), dtype=np.int64)
+        self._pending: list[np.ndarray] = []  # band keys added since the last merge
         self._keys: list[str] = []
         self._key_set: set[str] = set()
         log.debug("near-dup index at %s: %d bands x %d rows", threshold, *self.bands)
@@ -242,8 +243,21 @@ class NearDupIndex:
             return
         if band_keys is None:
             band_keys = self.band_keys(sketches)
-        ids = np.arange(self._size, self._size + len(sketches), dtype=np.int64)
-        merged_keys = np.empty((self.bands[0], self._size + len(sketches)), dtype=np.uint64)
+        # Merged into the sorted keys when next queried: a month's clean adds the history
+        # segment by segment before its first query, and a merge per add was O(history) each.
+        self._pending.append(np.asarray(band_keys))
+        self._blocks.append(sketches)
+        self._block_starts.append(self._size)
+        self._size += len(sketches)
+
+    def _merge_pending(self) -> None:
+        if not self._pending:
+            return
+        band_keys = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        self._pending = []
+        old = self._sorted_keys.shape[1]
+        ids = np.arange(old, old + len(band_keys), dtype=np.int64)
+        merged_keys = np.empty((self.bands[0], old + len(band_keys)), dtype=np.uint64)
         merged_ids = np.empty_like(merged_keys, dtype=np.int64)
         for band in range(self.bands[0]):
             order = np.argsort(band_keys[:, band], kind="stable")
@@ -254,9 +268,6 @@ class NearDupIndex:
             merged_keys[band] = np.insert(self._sorted_keys[band], at, new_keys)
             merged_ids[band] = np.insert(self._sorted_ids[band], at, ids[order])
         self._sorted_keys, self._sorted_ids = merged_keys, merged_ids
-        self._blocks.append(sketches)
-        self._block_starts.append(self._size)
-        self._size += len(sketches)
 
     def query(self, text: str) -> list[str]:
         """Keys of indexed texts whose estimated Jaccard with ``text`` reaches the threshold.
@@ -365,6 +376,7 @@ class NearDupIndex:
         if not self._size or not len(band_keys):
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty
+        self._merge_pending()
         rows, ids = [], []
         for band in range(self.bands[0]):
             sorted_keys = self._sorted_keys[band]
