@@ -405,12 +405,14 @@ class Sending:
     parts: list[Future[list[Sorted]]]  # their outcomes, a consecutive share of todo each
 
 
-def known_hashes(pool: Path) -> set[str]:
-    """Content hashes of pooled records and raw hashes of quarantined lines."""
+def known_hashes(pool: Path) -> tuple[set[str], int]:
+    """Content hashes of pooled records and raw hashes of quarantined lines; how many of
+    them are pooled records."""
     known = pool_ids(pool)
+    pooled = len(known)
     for path in sorted((pool / "quarantine").glob("*.jsonl")):
         known.update(entry["sha256"] for entry in read_jsonl(path))
-    return known
+    return known, pooled
 
 
 def main() -> None:
@@ -419,8 +421,7 @@ def main() -> None:
     pool = params.paths.pool
     with pool_writes.locked(pool), logged_after(STAGE, params):
         pool_writes.recover(pool)
-        known = known_hashes(pool)
-        pooled = sum(1 for key in known if not key.startswith("raw:"))
+        known, pooled = known_hashes(pool)
         now = dt.datetime.now(dt.UTC)
         incoming = params.paths.incoming
         size = sum(path.stat().st_size for path in incoming.rglob("*.jsonl"))
