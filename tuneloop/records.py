@@ -10,6 +10,10 @@ Accepted input shapes (one JSON object a line):
 
 Each may carry ``source``, ``model_version``, ``arm``, ``created_at`` and ``tags``.
 Anything else is rejected with a reason a person can act on.
+
+The pool holds one batch file of records per ingest run (``records/<batch>.jsonl``), oldest
+first, and beside each the ids of its records (``records/<batch>.ids``, ``ids_index``),
+which the next ingest dedupes against without parsing the records.
 """
 
 from __future__ import annotations
