@@ -263,13 +263,14 @@ def balance_ranks(
 
     loads = np.zeros(world_size, dtype=np.int64)
     rank_bins = np.empty_like(rounds)
-    if world_size == 1:  # nothing to balance: the loop below, without a step per bin
+    if world_size == 1:  # nothing to balance: what the loop gives, without a step per bin
         rank_bins[:] = rounds
         loads[0] = tokens[rounds].sum()
-    for r, round_bins in enumerate(rounds if world_size > 1 else ()):
-        lightest_first = np.argsort(loads, kind="stable")
-        rank_bins[r, lightest_first] = round_bins
-        loads[lightest_first] += tokens[round_bins]
+    else:
+        for r, round_bins in enumerate(rounds):
+            lightest_first = np.argsort(loads, kind="stable")
+            rank_bins[r, lightest_first] = round_bins
+            loads[lightest_first] += tokens[round_bins]
 
     in_order = rank_bins[np.argsort(rounds.min(axis=1), kind="stable")]
     return RankPlan(

@@ -639,7 +639,7 @@ def check_eval_contamination(
     that was written for exactly these bytes; otherwise the file is parsed and normalised
     here. ``data`` is the file's content when the caller has read it already.
     """
-    name = "no_eval_contamination"
+    name = _CONTAMINATION
     if not eval_questions:
         return Check(name, "warn", "no eval suite found: contamination cannot be checked")
     if data is None and train_jsonl.exists():
@@ -677,9 +677,12 @@ def check_eval_contamination(
     )
 
 
+_CONTAMINATION = "no_eval_contamination"
+
+
 def _contaminated(train_jsonl: Path, hits: int, row: int, item: str, question: str) -> Check:
     return Check(
-        "no_eval_contamination",
+        _CONTAMINATION,
         "fail",
         f"{hits} user turn(s) in {train_jsonl} are eval items (first: row {row} = {item}, "
         f"{question!r}); training on them inflates the gate's score. Re-run `clean`, which "
