@@ -1,4 +1,4 @@
-"""pack's token cache: the same tokens as without it, and only the changed tail tokenized."""
+"""pack's token cache: the same tokens as without it, and only lines it never saw tokenized."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_growing_file_tokenizes_only_its_new_lines(
         assert len(cached.offsets) == end + 1
 
 
-def test_a_changed_line_retokenizes_from_its_segment_on(
+def test_a_changed_line_is_the_only_one_tokenized_again(
     tmp_path: Path, tokenizer: ChatTokenizer
 ) -> None:
     lines = chat_lines(2, 200)
@@ -67,9 +67,30 @@ def test_a_changed_line_retokenizes_from_its_segment_on(
     lines[100] = chat_lines(3, 1)[0]
     write(path, lines)
     cached = tokens_of(path, cache, tokenizer)
-    assert cached.lines_tokenized == 120  # the second segment and the new tail
+    assert cached.lines_tokenized == 1 + 50  # the changed line and the new tail
     assert same(cached, tokens_of(path, None, tokenizer))
-    assert len(list(cache.glob("*.ids.npy"))) == 2
+    assert len(list(cache.glob("*.ids.npy"))) == 3
+
+
+def test_a_replay_share_of_old_lines_in_any_order_is_not_tokenized_again(
+    tmp_path: Path, tokenizer: ChatTokenizer
+) -> None:
+    """Month N: a new draw of last month's lines (the replay share) and the new ones."""
+    old, new = chat_lines(5, 400), chat_lines(6, 30)
+    path, cache = tmp_path / "train.jsonl", tmp_path / "cache"
+    write(path, old)
+    tokens_of(path, cache, tokenizer)
+    rng = np.random.default_rng(0)
+    replayed = [old[i] for i in sorted(rng.choice(len(old), 100, replace=False))]
+    tokenized = []
+    for month in (replayed + new, new[::-1] + replayed[::-1]):
+        write(path, month)
+        cached = tokens_of(path, cache, tokenizer)
+        assert same(cached, tokens_of(path, None, tokenizer))
+        assert len(cached.offsets) == len(month) + 1
+        tokenized.append(cached.lines_tokenized)
+    assert tokenized == [len(new), 0]  # the new lines, once
+    assert len(list(cache.glob("*.keys.npy"))) == 2
 
 
 def test_another_tokenizer_or_a_broken_segment_starts_over(
@@ -85,6 +106,11 @@ def test_another_tokenizer_or_a_broken_segment_starts_over(
     next(cache.glob("*.labels.npy")).write_bytes(b"broken")
     again = tokens_of(path, cache, different)
     assert again.lines_tokenized == 60 and same(again, tokens_of(path, None, different))
+    # Keys of fewer lines than the segment holds: dropped too, never a wrong line's tokens.
+    keys = next(cache.glob("*.keys.npy"))
+    np.save(keys, np.load(keys)[:-1])
+    last = tokens_of(path, cache, different)
+    assert last.lines_tokenized == 60 and same(last, tokens_of(path, None, different))
 
 
 def test_an_empty_file_has_no_tokens(tmp_path: Path, tokenizer: ChatTokenizer) -> None:

@@ -35,7 +35,7 @@ from tuneloop import shards
 from tuneloop.shards import IGNORE_INDEX
 
 Overlong = Literal["truncate", "drop", "split"]
-# Tokens gathered per index in ``_gather``: the index (512 KB) stays in cache; 4M-token
+# Tokens gathered per index in ``gather_runs``: the index (512 KB) stays in cache; 4M-token
 # chunks were 20x slower here, each index a fresh mapping from the kernel.
 _GATHER_CHUNK = 1 << 16
 _OVERLONG: tuple[Overlong, ...] = ("truncate", "drop", "split")
@@ -102,10 +102,10 @@ class PackedBins:
         seqs = np.diff(self.seq_offsets)[chosen]
         bin_offsets = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
         seq_offsets = np.concatenate([[0], np.cumsum(seqs)]).astype(np.int64)
-        input_ids, labels = _gather(
+        input_ids, labels = gather_runs(
             (self.input_ids, self.labels), self.bin_offsets[chosen], tokens, int(bin_offsets[-1])
         )
-        seq_lengths, sample_indices = _gather(
+        seq_lengths, sample_indices = gather_runs(
             (self.seq_lengths, self.sample_indices),
             self.seq_offsets[chosen],
             seqs,
@@ -198,7 +198,7 @@ def pack_samples(input_ids: Rows, labels: Rows, seq_len: int, overlong: Overlong
     seq_token_starts = np.concatenate([[0], np.cumsum(seq_lengths)]).astype(np.int64)
     bin_offsets = seq_token_starts[seq_offsets]
     real_tokens = int(seq_token_starts[-1])
-    out_ids, out_labels = _gather(
+    out_ids, out_labels = gather_runs(
         (ids, label_values), offsets[sources[order]] + starts[order], seq_lengths, real_tokens
     )
     labelled = out_labels != IGNORE_INDEX
@@ -307,7 +307,7 @@ def _flat(rows: Rows) -> tuple[np.ndarray, np.ndarray]:
     return values, offsets
 
 
-def _gather(
+def gather_runs(
     columns: tuple[np.ndarray, ...], starts: np.ndarray, lengths: np.ndarray, total: int
 ) -> tuple[np.ndarray, ...]:
     """Runs ``column[start:start + length]`` of each column, concatenated in the given order.

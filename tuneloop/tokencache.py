@@ -1,13 +1,17 @@
-"""Tokenized chats of clean's files, kept from one ``pack`` to the next.
+"""Tokenized chats of clean's files, kept from one ``pack`` to the next, by line.
 
-clean writes train.jsonl and val.jsonl in pool order, and the pool only grows, so month
-after month each file is last month's file with new lines at the end (until a param or
-the eval set changes what clean keeps). pack keeps each file's token ids and labels in
-segments, one per run: a run checks, segment by segment, that the file still holds the
-bytes a segment was made from (md5), keeps the segments up to the first that differs,
-and tokenizes only the lines after them into one new segment. A different tokenizer or
-tokenization code (the fingerprint) starts from nothing. The tokens are the same as a
-run without the cache makes (``tests/test_packing.py``).
+clean's train.jsonl changes month to month in two ways: new lines (the new pool batches), and,
+once training continues from last month's champion, another replay share of the older lines
+(``clean.replay_fraction``, drawn again each month). So the tokens of a line are kept by the
+line's own bytes, wherever it stands in the file: a segment of the cache holds its lines'
+token ids, labels and lengths and each line's key (xxh3-128 of its bytes). A run keys every
+line of the file, takes the tokens of each line some segment holds, and tokenizes only the
+others, into one new segment. A line is the same record as the month before wherever clean
+puts it, so the cache grows with the distinct lines clean has written (the pool's kept
+records), not with the months. A different tokenizer or tokenization code (the fingerprint)
+starts from nothing; a segment that cannot be read, or does not add up, is dropped and its
+lines tokenized again. The tokens are the same as a run without the cache makes
+(``tests/test_tokencache.py``).
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+import xxhash
 
 from tuneloop.chat import ChatTokenizer, tokenize_chats
 from tuneloop.io import read_json, usable_cores, write_json
+from tuneloop.packing import gather_runs
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +40,7 @@ log = logging.getLogger(__name__)
 CHUNK = 4096
 # Below this many lines to tokenize, starting worker processes costs more than it saves.
 PARALLEL_MIN_LINES = 16_000
-_ARRAYS = ("ids", "labels", "lengths")
+_ARRAYS = ("ids", "labels", "lengths", "keys")
 
 
 @dataclass(frozen=True)
@@ -44,10 +50,6 @@ class Tokens:
     offsets: np.ndarray  # int64: line i is [offsets[i], offsets[i + 1])
     lines_tokenized: int
     """Lines tokenized by this run (the others came from the cache)."""
-
-
-def _md5(data: bytes) -> str:
-    return hashlib.md5(data).hexdigest()
 
 
 def _lines(data: bytes) -> list[bytes]:
@@ -124,52 +126,96 @@ def fingerprint(tokenizer: ChatTokenizer) -> str:
     return digest.hexdigest()
 
 
-def tokens_of(path: Path, cache: Path | None, tokenizer: ChatTokenizer) -> Tokens:
-    """The tokens of every line of ``path``, from ``cache`` where it still holds them.
+@dataclass(frozen=True)
+class _Segment:
+    name: str
+    ids: np.ndarray  # int32
+    labels: np.ndarray  # int32
+    lengths: np.ndarray  # tokens of each line
+    keys: np.ndarray  # (lines, 2) uint64: each line's xxh3-128
 
-    ``cache`` is this file's own folder, left holding exactly this file's tokens; None
+
+def line_keys(lines: list[bytes]) -> np.ndarray:
+    """Each line's xxh3-128 as two uint64 (the first sorts, both must match)."""
+    digests = b"".join(map(xxhash.xxh3_128_digest, lines))
+    return np.frombuffer(digests, dtype="<u8").reshape(-1, 2)
+
+
+def _segments(cache: Path, expected: str) -> list[_Segment]:
+    """The cache's readable segments for this fingerprint (none for another)."""
+    try:
+        entry = read_json(cache / "entry.json")
+        names = [str(s["name"]) for s in entry["segments"]]
+        if entry.get("fingerprint") != expected:
+            return []
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    found = []
+    for name in names:
+        try:
+            arrays = {n: np.load(cache / f"{name}.{n}.npy", mmap_mode="r") for n in _ARRAYS}
+            segment = _Segment(name=name, **arrays)
+            lines = len(segment.lengths)
+            if segment.keys.shape != (lines, 2) or segment.keys.dtype != np.dtype("<u8"):
+                raise ValueError("keys do not match the lines")
+            if not len(segment.ids) == len(segment.labels) == int(segment.lengths.sum()):
+                raise ValueError("token counts do not add up")
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            log.warning("pack: cached tokens %s in %s are unreadable (%s)", name, cache, error)
+            continue
+        found.append(segment)
+    return found
+
+
+def _find(cached: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """For each wanted key, the row of ``cached`` that holds it, or -1."""
+    where = np.full(len(wanted), -1, dtype=np.int64)
+    if not len(cached) or not len(wanted):
+        return where
+    # Sorted by the first 64 bits (a 16-byte sort is ten times slower), then both halves
+    # compared: a match is all 128 bits, and a first-half collision is only a miss.
+    order = np.argsort(cached[:, 0], kind="stable")
+    first = cached[order, 0]
+    at = np.minimum(np.searchsorted(first, wanted[:, 0]), len(first) - 1)
+    rows = order[at]
+    hit = np.all(cached[rows] == wanted, axis=1)
+    where[hit] = rows[hit]
+    return where
+
+
+def tokens_of(path: Path, cache: Path | None, tokenizer: ChatTokenizer) -> Tokens:
+    """The tokens of every line of ``path``, from ``cache`` for the lines it holds.
+
+    ``cache`` is this file's own folder (one for train.jsonl, one for val.jsonl); None
     tokenizes everything and keeps nothing.
     """
+    lines = _lines(path.read_bytes())
     if cache is None:
-        lines = _lines(path.read_bytes())
         ids, labels, offsets = tokenize_lines(lines, tokenizer)
         return Tokens(ids.astype(np.int32), labels.astype(np.int32), offsets, len(lines))
     expected = fingerprint(tokenizer)
-    data = path.read_bytes()
-    try:
-        entry = read_json(cache / "entry.json")
-        segments = entry["segments"] if entry.get("fingerprint") == expected else []
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        segments = []
-    kept: list[dict[str, object]] = []
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    start = 0
-    for segment in segments:
-        try:
-            end = int(segment["end"])
-            if end > len(data) or _md5(data[start:end]) != segment["md5"]:
-                break
-            arrays = tuple(
-                np.load(cache / f"{segment['name']}.{n}.npy", mmap_mode="r") for n in _ARRAYS
-            )
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            log.warning("pack: cached tokens in %s are unreadable (%s); recomputing", cache, error)
-            break
-        kept.append(segment)
-        parts.append(arrays)
-        start = end
-    fresh = _lines(data[start:])
-    if fresh or not kept:
-        ids, labels, offsets = tokenize_lines(fresh, tokenizer)
-        arrays = (ids.astype(np.int32), labels.astype(np.int32), np.diff(offsets))
-        name = f"{_first_free(segments):06d}"
+    segments = _segments(cache, expected)
+    keys = line_keys(lines)
+    where = _find(np.concatenate([s.keys for s in segments] or [np.zeros((0, 2), "<u8")]), keys)
+    fresh = np.flatnonzero(where < 0)
+    # Every source's tokens one after the other (the segments, then this run's): each line
+    # is a run of them, gathered in file order below.
+    sources = [(s.ids, s.labels, s.lengths.astype(np.int64)) for s in segments]
+    kept = [s.name for s in segments]
+    if len(fresh) or not segments:
+        ids, labels, offsets = tokenize_lines([lines[i] for i in fresh], tokenizer)
+        arrays = (ids.astype(np.int32), labels.astype(np.int32), np.diff(offsets), keys[fresh])
+        name = f"{_first_free(kept):06d}"
         cache.mkdir(parents=True, exist_ok=True)
         for suffix, values in zip(_ARRAYS, arrays, strict=True):
             np.save(cache / f"{name}.{suffix}.npy", values)
-        kept.append({"name": name, "end": len(data), "md5": _md5(data[start:])})
-        parts.append(arrays)
-    write_json(cache / "entry.json", {"fingerprint": expected, "segments": kept})
-    names = {f"{s['name']}.{n}.npy" for s in kept for n in _ARRAYS} | {"entry.json"}
+        sources.append(arrays[:3])
+        kept.append(name)
+        where[fresh] = sum(len(s.lengths) for s in segments) + np.arange(len(fresh))
+    write_json(
+        cache / "entry.json", {"fingerprint": expected, "segments": [{"name": n} for n in kept]}
+    )
+    names = {f"{n}.{a}.npy" for n in kept for a in _ARRAYS} | {"entry.json"}
     for stale in cache.iterdir():
         if stale.name in names:
             continue
@@ -177,17 +223,23 @@ def tokens_of(path: Path, cache: Path | None, tokenizer: ChatTokenizer) -> Token
             shutil.rmtree(stale)
         else:
             stale.unlink()
-    lengths = np.concatenate([p[2] for p in parts]).astype(np.int64)
-    # int32 as cached (and as the shards hold them): a million chats' tokens are copied once.
+    all_lengths = np.concatenate([s[2] for s in sources])
+    all_starts = np.cumsum(all_lengths) - all_lengths
+    lengths = all_lengths[where]
+    ids, labels = gather_runs(
+        (np.concatenate([s[0] for s in sources]), np.concatenate([s[1] for s in sources])),
+        all_starts[where],
+        lengths,
+        int(lengths.sum()),
+    )
     return Tokens(
-        ids=np.concatenate([p[0] for p in parts]),
-        labels=np.concatenate([p[1] for p in parts]),
+        ids=ids,
+        labels=labels,
         offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
         lines_tokenized=len(fresh),
     )
 
 
-def _first_free(segments: list[dict[str, object]]) -> int:
-    # A new segment never takes the name of one dropped in this run.
-    names = [str(s.get("name")) for s in segments if isinstance(s, dict)]
+def _first_free(names: list[str]) -> int:
+    # A new segment never takes the name of one kept or dropped.
     return 1 + max((int(n) for n in names if n.isdigit()), default=0)
