@@ -25,6 +25,7 @@ from tests.clean_helpers import PARAMS, pool_line, write_pool
 from tuneloop import cleancache, demo, text, tiny, turnkeys
 from tuneloop.chat import ChatTokenizer
 from tuneloop.cleancache import CleanReport, clean_pool
+from tuneloop.cleaning import hash_fractions
 from tuneloop.io import write_jsonl
 from tuneloop.params import CleanParams
 
@@ -371,3 +372,15 @@ def test_a_new_month_draws_a_new_replay_sample(tmp_path: Path, tokenizer_folder:
     )
     # Another month, another share of month 1: over the months replay covers more of it.
     assert before & month1_train != _lines(after.files["train.jsonl"]) & month1_train
+
+
+def test_the_replay_draw_is_even_reproducible_and_new_each_month() -> None:
+    keys = np.random.default_rng(0).integers(0, 256, (100_000, 32), dtype=np.uint8)
+    draw = hash_fractions(keys, "replay:month-2")
+    assert ((draw >= 0) & (draw < 1)).all()
+    assert np.array_equal(draw, hash_fractions(keys, "replay:month-2"))
+    for share in (0.1, 0.25, 0.5):
+        assert abs((draw < share).mean() - share) < 0.01
+    # Another month's draw is independent of this one's: a quarter of a quarter overlaps.
+    other = hash_fractions(keys, "replay:month-3") < 0.25
+    assert abs(((draw < 0.25) & other).mean() - 0.0625) < 0.005

@@ -52,7 +52,7 @@ from tuneloop.cleaning import (
     decisions_fingerprint,
     features,
     features_fingerprint,
-    hash_fraction,
+    hash_fractions,
 )
 from tuneloop.io import atomic_dir, read_json, usable_cores, write_json
 from tuneloop.params import CleanParams
@@ -368,13 +368,7 @@ def clean_pool(
             codes = np.asarray(decided.codes)
             replayed = np.ones(len(codes), dtype=bool)
             if segment.batch.stem in report.seen_batches:
-                replayed = np.array(
-                    [
-                        hash_fraction(key.tobytes().hex(), salt) < params.replay_fraction
-                        for key in np.asarray(f.key)
-                    ],
-                    dtype=bool,
-                )
+                replayed = hash_fractions(np.asarray(f.key), salt) < params.replay_fraction
                 if params.replay_corrections:  # a corrected badcase is the record with a pair
                     replayed |= np.diff(f.dpo_offsets) > 0
             train_rows = np.flatnonzero((codes == TRAIN) & replayed)
