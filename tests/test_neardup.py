@@ -12,7 +12,7 @@ import yaml
 from datasketch import MinHash, MinHashLSH
 
 from tuneloop import demo
-from tuneloop.neardup import NearDupIndex, dedup, shingle_text, shingles
+from tuneloop.neardup import NearDupIndex, _distinct, dedup, shingle_text, shingles
 from tuneloop.text import normalise
 
 EN = (
@@ -257,3 +257,9 @@ def test_recall_at_the_params_thresholds_matches_datasketch(lang: str) -> None:
         assert ours[near].mean() >= theirs[near].mean() - 0.03, where
         assert ours[clear].mean() >= 0.97, where
         assert not ours[far].any(), where
+
+
+@pytest.mark.parametrize("size", [0, 1, 5000])
+def test_candidate_pairs_are_deduplicated_as_np_unique_does(size: int) -> None:
+    values = np.random.default_rng(size).integers(0, size // 3 + 2, size, dtype=np.int64)
+    assert np.array_equal(_distinct(values), np.unique(values))
