@@ -10,7 +10,12 @@ added up):
   each into a fresh pool;
 - **incremental**: one fixed new month of ``--month-lines`` lines on top of a pool that
   already holds about 0, 250k and 1M earlier records (built by ingesting earlier demo
-  months, then one clean and pack, untimed, as last month's run would have left them).
+  months, then one clean and pack, untimed, as last month's run would have left them, and
+  written to disk before the month starts, as weeks would have), twice: training from the
+  base (every batch in full, as a first month or ``train.init_from: base``), and from last
+  month's champion, which trained on the earlier batches (``init.json`` names them, as the
+  ``init`` stage writes it from the registry): those at ``clean.replay_fraction``, the loop's
+  month from the second on.
 
 Also the import time of each data stage in a fresh interpreter, and whether it imported
 torch, transformers or MLflow. The load average is printed before and after; run it on a
@@ -39,7 +44,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tuneloop import demo  # noqa: E402
+from tuneloop import demo, init_from  # noqa: E402
+from tuneloop.params import load_params  # noqa: E402
 
 STAGES = ("ingest", "clean", "pack")
 # 1x: a month of the demo generator's lines at the size the goals were set on (fixed here, not
@@ -114,9 +120,27 @@ def scaling_row(template_folder: Path, parent: Path, scale: int) -> dict[str, An
     return row
 
 
-def incremental_row(
+STARTS = ("base", "champion")
+
+
+def start_from_champion(project: Path) -> None:
+    """``init.json`` as the init stage writes it when last month's champion trained on every
+    batch now in the pool (no weights: the data stages read only which batches it saw)."""
+    params = load_params(project / "params.yaml")
+    seen = tuple(
+        batch.stem for batch in sorted((project / params.paths.pool).glob("records/*.jsonl"))
+    )
+    folder = project / params.paths.init
+    folder.mkdir(parents=True, exist_ok=True)
+    start = init_from.Start(
+        "champion", "benchmark: last month's champion", model="benchmark", version="1", batches=seen
+    )
+    init_from.write_base(folder, start)
+
+
+def incremental_rows(
     template_folder: Path, parent: Path, history: int, new_lines: int, history_month: int
-) -> dict[str, Any]:
+) -> list[dict[str, Any]]:
     project = fresh_project(template_folder, parent, f"history-{history}")
     pooled, seed = 0, 1000
     while pooled < history:
@@ -127,17 +151,30 @@ def incremental_row(
     if pooled:
         run_stage(project, "clean")
         run_stage(project, "pack")
-    seed_month(project, 7, new_lines)
-    runs = {stage: run_stage(project, stage) for stage in STAGES}
-    row = {
-        "history": pooled,
-        "lines": metrics(project, "ingest")["lines"],
-        "new": metrics(project, "ingest")["accepted"],
-        "pool": metrics(project, "ingest")["pool_records"],
-        "runs": runs,
-    }
+    rows = []
+    for start in STARTS:
+        month = parent / f"history-{history}-{start}"
+        shutil.copytree(project, month, symlinks=True)
+        if start == "champion":
+            start_from_champion(month)
+        seed_month(month, 7, new_lines)
+        # Last month's run ended weeks ago: nothing of it is still being written out.
+        os.sync()
+        runs = {stage: run_stage(month, stage) for stage in STAGES}
+        rows.append(
+            {
+                "history": pooled,
+                "start": start,
+                "lines": metrics(month, "ingest")["lines"],
+                "new": metrics(month, "ingest")["accepted"],
+                "pool": metrics(month, "ingest")["pool_records"],
+                "train": metrics(month, "clean")["train"],
+                "runs": runs,
+            }
+        )
+        shutil.rmtree(month)
     shutil.rmtree(project)
-    return row
+    return rows
 
 
 def import_check(stage: str) -> tuple[float, list[str]]:
@@ -197,24 +234,29 @@ def report(
         ),
         "",
         f"Incremental: a new month of {args.month_lines:,} lines on top of earlier records "
-        "(their clean cache and packed data as the month before left them).",
+        "(their clean cache and packed data as the month before left them). Training from "
+        "the base, every batch is in the training set; from last month's champion (which "
+        "trained on the earlier batches), those are replayed at `clean.replay_fraction`.",
         "",
-        f"| earlier records | lines in | new records | pool records | {head} | total |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| start | earlier records | lines in | new records | pool records | train samples "
+        f"| {head} | total |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *(
-            f"| {r['history']:,} | {r['lines']:,} | {r['new']:,} | {r['pool']:,} | "
-            f"{stage_cells(r['runs'])} |"
-            for r in incremental
+            f"| {r['start']} | {r['history']:,} | {r['lines']:,} | {r['new']:,} | "
+            f"{r['pool']:,} | {r['train']:,} | {stage_cells(r['runs'])} |"
+            for r in sorted(incremental, key=lambda r: STARTS.index(r["start"]))
         ),
     ]
-    if len(incremental) > 1:
-        first = sum(r.seconds for r in incremental[0]["runs"].values())
-        last = sum(r.seconds for r in incremental[-1]["runs"].values())
-        lines += [
-            "",
-            f"Month time with {incremental[-1]['history']:,} earlier records / with "
-            f"{incremental[0]['history']:,}: {last / first:.2f}x (goal: at most 1.5x).",
-        ]
+    for start in STARTS:
+        rows = [r for r in incremental if r["start"] == start]
+        if len(rows) > 1:
+            first = sum(r.seconds for r in rows[0]["runs"].values())
+            last = sum(r.seconds for r in rows[-1]["runs"].values())
+            lines += [
+                "",
+                f"From the {start}: month time with {rows[-1]['history']:,} earlier records / "
+                f"with {rows[0]['history']:,}: {last / first:.2f}x (goal: at most 1.5x).",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -264,12 +306,12 @@ def main() -> None:
             print(f"scale {scale}x: {scaling[-1]}", flush=True)
         incremental = []
         for history in args.history:
-            incremental.append(
-                incremental_row(
-                    template_folder, parent, history, args.month_lines, args.history_month
-                )
+            rows = incremental_rows(
+                template_folder, parent, history, args.month_lines, args.history_month
             )
-            print(f"history {history}: {incremental[-1]}", flush=True)
+            for row in rows:
+                print(f"history {history}, from the {row['start']}: {row}", flush=True)
+            incremental += rows
     load_after = os.getloadavg()
     print(f"load average after: {load_after}")
     text = report(
