@@ -263,3 +263,21 @@ def test_recall_at_the_params_thresholds_matches_datasketch(lang: str) -> None:
 def test_candidate_pairs_are_deduplicated_as_np_unique_does(size: int) -> None:
     values = np.random.default_rng(size).integers(0, size // 3 + 2, size, dtype=np.int64)
     assert np.array_equal(_distinct(values), np.unique(values))
+
+
+def test_an_index_merged_at_once_equals_one_merged_add_by_add() -> None:
+    """A month's clean adds the whole history before its first query (one merge, nothing to
+    insert into); an index queried between adds merges each time: the same index either way."""
+    rng = np.random.default_rng(7)
+    at_once, stepwise = NearDupIndex(0.9), NearDupIndex(0.9)
+    sketches = rng.integers(0, 2**32, (3000, 128), dtype=np.uint32)
+    # Few distinct band keys, so runs of equal keys must keep their rows in order.
+    keys = rng.integers(0, 50, (3000, at_once.bands[0]), dtype=np.uint64)
+    for start in range(0, 3000, 1000):
+        part = slice(start, start + 1000)
+        at_once.add_sketches(sketches[part], band_keys=keys[part])
+        stepwise.add_sketches(sketches[part], band_keys=keys[part])
+        stepwise.query_sketches(sketches[:1], band_keys=keys[:1])  # merges what is pending
+    at_once.query_sketches(sketches[:1], band_keys=keys[:1])
+    assert np.array_equal(at_once._sorted_keys, stepwise._sorted_keys)
+    assert np.array_equal(at_once._sorted_ids, stepwise._sorted_ids)

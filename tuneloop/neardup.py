@@ -253,15 +253,19 @@ class NearDupIndex:
     def _merge_pending(self) -> None:
         if not self._pending:
             return
-        band_keys = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        # One row a band, each contiguous: a band is a column of the rows as added.
+        by_band = np.concatenate([np.asarray(k).T for k in self._pending], axis=1)
         self._pending = []
         old = self._sorted_keys.shape[1]
-        ids = np.arange(old, old + len(band_keys), dtype=np.int64)
-        merged_keys = np.empty((self.bands[0], old + len(band_keys)), dtype=np.uint64)
+        ids = np.arange(old, old + by_band.shape[1], dtype=np.int64)
+        merged_keys = np.empty((self.bands[0], old + by_band.shape[1]), dtype=np.uint64)
         merged_ids = np.empty_like(merged_keys, dtype=np.int64)
         for band in range(self.bands[0]):
-            order = np.argsort(band_keys[:, band], kind="stable")
-            new_keys = band_keys[order, band]
+            order = np.argsort(by_band[band], kind="stable")
+            new_keys = by_band[band][order]
+            if not old:  # a month's clean: the whole history at once, nothing to insert into
+                merged_keys[band], merged_ids[band] = new_keys, ids[order]
+                continue
             # New ids are larger than all old ones: inserting after equal keys keeps each
             # run of equal keys in id order.
             at = np.searchsorted(self._sorted_keys[band], new_keys, side="right")
