@@ -111,6 +111,13 @@ def test_another_tokenizer_or_a_broken_segment_starts_over(
     np.save(keys, np.load(keys)[:-1])
     last = tokens_of(path, cache, different)
     assert last.lines_tokenized == 60 and same(last, tokens_of(path, None, different))
+    # Lengths that add up but run backwards: dropped as well.
+    lengths_file = next(cache.glob("*.lengths.npy"))
+    lengths = np.load(lengths_file)
+    lengths[0], lengths[1] = lengths[0] + lengths[1] + 1, -1
+    np.save(lengths_file, lengths)
+    again = tokens_of(path, cache, different)
+    assert again.lines_tokenized == 60 and same(again, tokens_of(path, None, different))
 
 
 def test_an_empty_file_has_no_tokens(tmp_path: Path, tokenizer: ChatTokenizer) -> None:

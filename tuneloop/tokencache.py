@@ -158,7 +158,9 @@ def _segments(cache: Path, expected: str) -> list[_Segment]:
             lines = len(segment.lengths)
             if segment.keys.shape != (lines, 2) or segment.keys.dtype != np.dtype("<u8"):
                 raise ValueError("keys do not match the lines")
-            if not len(segment.ids) == len(segment.labels) == int(segment.lengths.sum()):
+            if (segment.lengths < 0).any() or not (
+                len(segment.ids) == len(segment.labels) == int(segment.lengths.sum())
+            ):
                 raise ValueError("token counts do not add up")
         except (OSError, ValueError, KeyError, TypeError) as error:
             log.warning("pack: cached tokens %s in %s are unreadable (%s)", name, cache, error)
