@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tuneloop import demo, init_from  # noqa: E402
+from tuneloop.io import write_json  # noqa: E402
 from tuneloop.params import load_params  # noqa: E402
 
 STAGES = ("ingest", "clean", "pack")
@@ -130,12 +131,12 @@ def start_from_champion(project: Path) -> None:
     seen = tuple(
         batch.stem for batch in sorted((project / params.paths.pool).glob("records/*.jsonl"))
     )
-    folder = project / params.paths.init
-    folder.mkdir(parents=True, exist_ok=True)
     start = init_from.Start(
         "champion", "benchmark: last month's champion", model="benchmark", version="1", batches=seen
     )
-    init_from.write_base(folder, start)
+    folder = project / params.paths.init
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / init_from.INIT_FILE, asdict(start))
 
 
 def incremental_rows(

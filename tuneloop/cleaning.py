@@ -144,7 +144,8 @@ def hash_fraction(key: str, salt: str) -> float:
 
 
 def hash_fractions(keys: np.ndarray, salt: str) -> np.ndarray:
-    """``hash_fraction`` for a whole column of keys (``(n, >= 8)`` uint8 digests) at once.
+    """A stable number in [0, 1) for each of a column of keys (``(n, >= 8)`` uint8 digests),
+    as ``hash_fraction`` gives one for a key, though not the same number.
 
     The replay draw takes one number per pooled sample every month, a million of them: a
     sha256 per sample in Python cost 2.5 s there. The keys are sha256 digests already, so
