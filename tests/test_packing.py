@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from trl import pack_dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from tuneloop import shards
+from tuneloop import packing, shards
 from tuneloop.packing import (
     Bin,
     Overlong,
@@ -296,3 +296,41 @@ def test_ranks_step_through_bins_of_similar_size() -> None:
     assert spread.max() <= 4096 - 100
     assert np.median(spread) < 100
     assert plan.max_min_token_ratio < 1.01
+
+
+@pytest.mark.parametrize("chunk", [5, 1 << 16])
+def test_runs_gathered_a_source_at_a_time_land_where_one_gather_puts_them(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tokencache reads each cached segment where it lies and writes its lines' runs into
+    one output (``out``/``at``): the same arrays as one gather over the joined sources."""
+    monkeypatch.setattr(packing, "_GATHER_CHUNK", chunk)  # runs cut across chunks too
+    rng = np.random.default_rng(3)
+    sources = []
+    for _ in range(3):
+        lengths = rng.integers(1, 9, size=40)
+        ids = rng.integers(0, 1000, size=int(lengths.sum()), dtype=np.int32)
+        sources.append((ids, -ids, lengths))
+    counts = [len(s[2]) for s in sources]
+    wanted = rng.permutation(sum(counts))[:70]  # lines of all sources, interleaved
+    joined = [np.concatenate([s[i] for s in sources]) for i in range(3)]
+    starts = np.cumsum(joined[2]) - joined[2]
+    lengths = joined[2][wanted]
+    expected = packing.gather_runs(
+        (joined[0], joined[1]), starts[wanted], lengths, int(lengths.sum())
+    )
+
+    at = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    out = (np.full(int(lengths.sum()), -7, np.int32), np.full(int(lengths.sum()), -7, np.int32))
+    first = np.concatenate([[0], np.cumsum(counts)])
+    for s, (ids, labels, source_lengths) in enumerate(sources):
+        rows = np.flatnonzero((wanted >= first[s]) & (wanted < first[s + 1]))
+        local = wanted[rows] - first[s]
+        source_starts = (np.cumsum(source_lengths) - source_lengths)[local]
+        total = int(lengths[rows].sum())
+        packing.gather_runs(
+            (ids, labels), source_starts, lengths[rows], total, out=out, at=at[rows]
+        )
+    assert [a.tolist() for a in out] == [a.tolist() for a in expected]
+    with pytest.raises(ValueError, match="both out and at"):
+        packing.gather_runs((joined[0],), starts[:1], lengths[:1], 1, out=out)

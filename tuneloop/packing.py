@@ -308,7 +308,13 @@ def _flat(rows: Rows) -> tuple[np.ndarray, np.ndarray]:
 
 
 def gather_runs(
-    columns: tuple[np.ndarray, ...], starts: np.ndarray, lengths: np.ndarray, total: int
+    columns: tuple[np.ndarray, ...],
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    total: int,
+    *,
+    out: tuple[np.ndarray, ...] | None = None,
+    at: np.ndarray | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Runs ``column[start:start + length]`` of each column, concatenated in the given order.
 
@@ -316,22 +322,36 @@ def gather_runs(
     them: a slice copy per run in Python cost seconds. Runs go in chunks of about
     ``_GATHER_CHUNK`` tokens instead, each one index (repeat + arange) and one take, so the
     index never holds more than a chunk (not as much memory again as the data).
+
+    With ``out`` (one array per column) and ``at`` (where each run starts in it), each run is
+    written there instead and ``out`` is returned: runs read from several sources (a memory
+    map each) go into one output a source at a time, with nothing concatenated first.
     """
-    out = tuple(np.empty(total, dtype=column.dtype) for column in columns)
+    if (out is None) != (at is None):
+        raise ValueError("give both out and at, or neither")
+    if out is None:
+        out = tuple(np.empty(total, dtype=column.dtype) for column in columns)
     starts = np.asarray(starts, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     ends = np.cumsum(lengths)
-    run, at = 0, 0
+    run, done = 0, 0
     while run < len(lengths):
         # At least one run per chunk, whatever its length.
-        stop = max(run + 1, int(np.searchsorted(ends, at + _GATHER_CHUNK, side="right")))
+        stop = max(run + 1, int(np.searchsorted(ends, done + _GATHER_CHUNK, side="right")))
         chunk_lengths = lengths[run:stop]
-        size = int(ends[stop - 1]) - at
+        size = int(ends[stop - 1]) - done
         within = np.cumsum(chunk_lengths) - chunk_lengths
-        index = np.repeat(starts[run:stop] - within, chunk_lengths) + np.arange(size)
-        for source, target in zip(columns, out, strict=True):
-            target[at : at + size] = source[index]
-        run, at = stop, at + size
+        step = np.arange(size)
+        index = np.repeat(starts[run:stop] - within, chunk_lengths) + step
+        if at is None:
+            for source, target in zip(columns, out, strict=True):
+                target[done : done + size] = source[index]
+        else:
+            places = np.repeat(np.asarray(at[run:stop], dtype=np.int64) - within, chunk_lengths)
+            places += step
+            for source, target in zip(columns, out, strict=True):
+                target[places] = source[index]
+        run, done = stop, done + size
     return out
 
 

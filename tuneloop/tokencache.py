@@ -225,21 +225,45 @@ def tokens_of(path: Path, cache: Path | None, tokenizer: ChatTokenizer) -> Token
             shutil.rmtree(stale)
         else:
             stale.unlink()
-    all_lengths = np.concatenate([s[2] for s in sources])
-    all_starts = np.cumsum(all_lengths) - all_lengths
-    lengths = all_lengths[where]
-    ids, labels = gather_runs(
-        (np.concatenate([s[0] for s in sources]), np.concatenate([s[1] for s in sources])),
-        all_starts[where],
-        lengths,
-        int(lengths.sum()),
-    )
-    return Tokens(
-        ids=ids,
-        labels=labels,
-        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        lines_tokenized=len(fresh),
-    )
+    return _gather(sources, where, len(fresh))
+
+
+def _gather(
+    sources: list[tuple[np.ndarray, np.ndarray, np.ndarray]], where: np.ndarray, tokenized: int
+) -> Tokens:
+    """The tokens of each line, in file order, from the source that holds it.
+
+    ``where`` numbers the lines of all sources one after the other. Each source is read
+    where it lies (a cached segment is a memory map), one source at a time: from the
+    champion a month trains on a replay share of the old lines, and joining every segment
+    into one array first read and copied the whole cache every month, all of it.
+    """
+    counts = np.array([len(lengths) for _, _, lengths in sources], dtype=np.int64)
+    first_row = np.concatenate([[0], np.cumsum(counts)])
+    source_of = np.searchsorted(first_row, where, side="right") - 1
+    local = where - first_row[source_of]
+    per_source = [np.flatnonzero(source_of == s) for s in range(len(sources))]
+    lengths = np.empty(len(where), dtype=np.int64)
+    starts = np.empty(len(where), dtype=np.int64)
+    for rows, (_, _, source_lengths) in zip(per_source, sources, strict=True):
+        if len(rows):
+            all_lengths = np.asarray(source_lengths, dtype=np.int64)
+            lengths[rows] = all_lengths[local[rows]]
+            starts[rows] = (np.cumsum(all_lengths) - all_lengths)[local[rows]]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    total = int(offsets[-1])
+    ids, labels = np.empty(total, dtype=np.int32), np.empty(total, dtype=np.int32)
+    for rows, (source_ids, source_labels, _) in zip(per_source, sources, strict=True):
+        if len(rows):
+            gather_runs(
+                (source_ids, source_labels),
+                starts[rows],
+                lengths[rows],
+                int(lengths[rows].sum()),
+                out=(ids, labels),
+                at=offsets[rows],
+            )
+    return Tokens(ids=ids, labels=labels, offsets=offsets, lines_tokenized=tokenized)
 
 
 def _first_free(names: list[str]) -> int:
