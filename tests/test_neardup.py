@@ -11,7 +11,7 @@ import pytest
 import yaml
 from datasketch import MinHash, MinHashLSH
 
-from tuneloop import demo
+from tuneloop import demo, neardup
 from tuneloop.neardup import NearDupIndex, _distinct, dedup, shingle_text, shingles
 from tuneloop.text import normalise
 
@@ -265,9 +265,15 @@ def test_candidate_pairs_are_deduplicated_as_np_unique_does(size: int) -> None:
     assert np.array_equal(_distinct(values), np.unique(values))
 
 
-def test_an_index_merged_at_once_equals_one_merged_add_by_add() -> None:
+@pytest.mark.parametrize("threaded", [False, True])
+def test_an_index_merged_at_once_equals_one_merged_add_by_add(
+    threaded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A month's clean adds the whole history before its first query (one merge, nothing to
-    insert into); an index queried between adds merges each time: the same index either way."""
+    insert into); an index queried between adds merges each time: the same index either way,
+    with the bands merged one after the other or by threads (a big merge's way)."""
+    monkeypatch.setattr(neardup, "_THREADED_MERGE", 1 if threaded else 1 << 30)
+    monkeypatch.setattr(neardup, "usable_cores", lambda: 2)
     rng = np.random.default_rng(7)
     at_once, stepwise = NearDupIndex(0.9), NearDupIndex(0.9)
     sketches = rng.integers(0, 2**32, (3000, 128), dtype=np.uint32)

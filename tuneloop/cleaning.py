@@ -414,6 +414,9 @@ class History:
         self._pending = []
         prefix = np.ascontiguousarray(keys[:, :8]).view(np.uint64).reshape(-1)
         order = np.argsort(prefix, kind="stable")
+        if not len(self._prefix):  # a month's clean: the whole history at once
+            self._prefix, self._keys = prefix[order], np.asarray(keys)[order]
+            return
         at = np.searchsorted(self._prefix, prefix[order], side="right")
         self._prefix = np.insert(self._prefix, at, prefix[order])
         self._keys = np.insert(self._keys, at, keys[order], axis=0)
