@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from stages import ingest
 from tests.helpers import write_params
-from tuneloop import pii
+from tuneloop import pii, records
 from tuneloop.io import read_jsonl
 from tuneloop.records import (
     IDS_SUFFIX,
@@ -200,6 +200,51 @@ def test_the_pool_ids_come_from_the_ids_files_only_while_they_match_their_batch(
     index.write_bytes(ids_index(content, [other]))
     newest_ids = {PoolRecord.model_validate(r).id for r in read_jsonl(newest)}
     assert pool_ids(pool) == (written - newest_ids) | {other}
+
+
+def test_a_batch_is_hashed_once_until_its_file_changes(
+    project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data, _ = hostile_file()
+    (project / "data/badcases/incoming/hostile.jsonl").write_bytes(data)
+    ingest.main()
+    pool = project / "data/pool"
+    written = {PoolRecord.model_validate(r).id for b in pool_batches(pool) for r in read_jsonl(b)}
+    hashed: list[int] = []
+    real = records.xxhash.xxh3_128_digest
+
+    def counting(data: Any) -> bytes:
+        hashed.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(records.xxhash, "xxh3_128_digest", counting)
+    records.hashes_path(pool).unlink()  # ingest remembered the batch it found
+    assert pool_ids(pool) == written and len(hashed) == 2  # each batch, once
+    assert records.hashes_path(pool).is_file()
+    hashed.clear()
+    assert pool_ids(pool) == written and hashed == []  # remembered by size, times and inode
+
+    # Rewritten with its old mtime put back: the ctime still moves, so it is hashed again,
+    # and its ids file (of the old bytes) is no longer believed.
+    newest = pool_batches(pool)[-1]
+    before = newest.stat()
+    content = newest.read_bytes()
+    first = content.index(b"\n") + 1
+    newest.write_bytes(content[first:] + content[:first])  # the same size, other bytes
+    os.utime(newest, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert pool_ids(pool) == written and len(hashed) == 1
+
+    # A remembered digest that is not the batch's makes its ids file disbelieved, never
+    # believed: the batch is read; an unreadable memo is hashed around.
+    memo = records.hashes_path(pool)
+    entries = json.loads(memo.read_text())
+    for entry in entries.values():
+        entry["xxh3"] = "00" * 16
+    memo.write_text(json.dumps(entries))
+    assert pool_ids(pool) == written
+    memo.write_text("{not json")
+    hashed.clear()
+    assert pool_ids(pool) == written and len(hashed) == 2
 
 
 def test_a_crash_mid_ingest_leaves_the_pool_as_it_was(

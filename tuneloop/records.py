@@ -18,10 +18,12 @@ which the next ingest dedupes against without parsing the records.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import mmap
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +32,7 @@ from typing import Annotated, Any, Literal
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from tuneloop.io import read_jsonl
+from tuneloop.io import read_json, read_jsonl, write_json
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +332,37 @@ def ids_index(batch: bytes | Sequence[bytes], ids: Sequence[str]) -> bytes:
     )
 
 
-def _indexed_ids(batch: Path) -> list[str] | None:
+def hashes_path(pool: Path) -> Path:
+    """Where ``pool_ids`` remembers each batch's xxh3-128: beside the pool (a DVC out hashed
+    whole), like its lock and staging folder."""
+    return pool.parent / f".{pool.name}.hashes.json"
+
+
+def _stamp(stat: os.stat_result) -> list[int]:
+    # ctime too: no utime() sets it, so bytes rewritten under a restored mtime still change it.
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
+
+
+def _batch_digest(batch: Path, known: dict[str, Any]) -> bytes:
+    """The batch's xxh3-128: remembered in ``known`` for this size, mtime, ctime and inode
+    (as DVC trusts its own state), else hashed and remembered there."""
+    stat = batch.stat()
+    entry = known.get(batch.name)
+    if isinstance(entry, dict) and entry.get("stat") == _stamp(stat):
+        with contextlib.suppress(TypeError, ValueError):
+            return bytes.fromhex(entry["xxh3"])
+    if stat.st_size:
+        # Hashed where it lies (a map of the page cache): reading a month's batch into memory
+        # first cost as much again in page faults as the hash.
+        with batch.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            digest = xxhash.xxh3_128_digest(data)
+    else:
+        digest = xxhash.xxh3_128_digest(b"")
+    known[batch.name] = {"stat": _stamp(stat), "xxh3": digest.hex()}
+    return digest
+
+
+def _indexed_ids(batch: Path, known: dict[str, Any]) -> list[str] | None:
     """The ids of a batch from its ids file, or None: missing, damaged, or not of these bytes."""
     try:
         index = batch.with_suffix(IDS_SUFFIX).read_bytes()
@@ -340,16 +372,7 @@ def _indexed_ids(batch: Path) -> list[str] | None:
     if len(index) < header or not index.startswith(_IDS_MAGIC) or (len(index) - header) % _ID_BYTES:
         return None
     size = int.from_bytes(index[len(_IDS_MAGIC) : len(_IDS_MAGIC) + 8], "little")
-    if size != batch.stat().st_size:
-        return None
-    if size:
-        # Hashed where it lies (a map of the page cache): reading a month's batch into memory
-        # first cost as much again in page faults as the hash.
-        with batch.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            digest = xxhash.xxh3_128_digest(data)
-    else:
-        digest = xxhash.xxh3_128_digest(b"")
-    if index[header - 16 : header] != digest:
+    if size != batch.stat().st_size or index[header - 16 : header] != _batch_digest(batch, known):
         return None
     text = index[header:].hex()
     return [text[i : i + 2 * _ID_BYTES] for i in range(0, len(text), 2 * _ID_BYTES)]
@@ -367,8 +390,17 @@ def pool_ids(pool: Path) -> set[str]:
     options = pa_json.ParseOptions(
         explicit_schema=pa.schema([("id", pa.string())]), unexpected_field_behavior="ignore"
     )
-    for path in pool_batches(pool):
-        indexed = _indexed_ids(path)
+    memo = hashes_path(pool)
+    try:
+        remembered = read_json(memo)
+    except (OSError, ValueError):
+        remembered = None
+    if not isinstance(remembered, dict):
+        remembered = {}
+    batches = pool_batches(pool)
+    known = {b.name: remembered.get(b.name) for b in batches if b.name in remembered}
+    for path in batches:
+        indexed = _indexed_ids(path, known)
         if indexed is not None:
             ids.update(indexed)
         elif path.stat().st_size:
@@ -380,4 +412,7 @@ def pool_ids(pool: Path) -> set[str]:
                 parse_options=options,
             )
             ids.update(table.column("id").to_pylist())
+    if known != remembered and memo.parent.is_dir():
+        # Only what was read: the write needs the pool's lock, which ingest holds.
+        write_json(memo, known)
     return ids
