@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -222,16 +223,20 @@ def test_a_batch_is_hashed_once_until_its_file_changes(
     assert pool_ids(pool) == written and len(hashed) == 2  # each batch, once
     assert records.hashes_path(pool).is_file()
     hashed.clear()
-    assert pool_ids(pool) == written and hashed == []  # remembered by size, times and inode
+    assert pool_ids(pool) == written and hashed == []  # remembered by size and mtime
+    copy = project / "copy" / "pool"  # a copy that keeps the times (cp -p, a restore)
+    shutil.copytree(pool, copy)
+    shutil.copy2(records.hashes_path(pool), records.hashes_path(copy))
+    assert pool_ids(copy) == written and hashed == []
 
-    # Rewritten with its old mtime put back: the ctime still moves, so it is hashed again,
-    # and its ids file (of the old bytes) is no longer believed.
+    # Rewritten to the same size: its mtime moves, so it is hashed again, and its ids file
+    # (of the old bytes) is no longer believed.
     newest = pool_batches(pool)[-1]
     before = newest.stat()
     content = newest.read_bytes()
     first = content.index(b"\n") + 1
     newest.write_bytes(content[first:] + content[:first])  # the same size, other bytes
-    os.utime(newest, ns=(before.st_atime_ns, before.st_mtime_ns))
+    os.utime(newest, ns=(before.st_atime_ns, before.st_mtime_ns + 1))
     assert pool_ids(pool) == written and len(hashed) == 1
 
     # A remembered digest that is not the batch's makes its ids file disbelieved, never

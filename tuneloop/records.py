@@ -339,13 +339,16 @@ def hashes_path(pool: Path) -> Path:
 
 
 def _stamp(stat: os.stat_result) -> list[int]:
-    # ctime too: no utime() sets it, so bytes rewritten under a restored mtime still change it.
-    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
+    # What clean's cache already trusts a batch's md5 by (``cleancache._batch_segments``): a
+    # copy of the project (cp -p, a backup restored) keeps it, so a month there reads no
+    # batch again. Bytes rewritten to the same size under a restored mtime would pass, here,
+    # there and in `dvc status` alike.
+    return [stat.st_size, stat.st_mtime_ns]
 
 
 def _batch_digest(batch: Path, known: dict[str, Any]) -> bytes:
-    """The batch's xxh3-128: remembered in ``known`` for this size, mtime, ctime and inode
-    (as DVC trusts its own state), else hashed and remembered there."""
+    """The batch's xxh3-128: remembered in ``known`` for this size and mtime, else hashed
+    and remembered there."""
     stat = batch.stat()
     entry = known.get(batch.name)
     if isinstance(entry, dict) and entry.get("stat") == _stamp(stat):
