@@ -14,9 +14,10 @@ EXTRAS ?= dev,server
 BIN    := $(VENV)/bin
 # uv installs what pip would (the same versions), in a minute where pip took nearly four on 2
 # cores. It reads no pip.conf: the folders pip finds local wheels in (a CPU build of torch,
-# say) are handed to it.
+# say) are handed to it. It compiles the bytecode at install, as pip does: where
+# PYTHONDONTWRITEBYTECODE is set, every process would otherwise compile torch and the rest again.
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
-UV      = $(BIN)/uv pip install --quiet --python $(BIN)/python $(foreach d,$(FIND_LINKS),--find-links $(d))
+UV      = $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python $(foreach d,$(FIND_LINKS),--find-links $(d))
 # Test workers (pytest-xdist): one a core, at most four; TEST_WORKERS=0 runs in this process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 
