@@ -12,7 +12,7 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS ?= dev,server
 BIN    := $(VENV)/bin
-# uv installs what pip would (the same versions), in a minute where pip took nearly four on 2
+# uv installs what pip would (the same versions), in 1.5 minutes where pip took nearly four on 2
 # cores. It reads no pip.conf: the folders pip finds local wheels in (a CPU build of torch,
 # say) are handed to it. It compiles the bytecode at install, as pip does: where
 # PYTHONDONTWRITEBYTECODE is set, every process would otherwise compile torch and the rest again.
