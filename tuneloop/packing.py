@@ -333,6 +333,7 @@ def gather_runs(
         out = tuple(np.empty(total, dtype=column.dtype) for column in columns)
     starts = np.asarray(starts, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
+    places_at = None if at is None else np.asarray(at, dtype=np.int64)
     ends = np.cumsum(lengths)
     run, done = 0, 0
     while run < len(lengths):
@@ -343,12 +344,11 @@ def gather_runs(
         within = np.cumsum(chunk_lengths) - chunk_lengths
         step = np.arange(size)
         index = np.repeat(starts[run:stop] - within, chunk_lengths) + step
-        if at is None:
+        if places_at is None:
             for source, target in zip(columns, out, strict=True):
                 target[done : done + size] = source[index]
         else:
-            places = np.repeat(np.asarray(at[run:stop], dtype=np.int64) - within, chunk_lengths)
-            places += step
+            places = np.repeat(places_at[run:stop] - within, chunk_lengths) + step
             for source, target in zip(columns, out, strict=True):
                 target[places] = source[index]
         run, done = stop, done + size

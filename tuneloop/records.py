@@ -334,7 +334,8 @@ def ids_index(batch: bytes | Sequence[bytes], ids: Sequence[str]) -> bytes:
 
 def hashes_path(pool: Path) -> Path:
     """Where ``pool_ids`` remembers each batch's xxh3-128: beside the pool (a DVC out hashed
-    whole), like its lock and staging folder."""
+    whole), like its lock and staging folder (``tuneloop.pool``, which the stages that only
+    read the pool do not import)."""
     return pool.parent / f".{pool.name}.hashes.json"
 
 
@@ -346,13 +347,12 @@ def _stamp(stat: os.stat_result) -> list[int]:
     return [stat.st_size, stat.st_mtime_ns]
 
 
-def _batch_digest(batch: Path, known: dict[str, Any]) -> bytes:
+def _batch_digest(batch: Path, stat: os.stat_result, known: dict[str, Any]) -> bytes:
     """The batch's xxh3-128: remembered in ``known`` for this size and mtime, else hashed
     and remembered there."""
-    stat = batch.stat()
     entry = known.get(batch.name)
     if isinstance(entry, dict) and entry.get("stat") == _stamp(stat):
-        with contextlib.suppress(TypeError, ValueError):
+        with contextlib.suppress(KeyError, TypeError, ValueError):
             return bytes.fromhex(entry["xxh3"])
     if stat.st_size:
         # Hashed where it lies (a map of the page cache): reading a month's batch into memory
@@ -375,7 +375,8 @@ def _indexed_ids(batch: Path, known: dict[str, Any]) -> list[str] | None:
     if len(index) < header or not index.startswith(_IDS_MAGIC) or (len(index) - header) % _ID_BYTES:
         return None
     size = int.from_bytes(index[len(_IDS_MAGIC) : len(_IDS_MAGIC) + 8], "little")
-    if size != batch.stat().st_size or index[header - 16 : header] != _batch_digest(batch, known):
+    stat = batch.stat()
+    if size != stat.st_size or index[header - 16 : header] != _batch_digest(batch, stat, known):
         return None
     text = index[header:].hex()
     return [text[i : i + 2 * _ID_BYTES] for i in range(0, len(text), 2 * _ID_BYTES)]
@@ -401,7 +402,7 @@ def pool_ids(pool: Path) -> set[str]:
     if not isinstance(remembered, dict):
         remembered = {}
     batches = pool_batches(pool)
-    known = {b.name: remembered.get(b.name) for b in batches if b.name in remembered}
+    known = {b.name: remembered[b.name] for b in batches if b.name in remembered}
     for path in batches:
         indexed = _indexed_ids(path, known)
         if indexed is not None:
