@@ -313,7 +313,13 @@ class NearDupIndex:
         for start in range(0, len(rows), _PAIRS_PER_STEP):
             r = rows[start : start + _PAIRS_PER_STEP]
             i = ids[start : start + _PAIRS_PER_STEP]
-            sims = similarity(sketches[r], self.rows(i))
+            # Pairs come in id order: each indexed row is read once, in the order the rows lie
+            # (a history on disk is memory-mapped, and one row may pair with many).
+            first = np.empty(len(i), dtype=bool)
+            first[:1] = True
+            np.not_equal(i[1:], i[:-1], out=first[1:])
+            indexed = self.rows(i[first])[np.cumsum(first) - 1]
+            sims = similarity(sketches[r], indexed)
             hit = sims >= self.threshold
             keep_rows.append(r[hit])
             keep_ids.append(i[hit])
@@ -391,7 +397,7 @@ class NearDupIndex:
         return kept, match
 
     def _candidates(self, band_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Distinct (query row, id) pairs that share at least one band key."""
+        """Distinct (query row, id) pairs that share at least one band key, by id then row."""
         if not self._size or not len(band_keys):
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty
@@ -414,8 +420,10 @@ class NearDupIndex:
         if not rows:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty
-        pairs = _distinct(np.concatenate(rows) * self._size + np.concatenate(ids))
-        return pairs // self._size, pairs % self._size
+        # Ordered by id, then query row: see query_sketches.
+        n_rows = len(band_keys)
+        pairs = _distinct(np.concatenate(ids) * n_rows + np.concatenate(rows))
+        return pairs % n_rows, pairs // n_rows
 
     def _check_shape(self, sketches: np.ndarray) -> None:
         if sketches.ndim != 2 or sketches.shape[1] != self.num_perm:
