@@ -44,7 +44,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/tuneloop demo
 
+# DeepSpeed compiles its CPU communication op at the first two-process launch on a machine without
+# a GPU: 40 s of g++ with both cores free, two minutes inside a test beside the other worker.
+# Built here, before the workers start; torch caches it (~/.cache/torch_extensions), so after the
+# first time this is a check of a few seconds. Nothing to do where DeepSpeed is not installed.
 test: setup
+	$(BIN)/python -c "import importlib as i, importlib.util as u; u.find_spec('deepspeed') and i.import_module('deepspeed.comm.torch').build_shm_op()"
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: setup

@@ -482,7 +482,7 @@ def test_sigkill_mid_run_then_rerun_continues_to_the_same_final_step(
 def test_deepspeed_two_processes_save_the_single_process_format(
     data: Path, tmp_path: Path, distributed: str, method: str
 ) -> None:
-    # On a CPU the first launch compiles DeepSpeed's communication op (about 40 s, g++ + ninja).
+    # On a CPU the first launch compiles DeepSpeed's communication op; `make test` builds it first.
     folder = make_project(data, tmp_path, world_size=2, distributed=distributed, method=method)
     done = run_stage(folder)
     assert done.returncode == 0, done.stderr[-3000:]
