@@ -449,7 +449,8 @@ def test_connection_errors_and_timeouts_are_counted(
             {"champion": backends["champion"], "challenger": dead_url},
             tmp_path,
             percent=100,
-            timeouts={"read": 0.3},
+            # The refused connect fails at once, within any connect timeout a busy machine needs.
+            timeouts={"read": 0.3, "connect": 30.0},
         )
         with running_router(config) as client:
             down = chat(client, "u1")
