@@ -12,6 +12,8 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS ?= dev,server
 BIN    := $(VENV)/bin
+# The venv's commands first (dvc, ninja, tuneloop), for the processes the demo and tests start.
+IN_VENV = PATH="$(CURDIR)/$(BIN):$$PATH"
 # uv installs what pip would (the same versions), in 1.5 minutes where pip took nearly four on 2
 # cores. It reads no pip.conf: the folders pip finds local wheels in (a CPU build of torch,
 # say) are handed to it. It compiles the bytecode at install, as pip does: where
@@ -42,15 +44,16 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 demo: setup
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/tuneloop demo
+	$(IN_VENV) $(BIN)/tuneloop demo
 
 # DeepSpeed compiles its CPU communication op at the first two-process launch on a machine without
 # a GPU: 40 s of g++ with both cores free, two minutes inside a test beside the other worker.
 # Built here, before the workers start; torch caches it (~/.cache/torch_extensions), so after the
 # first time this is a check of a few seconds. Nothing to do where DeepSpeed is not installed.
+# Under the tests' PATH: with another ninja than theirs (the system's), the op is built again.
 test: setup
-	$(BIN)/python -c "import importlib as i, importlib.util as u; u.find_spec('deepspeed') and i.import_module('deepspeed.comm.torch').build_shm_op()"
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(IN_VENV) $(BIN)/python -c "import importlib as i, importlib.util as u; u.find_spec('deepspeed') and i.import_module('deepspeed.comm.torch').build_shm_op()"
+	$(IN_VENV) $(BIN)/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
