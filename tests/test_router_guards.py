@@ -238,9 +238,9 @@ def test_a_burst_of_challenger_errors_rolls_back_in_the_router(
     arms = {"champion": backends["champion"], "challenger": dead_url}
     # A refused connection fails at once; the default 2 s connect timeout could still fire
     # first on a busy machine (the router's loop starved for 2 s), a 504 where this counts 502s.
-    slow = {"connect": 30.0, "pool": 30.0}
     state_file = tmp_path / "state.json"
-    config = make_config(arms, tmp_path, percent=100, state_file=state_file, timeouts=slow)
+    patient = {"connect": 30.0}
+    config = make_config(arms, tmp_path, percent=100, state_file=state_file, timeouts=patient)
     with running_router(config) as client:
         # No lease, no fast fail: errors are only counted (the analysis judges them).
         assert [chat(client, f"u{i}").status_code for i in range(5)] == [502] * 5

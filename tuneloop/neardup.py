@@ -315,9 +315,7 @@ class NearDupIndex:
             i = ids[start : start + _PAIRS_PER_STEP]
             # Pairs come in id order: each indexed row is read once, in the order the rows lie
             # (a history on disk is memory-mapped, and one row may pair with many).
-            first = np.empty(len(i), dtype=bool)
-            first[:1] = True
-            np.not_equal(i[1:], i[:-1], out=first[1:])
+            first = _run_starts(i)
             indexed = self.rows(i[first])[np.cumsum(first) - 1]
             sims = similarity(sketches[r], indexed)
             hit = sims >= self.threshold
@@ -441,10 +439,15 @@ def _distinct(values: np.ndarray) -> np.ndarray:
     8 s where a sort and a mask take 0.4 s.
     """
     ordered = np.sort(values)
+    return ordered[_run_starts(ordered)]
+
+
+def _run_starts(ordered: np.ndarray) -> np.ndarray:
+    """True where a sorted array's value differs from the one before it (and at the start)."""
     first = np.empty(len(ordered), dtype=bool)
     first[:1] = True
     np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    return ordered[first]
+    return first
 
 
 def dedup(
