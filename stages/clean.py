@@ -6,7 +6,9 @@ Reads:  ``paths.pool`` records; eval suite items under ``paths.eval_suites`` (al
         (the pool batches the start already trained on).
 Writes: ``paths.clean``/train.jsonl, val.jsonl (``{"id", "messages"}``), dpo.jsonl
         (``{"id", "prompt", "chosen", "rejected"}``), train.turns.npz (the key of each user
-        turn of train.jsonl, for preflight: ``tuneloop.turnkeys``), manifest.json;
+        turn of train.jsonl, for preflight: ``tuneloop.turnkeys``), train.parts.json and
+        val.parts.json (where each pool segment's lines lie, for pack:
+        ``tuneloop.fileparts``), manifest.json;
         ``paths.clean_cache`` (each record's work, and the decisions in pool order);
         ``metrics/clean.json``.
 Params: ``clean``, ``model.base``, ``paths``.

@@ -1,16 +1,18 @@
 """Stage ``pack``: chats into packed, rank-balanced training shards.
 
-Reads:  ``paths.clean``/train.jsonl and val.jsonl; the base model's tokenizer;
+Reads:  ``paths.clean``/train.jsonl and val.jsonl (and the parts clean wrote them in,
+        ``train.parts.json`` and ``val.parts.json``); the base model's tokenizer;
         ``paths.pack_cache``.
 Writes: ``paths.packed``/rank-NNNNN.parquet (one shard per training rank, each
         with exactly the same number of micro-batches), val.parquet,
         manifest.json (counts, tokens per rank, efficiency); ``paths.pack_cache`` (the
-        token ids and labels of each line, reused for the lines clean left as they were);
-        ``metrics/pack.json``.
+        packed bins of each part, and the token ids and labels of each line, reused for
+        the parts and lines clean left as they were); ``metrics/pack.json``.
 Params: ``pack``, ``batch``, ``model.base``, ``paths``.
 
 The shard schema (one row per bin of ``pack.seq_len`` tokens at most, with the layout TRL's
-padding-free collator reads) is ``tuneloop.shards``'s. Tokens go from the tokenizer into flat
+padding-free collator reads) is ``tuneloop.shards``'s; packing part by part and its cache are
+``tuneloop.packcache``'s. Tokens go from the tokenizer into flat
 numpy arrays and from there into Arrow columns, without a Python object per token.
 """
 
@@ -18,13 +20,12 @@ from __future__ import annotations
 
 import logging
 
-import pyarrow as pa
-
-from tuneloop import lineage, shards, tokencache
+from tuneloop import lineage, packcache, shards
 from tuneloop.chat import ChatTokenizer, load_chat_tokenizer
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.models import base_model_ref
-from tuneloop.packing import PackResult, balance_ranks, pack_samples
+from tuneloop.packcache import Packed
+from tuneloop.packing import balance_ranks
 from tuneloop.params import Params, load_params
 from tuneloop.stage import logged_after, setup_logging, write_metrics
 
@@ -32,19 +33,25 @@ STAGE = "pack"
 log = logging.getLogger(__name__)
 
 
-def pack_split(split: str, tokenizer: ChatTokenizer, params: Params) -> PackResult:
-    """Tokenize (new lines only, the rest from ``paths.pack_cache``) and pack a clean file."""
-    tokens = tokencache.tokens_of(
-        params.paths.clean / f"{split}.jsonl", params.paths.pack_cache / split, tokenizer
-    )
-    log.info("pack: %s: %d lines tokenized, the rest cached", split, tokens.lines_tokenized)
-    offsets = pa.array(tokens.offsets, pa.int32())
-    return pack_samples(
-        pa.ListArray.from_arrays(offsets, pa.array(tokens.ids)),
-        pa.ListArray.from_arrays(offsets, pa.array(tokens.labels)),
+def pack_split(split: str, tokenizer: ChatTokenizer, params: Params) -> Packed:
+    """Pack a clean file part by part: the parts packed before from ``paths.pack_cache``, the
+    others from tokens (the lines tokenized before, from the same cache)."""
+    packed = packcache.pack_file(
+        params.paths.clean / f"{split}.jsonl",
+        params.paths.pack_cache,
+        split,
+        tokenizer,
         params.pack.seq_len,
         params.pack.overlong,
     )
+    log.info(
+        "pack: %s: %d of %d parts packed before; %d lines tokenized, the rest cached",
+        split,
+        packed.parts_reused,
+        packed.parts,
+        packed.lines_tokenized,
+    )
+    return packed
 
 
 def main() -> None:
@@ -52,8 +59,10 @@ def main() -> None:
     params = load_params()
     with logged_after(STAGE, params):
         tokenizer = load_chat_tokenizer(base_model_ref(params))
-        train = pack_split("train", tokenizer, params)
-        val = pack_split("val", tokenizer, params)
+        train_parts = pack_split("train", tokenizer, params)
+        val_parts = pack_split("val", tokenizer, params)
+        packcache.prune(params.paths.pack_cache, [*train_parts.keys, *val_parts.keys])
+        train, val = train_parts.result, val_parts.result
         batch = params.batch
         plan = balance_ranks(
             train.bins.tokens_per_bin,

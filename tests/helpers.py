@@ -6,6 +6,7 @@ Test modules import from here (never from each other); ``conftest.py`` holds the
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -108,6 +109,16 @@ def chat_messages(record: dict[str, object]) -> list[dict[str, str]]:
     return [
         {"role": "user", "content": str(record["prompt"])},
         {"role": "assistant", "content": str(record["response"])},
+    ]
+
+
+def chat_lines(seed: int, n: int) -> list[str]:
+    """``n`` demo support records as clean's training lines (``{"id", "messages"}``)."""
+    from tuneloop import demo
+
+    return [
+        json.dumps({"id": f"{seed}-{i}", "messages": chat_messages(r)}, ensure_ascii=False)
+        for i, r in enumerate(demo.support_records(seed, n))
     ]
 
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.clean_helpers import PARAMS, pool_line, write_pool
-from tuneloop import cleancache, demo, text, tiny, turnkeys
+from tuneloop import cleancache, demo, fileparts, text, tiny, turnkeys
 from tuneloop.chat import ChatTokenizer
 from tuneloop.cleancache import CleanReport, clean_pool
 from tuneloop.cleaning import hash_fractions
@@ -87,7 +87,21 @@ def run(
     report = clean_pool(root / "pool", cache, out, evals, params, tokenizer, seen)
     files = {name: (out / name).read_bytes() for name in ("train.jsonl", "val.jsonl", "dpo.jsonl")}
     assert_turn_keys_describe(out)
+    assert_parts_describe(out)
     return Run(report, files)
+
+
+def assert_parts_describe(out: Path) -> None:
+    """The parts clean writes for pack are its segments' lines, in file order."""
+    for split in ("train", "val"):
+        data = (out / f"{split}.jsonl").read_bytes()
+        parts = fileparts.read(out / f"{split}.jsonl", data)
+        assert all(p.name != "whole" for p in parts)
+        start = 0
+        for part in parts:
+            assert data[start : start + part.size].count(b"\n") == part.lines
+            start += part.size
+        assert start == len(data)
 
 
 def assert_turn_keys_describe(out: Path) -> None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.helpers import chat_lines
 from tuneloop import demo, tiny
 from tuneloop.chat import ChatTokenizer
 from tuneloop.tokencache import Tokens, tokens_of
@@ -18,17 +18,6 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
     folder = tmp_path_factory.mktemp("tokenizer")
     tiny.build_tokenizer(demo.tokenizer_corpus(0), 512).save_pretrained(folder)
     return ChatTokenizer.from_folder(folder)
-
-
-def chat_lines(seed: int, n: int) -> list[str]:
-    lines = []
-    for i, record in enumerate(demo.support_records(seed, n)):
-        messages = record.get("messages") or [
-            {"role": "user", "content": record["prompt"]},
-            {"role": "assistant", "content": record["response"]},
-        ]
-        lines.append(json.dumps({"id": f"{seed}-{i}", "messages": messages}, ensure_ascii=False))
-    return lines
 
 
 def write(path: Path, lines: list[str]) -> Path:

@@ -16,7 +16,8 @@ A month's run therefore computes features for its new records only and decides t
 against the cached index of the earlier ones. The output is the same bytes whether an
 entry came from the cache or not (``tests/test_clean_cache.py``). Beside train.jsonl goes
 the key of each of its user turns (``tuneloop.turnkeys``), which preflight checks eval
-contamination with.
+contamination with, and beside each file where each segment's lines lie in it
+(``tuneloop.fileparts``), which pack packs by.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from tuneloop import turnkeys
+from tuneloop import fileparts, turnkeys
 from tuneloop.chat import ChatTokenizer
 from tuneloop.cleaning import (
     DPO_REASONS,
@@ -341,6 +342,7 @@ def clean_pool(
     chain = decisions_fingerprint(params, evals)
     history = History(params.near_dup_threshold)
     turn_keys = turnkeys.TurnKeysWriter()
+    parts: dict[str, list[fileparts.Part]] = {"train": [], "val": []}
     with (
         (out / "train.jsonl").open("wb") as train,
         (out / "val.jsonl").open("wb") as val,
@@ -376,10 +378,14 @@ def clean_pool(
             report.records_in += len(codes)
             lines = _lines(f.lines, f.line_offsets, train_rows)
             train.write(lines)
+            parts["train"].append(fileparts.Part(segment.name, len(train_rows), len(lines)))
             user_rows, turns_per_line = f.user_rows(train_rows)
             turn_keys.add(lines, len(train_rows), turns_per_line, f.user_key[user_rows])
             report.train += len(train_rows)
-            report.val += _copy_lines(f.lines, f.line_offsets, val_rows, val)
+            val_lines = _lines(f.lines, f.line_offsets, val_rows)
+            val.write(val_lines)
+            parts["val"].append(fileparts.Part(segment.name, len(val_rows), len(val_lines)))
+            report.val += len(val_rows)
             report.train_tokens += int(np.asarray(f.tokens)[train_rows].sum())
             if skipped := int(((codes == TRAIN) & ~replayed).sum()):
                 report.removed[NOT_REPLAYED] += skipped
@@ -408,6 +414,8 @@ def clean_pool(
                 if code >= 2:
                     report.removed[REASONS[int(code) - 2]] += int(count)
     turn_keys.save(out / turnkeys.NAME)
+    for split, split_parts in parts.items():
+        fileparts.write(out / f"{split}.jsonl", split_parts)
     _prune(cache, segments)
     report.cache["records_reused"] = report.records_in - report.cache["records_computed"]
     return report

@@ -1,7 +1,8 @@
 """Sequence packing for padding-free training, and an even split of the packed bins across ranks.
 
 ``pack_samples`` puts tokenized samples into bins of ``seq_len`` tokens with best-fit decreasing
-(BFD), over the whole dataset at once. Each bin is a row in TRL's packed format (``input_ids``,
+(BFD), over all of its input at once (the pack stage gives it a part of clean's file at a
+time, ``tuneloop.packcache``). Each bin is a row in TRL's packed format (``input_ids``,
 ``labels``, ``seq_lengths``), so ``DataCollatorForLanguageModeling(padding_free=True)`` restarts
 position ids at every sample and no sample attends to its neighbour.
 
@@ -98,6 +99,8 @@ class PackedBins:
     def select(self, indices: Sequence[int] | np.ndarray) -> PackedBins:
         """The given bins, in the given order."""
         chosen = np.asarray(indices, dtype=np.int64)
+        if np.array_equal(chosen, np.arange(len(self))):  # one rank: all of them, as they are
+            return self
         tokens = self.tokens_per_bin[chosen]
         seqs = np.diff(self.seq_offsets)[chosen]
         bin_offsets = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
@@ -219,6 +222,46 @@ def pack_samples(input_ids: Rows, labels: Rows, seq_len: int, overlong: Overlong
         real_tokens=real_tokens,
         label_tokens=int(np.count_nonzero(labelled)),
         efficiency=real_tokens / (len(bins) * seq_len) if len(bins) else 0.0,
+    )
+
+
+def join_packed(parts: Sequence[PackResult], seq_len: int) -> PackResult:
+    """Parts packed one after the other as one result: the bins of each part in order, and
+    each part's sample indices moved past the samples of the parts before it."""
+    if len(parts) == 1:
+        return parts[0]
+    n_bins = sum(len(p.bins) for p in parts)
+    n_tokens = sum(len(p.bins.input_ids) for p in parts)
+    n_seqs = sum(len(p.bins.seq_lengths) for p in parts)
+    input_ids = np.empty(n_tokens, dtype=np.int32)
+    labels = np.empty(n_tokens, dtype=np.int32)
+    seq_lengths = np.empty(n_seqs, dtype=np.int64)
+    sample_indices = np.empty(n_seqs, dtype=np.int64)
+    bin_offsets = np.zeros(n_bins + 1, dtype=np.int64)
+    seq_offsets = np.zeros(n_bins + 1, dtype=np.int64)
+    bins = tokens = seqs = samples = 0
+    for part in parts:
+        b = part.bins
+        n, t, s = len(b), len(b.input_ids), len(b.seq_lengths)
+        input_ids[tokens : tokens + t] = b.input_ids
+        labels[tokens : tokens + t] = b.labels
+        seq_lengths[seqs : seqs + s] = b.seq_lengths
+        sample_indices[seqs : seqs + s] = np.asarray(b.sample_indices) + samples
+        bin_offsets[bins + 1 : bins + n + 1] = np.asarray(b.bin_offsets[1:]) + tokens
+        seq_offsets[bins + 1 : bins + n + 1] = np.asarray(b.seq_offsets[1:]) + seqs
+        bins, tokens, seqs, samples = bins + n, tokens + t, seqs + s, samples + part.n_samples_in
+    real_tokens = sum(p.real_tokens for p in parts)
+    return PackResult(
+        bins=PackedBins(input_ids, labels, bin_offsets, seq_lengths, sample_indices, seq_offsets),
+        n_samples_in=samples,
+        n_truncated=sum(p.n_truncated for p in parts),
+        n_dropped=sum(p.n_dropped for p in parts),
+        n_split=sum(p.n_split for p in parts),
+        n_no_label=sum(p.n_no_label for p in parts),
+        tokens_cut=sum(p.tokens_cut for p in parts),
+        real_tokens=real_tokens,
+        label_tokens=sum(p.label_tokens for p in parts),
+        efficiency=real_tokens / (n_bins * seq_len) if n_bins else 0.0,
     )
 
 

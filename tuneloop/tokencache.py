@@ -5,8 +5,9 @@ once training continues from last month's champion, another replay share of the 
 (``clean.replay_fraction``, drawn again each month). So the tokens of a line are kept by the
 line's own bytes, wherever it stands in the file: a segment of the cache holds its lines'
 token ids, labels and lengths and each line's key (xxh3-128 of its bytes). A run keys every
-line of the file, takes the tokens of each line some segment holds, and tokenizes only the
-others, into one new segment. A line is the same record as the month before wherever clean
+line it is given (pack gives it the lines of the parts it holds no packed bins of,
+``tuneloop.packcache``), takes the tokens of each line some segment holds, and tokenizes only
+the others, into one new segment. A line is the same record as the month before wherever clean
 puts it, so the cache grows with the distinct lines clean has written (the pool's kept
 records), not with the months. A different tokenizer or tokenization code (the fingerprint)
 starts from nothing; a segment that cannot be read, or does not add up, is dropped and its
@@ -52,7 +53,8 @@ class Tokens:
     """Lines tokenized by this run (the others came from the cache)."""
 
 
-def _lines(data: bytes) -> list[bytes]:
+def split_lines(data: bytes) -> list[bytes]:
+    """The lines of a chats file, blank ones left out (a line's index is its sample's)."""
     return [line for line in data.split(b"\n") if line.strip()]
 
 
@@ -191,7 +193,11 @@ def tokens_of(path: Path, cache: Path | None, tokenizer: ChatTokenizer) -> Token
     ``cache`` is this file's own folder (one for train.jsonl, one for val.jsonl); None
     tokenizes everything and keeps nothing.
     """
-    lines = _lines(path.read_bytes())
+    return tokens_of_lines(split_lines(path.read_bytes()), cache, tokenizer)
+
+
+def tokens_of_lines(lines: list[bytes], cache: Path | None, tokenizer: ChatTokenizer) -> Tokens:
+    """``tokens_of`` for lines of a file (``split_lines``)."""
     if cache is None:
         ids, labels, offsets = tokenize_lines(lines, tokenizer)
         return Tokens(ids.astype(np.int32), labels.astype(np.int32), offsets, len(lines))
