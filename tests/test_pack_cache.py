@@ -99,9 +99,7 @@ def test_a_growing_file_packs_only_its_new_parts(tmp_path: Path, tokenizer: Chat
     assert reused == [(0, 3), (2, 4), (3, 5)]
 
 
-def test_parts_pack_at_most_a_bin_each_worse_than_one_pass(
-    tmp_path: Path, tokenizer: ChatTokenizer
-) -> None:
+def test_parts_pack_nearly_as_tight_as_one_pass(tmp_path: Path, tokenizer: ChatTokenizer) -> None:
     lines = chat_lines(4, 300)
     path = write(tmp_path / "train.jsonl", [lines[i : i + 20] for i in range(0, 300, 20)])
     parts = pack(path, None, tokenizer)

@@ -12,9 +12,10 @@ reads the parts it packed before and packs the lines of the new ones; their toke
 from the token cache (``tuneloop.tokencache``) for the lines it holds.
 
 The parts are the same with the cache or without it (they follow clean's files, never
-the cache), so the shards are too (``tests/test_pack_cache.py``). Packing a part alone costs
-at most a partly filled bin per part against one pass over everything; parts of
-``PART_MIN_LINES`` lines keep that under a bin in thousands. Only the last part grows
+the cache), so the shards are too (``tests/test_pack_cache.py``). Packing parts alone costs
+a few bins per part against one pass over everything (the last bins of a part have fewer
+small samples left to fill them): on a million demo records, 24 parts, 132,797 bins against
+132,691 (0.08 % more, the same 97.0 % efficiency). Only the last part grows
 month to month: an earlier one is closed once it holds enough lines. From last month's
 champion, the older parts are a new replay share each month (``clean.replay_fraction``) and
 are packed again, from cached tokens.
