@@ -12,8 +12,8 @@ Params: ``pack``, ``batch``, ``model.base``, ``paths``.
 
 The shard schema (one row per bin of ``pack.seq_len`` tokens at most, with the layout TRL's
 padding-free collator reads) is ``tuneloop.shards``'s; packing part by part and its cache are
-``tuneloop.packcache``'s. Tokens go from the tokenizer into flat
-numpy arrays and from there into Arrow columns, without a Python object per token.
+``tuneloop.packcache``'s. Tokens go from the tokenizer into flat numpy arrays and from there
+into Arrow columns, without a Python object per token.
 """
 
 from __future__ import annotations
