@@ -141,6 +141,18 @@ def read_jsonl(path: Path) -> Iterator[Any]:
                 yield json.loads(line)
 
 
+def remove_all_but(folder: Path, keep: Iterable[str]) -> None:
+    """Delete every entry of ``folder`` (files and folders) whose name is not in ``keep``."""
+    names = set(keep)
+    for entry in folder.iterdir():
+        if entry.name in names:
+            continue
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
     if hasattr(os, "sched_getaffinity"):

@@ -26,9 +26,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +37,7 @@ import xxhash
 
 from tuneloop import fileparts, shards, tokencache
 from tuneloop.chat import ChatTokenizer
-from tuneloop.io import read_json, write_json
+from tuneloop.io import read_json, remove_all_but, write_json
 from tuneloop.packing import Overlong, PackedBins, PackResult, join_packed, pack_samples
 
 log = logging.getLogger(__name__)
@@ -173,14 +172,7 @@ def prune(cache: Path, keep: Iterable[str]) -> None:
     folder = cache / PARTS
     if not folder.is_dir():
         return
-    names = {f"{key}{suffix}" for key in keep for suffix in (".parquet", ".json")}
-    for entry in folder.iterdir():
-        if entry.name in names:
-            continue
-        if entry.is_dir():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
+    remove_all_but(folder, [f"{key}{suffix}" for key in keep for suffix in (".parquet", ".json")])
 
 
 def _save(folder: Path, key: str, packed: PackResult) -> None:
@@ -189,7 +181,7 @@ def _save(folder: Path, key: str, packed: PackResult) -> None:
     shards.write_shard(packed.bins.table(), tmp)
     os.replace(tmp, folder / f"{key}.parquet")
     # The counts go last: a part is in the cache once they are.
-    counts = {name: value for name, value in asdict(packed).items() if name in _COUNTS}
+    counts = {name: getattr(packed, name) for name in _COUNTS}
     write_json(folder / f"{key}.json", {"bins": len(packed.bins), **counts})
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ import orjson
 import xxhash
 
 from tuneloop.chat import ChatTokenizer, tokenize_chats
-from tuneloop.io import read_json, usable_cores, write_json
+from tuneloop.io import read_json, remove_all_but, usable_cores, write_json
 from tuneloop.packing import gather_runs
 
 log = logging.getLogger(__name__)
@@ -223,14 +222,7 @@ def tokens_of_lines(lines: list[bytes], cache: Path | None, tokenizer: ChatToken
     write_json(
         cache / "entry.json", {"fingerprint": expected, "segments": [{"name": n} for n in kept]}
     )
-    names = {f"{n}.{a}.npy" for n in kept for a in _ARRAYS} | {"entry.json"}
-    for stale in cache.iterdir():
-        if stale.name in names:
-            continue
-        if stale.is_dir():
-            shutil.rmtree(stale)
-        else:
-            stale.unlink()
+    remove_all_but(cache, [f"{n}.{a}.npy" for n in kept for a in _ARRAYS] + ["entry.json"])
     return _gather(sources, where, len(fresh))
 
 
