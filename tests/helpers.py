@@ -178,3 +178,10 @@ def mlflow_server(store_uri: str) -> Iterator[str]:
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def tokens_of(path: Path, cache: Path | None, tokenizer: Any) -> Any:
+    """The tokens of every line of a chats file, as pack gets them (``tokencache``)."""
+    from tuneloop import tokencache
+
+    return tokencache.tokens_of_lines(tokencache.split_lines(path.read_bytes()), cache, tokenizer)

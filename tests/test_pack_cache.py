@@ -20,7 +20,6 @@ from tuneloop.chat import ChatTokenizer
 from tuneloop.packcache import Packed, pack_file, part_ranges
 from tuneloop.packing import pack_samples
 from tuneloop.shards import IGNORE_INDEX
-from tuneloop.tokencache import tokens_of
 
 SEQ_LEN = 96
 
@@ -70,7 +69,7 @@ def assert_same(a: Packed, b: Packed) -> None:
 
 def assert_bins_hold_their_lines(packed: Packed, path: Path, tokenizer: ChatTokenizer) -> None:
     """Every packed sequence is the tokens of the line its sample index names."""
-    tokens = tokens_of(path, None, tokenizer)
+    tokens = helpers.tokens_of(path, None, tokenizer)
     bins = packed.result.bins
     starts = np.concatenate([[0], np.cumsum(bins.seq_lengths)])
     assert sorted(bins.sample_indices.tolist()) == list(range(len(tokens.offsets) - 1))
@@ -104,7 +103,7 @@ def test_parts_pack_nearly_as_tight_as_one_pass(tmp_path: Path, tokenizer: ChatT
     path = write(tmp_path / "train.jsonl", [lines[i : i + 20] for i in range(0, 300, 20)])
     parts = pack(path, None, tokenizer)
     assert parts.parts == 8  # 7 parts of 40 lines, then 20
-    tokens = tokens_of(path, None, tokenizer)
+    tokens = helpers.tokens_of(path, None, tokenizer)
     offsets = tokens.offsets
     rows = [tokens.ids[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
     labels = [tokens.labels[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]

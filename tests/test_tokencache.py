@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import chat_lines
+from tests.helpers import chat_lines, tokens_of
 from tuneloop import demo, tiny
 from tuneloop.chat import ChatTokenizer
-from tuneloop.tokencache import Tokens, tokens_of
+from tuneloop.tokencache import Tokens
 
 
 @pytest.fixture(scope="module")

@@ -186,17 +186,13 @@ def _find(cached: np.ndarray, wanted: np.ndarray) -> np.ndarray:
     return where
 
 
-def tokens_of(path: Path, cache: Path | None, tokenizer: ChatTokenizer) -> Tokens:
-    """The tokens of every line of ``path``, from ``cache`` for the lines it holds.
+def tokens_of_lines(lines: list[bytes], cache: Path | None, tokenizer: ChatTokenizer) -> Tokens:
+    """The tokens of each of ``lines`` (``split_lines`` of a chats file), from ``cache`` for
+    the lines it holds.
 
-    ``cache`` is this file's own folder (one for train.jsonl, one for val.jsonl); None
+    ``cache`` is the file's own folder (one for train.jsonl, one for val.jsonl); None
     tokenizes everything and keeps nothing.
     """
-    return tokens_of_lines(split_lines(path.read_bytes()), cache, tokenizer)
-
-
-def tokens_of_lines(lines: list[bytes], cache: Path | None, tokenizer: ChatTokenizer) -> Tokens:
-    """``tokens_of`` for lines of a file (``split_lines``)."""
     if cache is None:
         ids, labels, offsets = tokenize_lines(lines, tokenizer)
         return Tokens(ids.astype(np.int32), labels.astype(np.int32), offsets, len(lines))
