@@ -46,13 +46,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tuneloop import demo, init_from  # noqa: E402
+from tuneloop.demo import domain  # noqa: E402
 from tuneloop.io import write_json  # noqa: E402
 from tuneloop.params import load_params  # noqa: E402
+from tuneloop.tracking import init_from  # noqa: E402
 
 STAGES = ("ingest", "clean", "pack")
 # 1x: a month of the demo generator's lines at the size the goals were set on (fixed here, not
-# params.yaml's demo.n_support, which sizes the demo's own months).
+# params.yaml's domain.n_support, which sizes the demo's own months).
 SUPPORT_1X, BADCASES_1X = 16_000, 600
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 SECTION = "## data path"
@@ -84,7 +85,7 @@ def run_stage(project: Path, stage: str) -> StageRun:
 # tokenizer's library as they start their work).
 _STAGE_CODE = (
     *(f"stages.{stage}" for stage in STAGES),
-    "tuneloop.tracking",
+    "tuneloop.tracking.runs",
     "mlflow.store.tracking.sqlalchemy_store",
     "tokenizers",
 )
@@ -124,7 +125,7 @@ def seed_month(project: Path, seed: int, lines: int) -> None:
     incoming = project / "data" / "badcases" / "incoming"
     shutil.rmtree(incoming, ignore_errors=True)
     badcases = round(lines * BADCASES_1X / (SUPPORT_1X + BADCASES_1X))
-    demo.seed_incoming(incoming, seed, lines - badcases, badcases)
+    domain.seed_incoming(incoming, seed, lines - badcases, badcases)
 
 
 def scaling_row(template_folder: Path, parent: Path, scale: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tuneloop.gate import BASE, CANDIDATE, CHAMPION, FP8, Items, SuiteItems, decide
+from tuneloop.judge.gate import BASE, CANDIDATE, CHAMPION, FP8, Items, SuiteItems, decide
 from tuneloop.params import load_params
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Benchmark ``tuneloop.packing.pack_samples`` against ``trl.pack_dataset(strategy="bfd")``.
+"""Benchmark ``tuneloop.data.pack.pack_samples`` against ``trl.pack_dataset(strategy="bfd")``.
 
 Synthetic SFT-like samples: lognormal lengths clipped to [8, seq_len], random token ids, the
 first 10-90 % of each sample masked as prompt (-100), 1 % of samples masked entirely. Both
@@ -28,8 +28,8 @@ import pyarrow.compute as pc
 from datasets.table import InMemoryTable
 from trl import pack_dataset
 
-from tuneloop.packing import balance_ranks, pack_samples
-from tuneloop.shards import IGNORE_INDEX
+from tuneloop.data.pack import balance_ranks, pack_samples
+from tuneloop.data.shards import IGNORE_INDEX
 
 T = TypeVar("T")
 

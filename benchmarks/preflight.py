@@ -33,13 +33,15 @@ from typing import Any
 import numpy as np
 import yaml
 
-from tuneloop import demo, suites, text, tiny, turnkeys
-from tuneloop.chat import tokenize_chat
-from tuneloop.packing import balance_ranks, pack_samples
+from tuneloop.data import text, turn_keys
+from tuneloop.data.chat import tokenize_chat
+from tuneloop.data.pack import balance_ranks, pack_samples
+from tuneloop.data.shards import VAL_SHARD, shard_name, write_shard
+from tuneloop.demo import domain, tiny
+from tuneloop.judge import suites
 from tuneloop.params import load_params
 from tuneloop.preflight import data as pf_data
 from tuneloop.preflight import run as pf_run
-from tuneloop.shards import VAL_SHARD, shard_name, write_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("benchmarks.preflight")
@@ -58,7 +60,7 @@ def chats(
     targets = np.clip(rng.lognormal(mean=5.5, sigma=1.1, size=n), 8, seq_len).astype(int)
     pairs = [
         (str(r["prompt"]), str(r["response"]))
-        for r in demo.support_records(seed, 5000)
+        for r in domain.support_records(seed, 5000)
         if "prompt" in r and r["prompt"] not in eval_questions
     ]
     answer_tokens = [len(ids) for ids in tokenizer([a for _, a in pairs])["input_ids"]]
@@ -101,7 +103,7 @@ def build(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     with contextlib.chdir(folder):
         p = load_params()
-        tokenizer = tiny.build_tokenizer(demo.tokenizer_corpus(p.demo.seed), 2048)
+        tokenizer = tiny.build_tokenizer(domain.tokenizer_corpus(p.demo.seed), 2048)
         model = tiny.build_model(p.model.tiny, tokenizer, p.model.seed)
         model.save_pretrained(p.paths.base_model)
         tokenizer.save_pretrained(p.paths.base_model)
@@ -123,14 +125,14 @@ def build(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
         rows = [i % args.distinct for i in range(args.samples)]
         data = b"".join(encoded[r] for r in rows)
         (p.paths.clean / "train.jsonl").write_bytes(data)
-        writer = turnkeys.TurnKeysWriter()
+        writer = turn_keys.TurnKeysWriter()
         writer.add(
             data,
             args.samples,
             np.array([len(user_keys[r]) for r in rows]),
             np.array([k for r in rows for k in user_keys[r]]),
         )
-        writer.save(p.paths.clean / turnkeys.NAME)
+        writer.save(p.paths.clean / turn_keys.NAME)
         del data
         (p.paths.clean / "val.jsonl").write_text("")
 
@@ -205,7 +207,7 @@ def main() -> None:
             reports = [pf_run.run_preflight(params) for _ in range(args.repeats)]
             timed_load_after = os.getloadavg()
             # The contamination check on a train.jsonl that clean did not write (no keys).
-            (params.paths.clean / turnkeys.NAME).unlink()
+            (params.paths.clean / turn_keys.NAME).unlink()
             questions = list(
                 suites.held_out_questions(params.paths.eval_suites, params.paths.fixed_badcases)
             )

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from serving.config import RouterConfig
 from serving.router import create_app
-from tuneloop.records import parse_record
+from tuneloop.data.records import parse_record
 
 logger = logging.getLogger("benchmarks.router_abuse")
 

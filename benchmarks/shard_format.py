@@ -1,7 +1,7 @@
 """Time writing and reading a packed shard's token columns: int64 against int32, and
-Parquet's default encoding against the plain + LZ4 that ``tuneloop.shards`` writes.
+Parquet's default encoding against the plain + LZ4 that ``tuneloop.data.shards`` writes.
 
-pack writes one Parquet shard per rank (``tuneloop.shards``); preflight and training read
+pack writes one Parquet shard per rank (``tuneloop.data.shards``); preflight and training read
 them. Two list columns (``input_ids``, ``labels``) of ``--tokens`` values in bins of
 ``--seq-len``: ids uniform below 32,000, 40 % of labels masked (-100). Each layout is written
 once and read ``--repeats`` times (best), in this process, one after the other: int64 and

@@ -34,7 +34,7 @@ import yaml
 from trl import SFTTrainer
 
 from stages import base, clean, ingest, pack
-from tuneloop import demo
+from tuneloop.demo import domain
 from tuneloop.models import base_model_ref, load_tokenizer
 from tuneloop.params import Params, load_params
 from tuneloop.training import methods, run
@@ -52,7 +52,7 @@ def build_project(folder: Path, samples: int, seq_len: int) -> None:
     params["pack"]["seq_len"] = seq_len
     (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     loaded = load_params()
-    demo.seed_month(loaded.paths.incoming, loaded.demo)
+    domain.seed_month(loaded.paths.incoming, loaded.demo)
     for stage in (base, ingest, clean, pack):
         stage.main()
 

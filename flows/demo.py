@@ -2,14 +2,14 @@
 
 ``tuneloop demo --months 2`` (what ``make demo`` runs). Each month:
 
-1. the month's exports are seeded into ``incoming/`` (``tuneloop.demo``: month 2 launches a
+1. the month's exports are seeded into ``incoming/`` (``tuneloop.demo.domain``: month 2 launches a
    product the champion does not know);
 2. the ``retrain`` flow runs ingest -> evaluate on everything in ``incoming/``, the router's
    feedback from last month's release included; training starts from the champion
    (``train.init_from``), and the gate compares with it;
 3. a candidate that passed is released by the ``release`` flow, for real: the champion and the
    challenger are served by ``transformers serve``, behind the canary router, while demo
-   customers (``tuneloop.traffic``) ask questions and flag wrong answers through the router's
+   customers (``tuneloop.demo.customers``) ask questions and flag wrong answers through the router's
    feedback API, as a support tool does; those flags land in ``incoming/``, attributed to the
    arm and model version that answered, for next month;
 4. at each approval pause the demo prints the ``tuneloop approve`` command for a person in
@@ -17,7 +17,7 @@
    ``demo-operator``, and the release records that name like any approver's.
 
 Before the first month the base model is registered as the first champion (the model a first
-release is compared with). The release runs with ``configs/demo.yaml``'s short intervals,
+release is compared with). The release runs with ``configs/domain.yaml``'s short intervals,
 passed as the flow's ``overrides`` parameter: the same code path as a real release.
 
 Flows orchestrate: this module starts services and calls the two flows; every decision is the
@@ -48,14 +48,15 @@ import httpx
 import yaml
 from mlflow.tracking import MlflowClient
 
-from tuneloop import demo, registry, tracking, traffic
+from tuneloop.demo import customers, domain
 from tuneloop.params import Params, load_params
 from tuneloop.release import approval
 from tuneloop.release.backends import Backend, start_transformers_serve, wait_healthy
+from tuneloop.tracking import registry, runs
 
 log = logging.getLogger("tuneloop.demo")
 
-DEMO_OVERRIDES = Path("configs/demo.yaml")
+DEMO_OVERRIDES = Path("configs/domain.yaml")
 DEMO_APPROVER = "demo-operator"
 PREFECT_PORT = 4200
 SECRET_ENV = "TUNELOOP_ROUTER_SECRET"
@@ -181,7 +182,7 @@ class Stack:
 def serve_release(params: Params, repo: Path, month: int) -> Stack:
     """Champion and challenger from the registry, each behind ``transformers serve``, and the
     canary router in front of them, with the admin and feedback tokens in this process's env."""
-    client = MlflowClient(tracking.tracking_uri())
+    client = MlflowClient(runs.tracking_uri())
     name = params.tracking.registered_model
     served = repo / "run" / f"month-{month}"
     arms: dict[str, dict[str, Any]] = {}
@@ -242,12 +243,14 @@ def serve_release(params: Params, repo: Path, month: int) -> Stack:
     return stack
 
 
-def keep_customers_coming(stack: Stack, month: int, stop: threading.Event) -> traffic.TrafficReport:
+def keep_customers_coming(
+    stack: Stack, month: int, stop: threading.Event
+) -> customers.TrafficReport:
     """Demo traffic in bursts until ``stop``; the sum of what every burst saw."""
-    total = traffic.TrafficReport()
+    total = customers.TrafficReport()
     burst = 0
     while not stop.is_set():
-        seen = traffic.run(
+        seen = customers.run(
             stack.router_url,
             requests=BURST,
             users=USERS,
@@ -318,8 +321,8 @@ def release_month(repo: Path, params: Params, month: int, approval_wait_s: float
     stack = serve_release(params, repo, month)
     stop = threading.Event()
     answered: list[dict[str, Any]] = []
-    seen: list[traffic.TrafficReport] = []
-    customers = threading.Thread(
+    seen: list[customers.TrafficReport] = []
+    asking = threading.Thread(
         target=lambda: seen.append(keep_customers_coming(stack, month, stop)), daemon=True
     )
     # The operator talks to Prefect: it needs this thread's settings, which live in contextvars.
@@ -328,7 +331,7 @@ def release_month(repo: Path, params: Params, month: int, approval_wait_s: float
         args=(answer_for_nobody, approval_wait_s, stop, answered),
         daemon=True,
     )
-    customers.start()
+    asking.start()
     operator.start()
     try:
         state = release(
@@ -336,7 +339,7 @@ def release_month(repo: Path, params: Params, month: int, approval_wait_s: float
         )
     finally:
         stop.set()
-        customers.join(timeout=120)
+        asking.join(timeout=120)
         operator.join(timeout=10)
         stack.stop()
     outcome = release_outcome(state)
@@ -356,7 +359,7 @@ def run(repo: Path, months: int, approval_wait_s: float) -> list[dict[str, Any]]
     history: list[dict[str, Any]] = []
     with prefect_server(repo / "logs") as api, contextlib.chdir(repo):
         print(f"Prefect API {api} (UI: http://127.0.0.1:{PREFECT_PORT})", flush=True)
-        tracking.setup(params.tracking.experiment)
+        runs.setup(params.tracking.experiment)
         # The first champion is the base model, so build it first (a no-op when it is there).
         env = {
             **os.environ,
@@ -372,8 +375,8 @@ def run(repo: Path, months: int, approval_wait_s: float) -> list[dict[str, Any]]
         print(f"registry: {first.reasons[0]}", flush=True)
         for month in range(1, months + 1):
             started = time.monotonic()
-            label = demo.month_label(month)
-            written = demo.seed_month(params.paths.incoming, params.demo, month)
+            label = domain.month_label(month)
+            written = domain.seed_month(params.paths.incoming, params.demo, month)
             print(f"\n=== month {month} ({label}): {len(written)} export file(s) seeded ===")
             summary: dict[str, Any] = {"month": month, "label": label}
             summary["retrain"] = retrain(repo=repo)

@@ -16,7 +16,7 @@ on a slice of the data, to find a broken config in minutes rather than hours.
 
 MLflow: one run for the flow; one child per experiment with its set as params, its metrics
 from ``dvc exp show`` and tags ``dvc.exp.name`` / ``dvc.exp.rev``; each experiment's stage
-runs are children of that (``tuneloop.tracking.experiment_parent``). Select the experiment
+runs are children of that (``tuneloop.tracking.runs.experiment_parent``). Select the experiment
 runs in the MLflow UI and compare; the flow's run also carries ``experiment/comparison.md``
 and a bar chart of the gate's primary metric and the validation loss.
 
@@ -45,8 +45,8 @@ from mlflow.tracking import MlflowClient
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 
-from tuneloop import lineage, recovery, tracking
 from tuneloop.params import Params, ParamsError, load_params, parse_params
+from tuneloop.tracking import lineage, recovery, runs
 
 TAG_EXP_REV = "dvc.exp.rev"
 
@@ -254,7 +254,7 @@ def experiment(
             f"prefix, or `dvc exp remove {' '.join(sorted(taken))}`"
         )
     with contextlib.chdir(repo):  # the project's MLflow store, as in the retrain flow
-        experiment_id = tracking.setup(params.tracking.experiment)
+        experiment_id = runs.setup(params.tracking.experiment)
         for said in recovery.close_killed_runs(experiment_id, "experiment", str(flow_run.id or "")):
             logger.warning(said)
         client = MlflowClient()
@@ -263,10 +263,10 @@ def experiment(
             run_name=prefix,
             experiment_id=experiment_id,
             tags={
-                tracking.TAG_PIPELINE: "experiment",
-                tracking.TAG_COMMIT: git.commit,
-                tracking.TAG_DIRTY: str(git.dirty).lower(),
-                tracking.TAG_FLOW_RUN: str(flow_run.id or ""),
+                runs.TAG_PIPELINE: "experiment",
+                runs.TAG_COMMIT: git.commit,
+                runs.TAG_DIRTY: str(git.dirty).lower(),
+                runs.TAG_FLOW_RUN: str(flow_run.id or ""),
             },
         ) as parent:
             outcomes = []
@@ -275,9 +275,9 @@ def experiment(
                     experiment_id,
                     run_name=name,
                     tags={
-                        tracking.TAG_PARENT: parent.info.run_id,
-                        tracking.TAG_EXP_NAME: name,
-                        tracking.TAG_PIPELINE: "experiment",
+                        runs.TAG_PARENT: parent.info.run_id,
+                        runs.TAG_EXP_NAME: name,
+                        runs.TAG_PIPELINE: "experiment",
                     },
                 )
                 for key, value in settings.items():
@@ -301,8 +301,8 @@ def experiment(
             env = os.environ | {
                 # dvc.yaml's `python -m stages.x` must find this environment's python.
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-                "MLFLOW_TRACKING_URI": tracking.tracking_uri(),
-                tracking.EXPERIMENT_RUNS_ENV: json.dumps({o.name: o.run_id for o in outcomes}),
+                "MLFLOW_TRACKING_URI": runs.tracking_uri(),
+                runs.EXPERIMENT_RUNS_ENV: json.dumps({o.name: o.run_id for o in outcomes}),
                 "TUNELOOP_FLOW_RUN_ID": str(flow_run.id or ""),
             }
             run_queue(repo, jobs, env)
@@ -317,7 +317,7 @@ def experiment(
                 for key, value in tags.items():
                     client.set_tag(run_id, key, value)
                 for stem, values in outcome.metrics.items():
-                    tracking.log_metrics(values, prefix=stem, run_id=run_id)
+                    runs.log_metrics(values, prefix=stem, run_id=run_id)
                 client.set_terminated(run_id, status="FINISHED" if outcome.succeeded else "FAILED")
 
             table = comparison_table(outcomes, params)

@@ -93,9 +93,7 @@ from prefect.flow_runs import pause_flow_run, resume_flow_run
 from prefect.input import RunInput
 from prefect.states import Failed, State
 
-from tuneloop import tracking
 from tuneloop.params import Params, ReleaseParams, load_params, with_overrides
-from tuneloop.registry import CHALLENGER, CHAMPION, PREVIOUS, find_alias, promote
 from tuneloop.release import shadow as suite_judges
 from tuneloop.release.admin import AdminError, Batch, Cursor, LeaseKeeper, RouterAdmin
 from tuneloop.release.analysis import (
@@ -116,6 +114,8 @@ from tuneloop.release.analysis import (
 )
 from tuneloop.release.loadtest import compare_load, load_test
 from tuneloop.release.shadow import Judges
+from tuneloop.tracking import runs
+from tuneloop.tracking.registry import CHALLENGER, CHAMPION, PREVIOUS, find_alias, promote
 
 # The approver name the flow answers its own pause with when analysis rolls back.
 CONTROLLER = "tuneloop-release-controller"
@@ -157,7 +157,7 @@ def release_outcome(state: State[Any]) -> dict[str, Any]:
 
 
 # --- registry ----------------------------------------------------------------------------------
-# tuneloop.registry sets `challenger` when a candidate passes the gate and moves
+# tuneloop.tracking.registry sets `challenger` when a candidate passes the gate and moves
 # `champion` and `previous-champion` when the release flow promotes.
 
 
@@ -169,8 +169,9 @@ def registry_pair(client: MlflowClient, name: str) -> tuple[ModelVersion, ModelV
         if version is None:
             raise ReleaseRefused(
                 f"registered model {name!r} has no version with alias {alias!r}; a candidate "
-                "gets `challenger` when it passes the gate (tuneloop.registry), and the model "
-                f"that serves now needs `champion`: MlflowClient().set_registered_model_alias("
+                "gets `challenger` when it passes the gate (tuneloop.tracking.registry), and "
+                "the model that serves now needs `champion`: "
+                f"MlflowClient().set_registered_model_alias("
                 f"{name!r}, {alias!r}, <version>)"
             )
         found[alias] = version
@@ -772,7 +773,7 @@ def release(
     flow_run_id = str(runtime.flow_run.id or "local")
     # MLflow's default store and lineage reads are relative to the project, as in retrain.
     with contextlib.chdir(repo):
-        client = MlflowClient(tracking.tracking_uri())
+        client = MlflowClient(runs.tracking_uri())
         candidate, champion = registry_pair(client, name)
         cv, pv = str(candidate.version), str(champion.version)
         log = ReleaseLog(

@@ -27,12 +27,12 @@ from prefect import flow, get_run_logger, task
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
-from tuneloop import init_from, lineage, recovery, registry, results, tracking
-from tuneloop.dvcrun import DvcLockTimeout, run_dvc
 from tuneloop.io import read_json
+from tuneloop.orchestration.dvcrun import DvcLockTimeout, run_dvc
 from tuneloop.params import load_params
 from tuneloop.pipeline import stage_order
 from tuneloop.telemetry.actions import TAG_REASON as TAG_WATCHDOG_REASON
+from tuneloop.tracking import init_from, lineage, recovery, registry, results, runs
 
 # Every other stage is safe to run again after a failure: outputs are replaced atomically,
 # ingest deduplicates. Preflight and training are not retried: a refusal or a stop-loss
@@ -45,7 +45,7 @@ EVENT_REGISTERED = "tuneloop.challenger.registered"
 
 
 # The lineage tags (key prefixes) a pipeline run collects from its stage runs.
-LINEAGE_TAGS = ("dvc.dep.", "dvc.out.", tracking.TAG_BASE_REVISION)
+LINEAGE_TAGS = ("dvc.dep.", "dvc.out.", runs.TAG_BASE_REVISION)
 
 
 class StageFailed(RuntimeError):
@@ -54,7 +54,7 @@ class StageFailed(RuntimeError):
 
 def failure_reason(tags: dict[str, str]) -> str | None:
     """What a failed stage's run says ended it: the watchdog or a stop-loss rule."""
-    for key in (TAG_WATCHDOG_REASON, tracking.TAG_STOP_REASON):
+    for key in (TAG_WATCHDOG_REASON, runs.TAG_STOP_REASON):
         if tags.get(key):
             return f"{key}: {tags[key]}"
     return None
@@ -68,13 +68,13 @@ def run_stage(stage: str, repo: Path, parent_run_id: str, experiment_id: str) ->
     run = client.create_run(
         experiment_id,
         run_name=stage,
-        tags={tracking.TAG_PARENT: parent_run_id, tracking.TAG_STAGE: stage},
+        tags={runs.TAG_PARENT: parent_run_id, runs.TAG_STAGE: stage},
     )
     env = os.environ | {
         # dvc.yaml's `python -m stages.x` must find this environment's python.
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "MLFLOW_RUN_ID": run.info.run_id,
-        "MLFLOW_TRACKING_URI": tracking.tracking_uri(),
+        "MLFLOW_TRACKING_URI": runs.tracking_uri(),
         "TUNELOOP_FLOW_RUN_ID": str(flow_run.id or ""),
     }
     logger.info("dvc repro --single-item %s", stage)
@@ -88,18 +88,18 @@ def run_stage(stage: str, repo: Path, parent_run_id: str, experiment_id: str) ->
     run_id = run.info.run_id
     params = load_params(repo / "params.yaml")
     cached = result.returncode == 0 and not client.get_run(run_id).data.metrics
-    tags = {tracking.TAG_CACHED: str(cached).lower(), tracking.TAG_FLOW_RUN: str(flow_run.id)}
+    tags = {runs.TAG_CACHED: str(cached).lower(), runs.TAG_FLOW_RUN: str(flow_run.id)}
     if cached:
         # The stage did not run, so nothing recorded its lineage: DVC just found its deps
         # and outs unchanged, and they are hashed (from DVC's state) as the stage would have.
-        tags |= tracking.lineage_tags(stage, params)
-        tracking.record_lineage(stage, params, run_id, root=repo)
+        tags |= runs.lineage_tags(stage, params)
+        runs.record_lineage(stage, params, run_id, root=repo)
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
     metrics_file = repo / params.paths.metrics / f"{stage}.json"
     metrics = read_json(metrics_file) if metrics_file.exists() else {}
     if cached and metrics:
-        tracking.log_metrics(metrics, run_id=run_id)
+        runs.log_metrics(metrics, run_id=run_id)
     if result.returncode != 0:
         why = failure_reason(client.get_run(run_id).data.tags)
         client.set_terminated(run_id, status="FAILED")
@@ -128,7 +128,7 @@ def register(repo: Path, run_id: str) -> dict[str, Any]:
     """Register the candidate (alias challenger) if the evaluate gate passed; else say why not.
 
     Here rather than in the DVC stage: the registry is a side effect `dvc repro`
-    must not repeat or skip (see tuneloop/registry.py). Idempotent, so it may retry.
+    must not repeat or skip (see tuneloop/tracking/registry.py). Idempotent, so it may retry.
     """
     params = load_params(repo / "params.yaml")
     done = registry.register_candidate(params, run_id=run_id, flow_run_id=str(flow_run.id or ""))
@@ -179,7 +179,7 @@ def retrain(repo: Path = Path()) -> dict[str, Any]:
     previous = Path.cwd()
     os.chdir(repo)  # MLflow's default store and lineage reads are relative to the project
     try:
-        experiment_id = tracking.setup(params.tracking.experiment)
+        experiment_id = runs.setup(params.tracking.experiment)
         for said in recovery.close_killed_runs(experiment_id, "retrain", str(flow_run.id or "")):
             get_run_logger().warning(said)
         git = lineage.git_state(repo)
@@ -187,10 +187,10 @@ def retrain(repo: Path = Path()) -> dict[str, Any]:
             run_name=f"retrain-{flow_run.name or 'local'}",
             experiment_id=experiment_id,
             tags={
-                tracking.TAG_COMMIT: git.commit,
-                tracking.TAG_DIRTY: str(git.dirty).lower(),
-                tracking.TAG_FLOW_RUN: str(flow_run.id or ""),
-                tracking.TAG_PIPELINE: "retrain",
+                runs.TAG_COMMIT: git.commit,
+                runs.TAG_DIRTY: str(git.dirty).lower(),
+                runs.TAG_FLOW_RUN: str(flow_run.id or ""),
+                runs.TAG_PIPELINE: "retrain",
             },
         ) as parent:
             metrics: dict[str, dict[str, Any]] = {}
@@ -211,8 +211,8 @@ def retrain(repo: Path = Path()) -> dict[str, Any]:
                 mlflow.set_tags(
                     {k: v for k, v in child.data.tags.items() if k.startswith(LINEAGE_TAGS)}
                 )
-            tracking.log_metrics({"data": result["data"], "train": result["train"]})
-            tracking.log_metrics(result["eval"], prefix="eval")
+            runs.log_metrics({"data": result["data"], "train": result["train"]})
+            runs.log_metrics(result["eval"], prefix="eval")
             mlflow.set_tag("gate.passed", str(decision["passed"]).lower())
             # The flow ends with the verdict: a registered version, or the gate's reasons.
             result["registration"] = register(repo, parent.info.run_id)

@@ -8,7 +8,7 @@ reads it like any other badcase export. On the way:
   turns and tags, and the finished line against ``limits.line_bytes``), so the
   router never writes a line that ingest would quarantine as ``line_too_long``;
 - every stored text (turns, responses, tags) goes through ingest's own PII
-  scrubber (``tuneloop.pii``), so raw personal data never reaches the disk;
+  scrubber (``tuneloop.data.pii``), so raw personal data never reaches the disk;
 - the producer that sent it is recorded as the tag ``tuneloop.feedback.source=<name>``;
 - the record is checked with ingest's own ``parse_record`` before it is written,
   so a flag that ingest would quarantine (wrong turn order, empty text) is
@@ -33,8 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serving.config import Limits
 from serving.limits import Refused
-from tuneloop import pii
-from tuneloop.records import parse_record
+from tuneloop.data import pii
+from tuneloop.data.records import parse_record
 
 SOURCE = "router-feedback"
 # Tag on a badcase no valid, first-time request id attributes to an arm: kept,
@@ -104,7 +104,7 @@ def badcase_record(
 ) -> tuple[dict[str, object], Counter[str]]:
     """The scrubbed badcase line for a flag, and the PII hits per type it removed.
 
-    Raises ``tuneloop.records.InvalidRecord`` if ingest would quarantine the line.
+    Raises ``tuneloop.data.records.InvalidRecord`` if ingest would quarantine the line.
     """
     found: Counter[str] = Counter()
 

@@ -97,7 +97,7 @@ from serving.state import (
     starting_state,
     utc_iso,
 )
-from tuneloop.records import InvalidRecord
+from tuneloop.data.records import InvalidRecord
 from tuneloop.release import ARMS
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Reads:  params ``model``, ``demo.seed`` (the tokenizer's corpus), ``paths``.
 Writes: ``paths.base_model`` — for ``builtin:tiny`` the model itself, built,
-        seeded and pre-trained locally on its general skill (``tuneloop.general``,
+        seeded and pre-trained locally on its general skill (``tuneloop.demo.general``,
         ``model.tiny.pretrain_steps``; no model hub is needed); for a hub id or a
         local folder, a manifest naming it (the weights stay where they are and are
         loaded from there by every later stage).
@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import itertools
 
-from tuneloop import demo, general, lineage, tiny
+from tuneloop.demo import domain, general, tiny
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.params import Params, load_params
 from tuneloop.stage import setup_logging, write_metrics
-from tuneloop.tracking import stage_run
+from tuneloop.tracking import lineage
+from tuneloop.tracking.runs import stage_run
 
 STAGE = "base"
 
@@ -27,7 +28,7 @@ def build(params: Params) -> dict[str, object]:
         metrics: dict[str, object] = {"base": params.model.base}
         if params.model.is_builtin:
             shape, seed = params.model.tiny, params.model.seed
-            corpus = itertools.chain(demo.tokenizer_corpus(params.demo.seed), general.corpus())
+            corpus = itertools.chain(domain.tokenizer_corpus(params.demo.seed), general.corpus())
             tokenizer = tiny.build_tokenizer(corpus, shape.vocab_size)
             model = tiny.build_model(shape, tokenizer, seed)
             chats = list(general.train_chats(seed, shape.pretrain_steps * tiny.PRETRAIN_BATCH))

@@ -1,14 +1,14 @@
 """Stage ``clean``: pooled records into training chats, a validation split and DPO pairs.
 
 Reads:  ``paths.pool`` records; eval suite items under ``paths.eval_suites`` (all but the
-        fixed-badcase suite, see ``tuneloop.suites.held_out_questions``); the base model's
+        fixed-badcase suite, see ``tuneloop.judge.suites.held_out_questions``); the base model's
         tokenizer (for the token limit); ``paths.clean_cache``; ``paths.init``/init.json
         (the pool batches the start already trained on).
 Writes: ``paths.clean``/train.jsonl, val.jsonl (``{"id", "messages"}``), dpo.jsonl
         (``{"id", "prompt", "chosen", "rejected"}``), train.turns.npz (the key of each user
-        turn of train.jsonl, for preflight: ``tuneloop.turnkeys``), train.parts.json and
+        turn of train.jsonl, for preflight: ``tuneloop.data.turn_keys``), train.parts.json and
         val.parts.json (where each pool segment's lines lie, for pack:
-        ``tuneloop.fileparts``), manifest.json;
+        ``tuneloop.data.clean_parts``), manifest.json;
         ``paths.clean_cache`` (each record's work, and the decisions in pool order);
         ``metrics/clean.json``.
 Params: ``clean``, ``model.base``, ``paths``.
@@ -19,21 +19,22 @@ names the batches and counts the replayed chats; the registry tags the version w
 
 Every pooled record is accounted for: kept, or removed with a counted reason (reply too
 short, degenerate repetition, over the token limit, an eval item's near-duplicate, an
-exact or near duplicate, outside the pilot sample). The rules are ``tuneloop.cleaning``'s,
-the cache ``tuneloop.cleancache``'s; the output is the same bytes with the cache or without.
+exact or near duplicate, outside the pilot sample). The rules are ``tuneloop.data.clean``'s,
+the cache ``tuneloop.data.clean_cache``'s; the output is the same bytes with the cache or without.
 """
 
 from __future__ import annotations
 
 import logging
 
-from tuneloop import init_from, lineage, suites
-from tuneloop.chat import load_chat_tokenizer
-from tuneloop.cleancache import clean_pool
+from tuneloop.data.chat import load_chat_tokenizer
+from tuneloop.data.clean_cache import clean_pool
 from tuneloop.io import atomic_dir, write_json
+from tuneloop.judge import suites
 from tuneloop.models import base_model_ref
 from tuneloop.params import load_params
 from tuneloop.stage import logged_after, setup_logging, write_metrics
+from tuneloop.tracking import init_from, lineage
 
 STAGE = "clean"
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ Writes: ``metrics/evaluate.json`` (model -> suite -> metric), ``metrics/eval-ite
 Params: ``evaluate``, ``gate``, ``model.base``, ``tracking.registered_model``, ``paths``;
         for the cards ``train``, ``batch``, ``pack.seq_len``, ``export`` and two of ``clean``.
 
-Scoring runs through lm-eval (``tuneloop/scoring.py``); the rules that judge the scores
-are ``tuneloop/gate.py``; the cards are ``tuneloop/cards.py``.
+Scoring runs through lm-eval (``tuneloop/judge/scoring.py``); the rules that judge the scores
+are ``tuneloop/judge/gate.py``; the cards are ``tuneloop/judge/cards.py``.
 
 The champion is scored here, on today's suites, from its registered merged
 folder: numbers stored when it was registered may come from an older suite.
@@ -25,7 +25,7 @@ General suites are scored for the base, the champion and the candidate (not the 
 export: the forgetting budget judges what training did). A general suite that cannot
 run here (its data or package is missing) is named in the decision, not dropped.
 Registering a candidate that passed is the retrain flow's job (see
-``tuneloop/registry.py`` for why it is not done in this stage).
+``tuneloop/tracking/registry.py`` for why it is not done in this stage).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from pathlib import Path
 
 import mlflow
 
-from tuneloop import cards, registry, scoring
-from tuneloop.gate import (
+from tuneloop.io import atomic_dir, read_json, write_json, write_text
+from tuneloop.judge import cards, scoring
+from tuneloop.judge.gate import (
     BASE,
     CANDIDATE,
     CHAMPION,
@@ -50,11 +51,11 @@ from tuneloop.gate import (
     plot,
     report,
 )
-from tuneloop.io import atomic_dir, read_json, write_json, write_text
 from tuneloop.models import base_model_ref
 from tuneloop.params import Params, load_params
 from tuneloop.stage import setup_logging, write_metrics
-from tuneloop.tracking import stage_run
+from tuneloop.tracking import registry
+from tuneloop.tracking.runs import stage_run
 
 STAGE = "evaluate"
 log = logging.getLogger(__name__)

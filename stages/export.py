@@ -28,12 +28,12 @@ from llmcompressor.modifiers.quantization import QuantizationModifier
 from safetensors import safe_open
 from transformers import PreTrainedModel
 
-from tuneloop import lineage
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.models import load_causal_lm, load_tokenizer
 from tuneloop.params import ExportParams, Params, load_params
 from tuneloop.stage import setup_logging, write_metrics
-from tuneloop.tracking import stage_run
+from tuneloop.tracking import lineage
+from tuneloop.tracking.runs import stage_run
 
 STAGE = "export"
 BF16_BYTES = 2

@@ -9,12 +9,13 @@ Params: ``paths.pool``, ``paths.fixed_badcases``, ``paths.metrics``.
 
 Where it sits in the graph, and why: after ``ingest`` (it reads the pool) and ``init`` (the
 champion), before ``evaluate``, which scores the champion and the candidate on it; the gate
-then counts the fixes the candidate broke (``tuneloop.fixed``, ``tuneloop.gate``). It is a
-stage, not part of ``evaluate``, so that the suite is a DVC out of its own: versioned month
+then counts the fixes the candidate broke (``tuneloop.judge.fixed_badcases``,
+``tuneloop.judge.gate``). It is a stage, not part of ``evaluate``, so that the suite is a DVC out
+of its own: versioned month
 by month, runnable on its own with ``lm_eval --include_path eval/``, and redone only when the
 pool or the champion changed. It is not part of ``clean`` either: clean's output is what is
 trained on, and this suite is what the trained model is tested on. Clean does not
-decontaminate against it (``tuneloop.suites.held_out_questions``): its items are
+decontaminate against it (``tuneloop.judge.suites.held_out_questions``): its items are
 training data in the month they arrive.
 """
 
@@ -23,8 +24,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from tuneloop import fixed
 from tuneloop.io import read_json, write_jsonl
+from tuneloop.judge import fixed_badcases
 from tuneloop.params import load_params
 from tuneloop.stage import logged_after, setup_logging, write_metrics
 
@@ -39,7 +40,7 @@ def main() -> None:
         init = params.paths.metrics / "init.json"
         champion = read_json(init).get("champion") if init.exists() else None
         batches = champion["batches"] if champion else []
-        suite = fixed.build(params.paths.pool, batches)
+        suite = fixed_badcases.build(params.paths.pool, batches)
         write_jsonl(params.paths.fixed_badcases / "test.jsonl", suite.items)
         metrics = {
             "items": len(suite.items),

@@ -18,7 +18,7 @@ Every non-blank line ends in exactly one of: accepted, quarantined, or counted
 as a duplicate of a record already in the pool, so
 ``lines = accepted + quarantined + duplicates`` holds on every run. Nothing in
 the pool is ever rewritten: a run adds its records and quarantine files
-together or nothing (``tuneloop/pool.py``), holding the pool's lock, so a
+together or nothing (``tuneloop/data/pool.py``), holding the pool's lock, so a
 second ingest at the same time refuses instead of adding the same lines twice.
 """
 
@@ -41,11 +41,9 @@ from typing import Any
 
 import orjson
 
-from tuneloop import pii
-from tuneloop import pool as pool_writes
-from tuneloop.io import jsonl_text, read_jsonl, usable_cores, write_jsonl
-from tuneloop.params import load_params
-from tuneloop.records import (
+from tuneloop.data import pii
+from tuneloop.data import pool as pool_writes
+from tuneloop.data.records import (
     IDS_SUFFIX,
     META_FIELDS,
     InvalidRecord,
@@ -57,6 +55,8 @@ from tuneloop.records import (
     plain,
     pool_ids,
 )
+from tuneloop.io import jsonl_text, read_jsonl, usable_cores, write_jsonl
+from tuneloop.params import load_params
 from tuneloop.stage import logged_after, setup_logging, write_metrics
 
 STAGE = "ingest"

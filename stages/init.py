@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from tuneloop import init_from, registry
 from tuneloop.params import load_params
 from tuneloop.stage import setup_logging, write_metrics
-from tuneloop.tracking import stage_run
+from tuneloop.tracking import init_from, registry
+from tuneloop.tracking.runs import stage_run
 
 STAGE = "init"
 

@@ -31,12 +31,13 @@ from peft import PeftModel
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from tuneloop import init_from, lineage, suites
 from tuneloop.io import atomic_dir, write_json
+from tuneloop.judge import suites
 from tuneloop.models import DTYPES, load_causal_lm, load_tokenizer
 from tuneloop.params import Params, load_params
 from tuneloop.stage import setup_logging, write_metrics
-from tuneloop.tracking import stage_run
+from tuneloop.tracking import init_from, lineage
+from tuneloop.tracking.runs import stage_run
 
 STAGE = "merge"
 MAX_NEW_TOKENS = 32

@@ -11,8 +11,8 @@ Writes: ``paths.packed``/rank-NNNNN.parquet (one shard per training rank, each
 Params: ``pack``, ``batch``, ``model.base``, ``paths``.
 
 The shard schema (one row per bin of ``pack.seq_len`` tokens at most, with the layout TRL's
-padding-free collator reads) is ``tuneloop.shards``'s; packing part by part and its cache are
-``tuneloop.packcache``'s. Tokens go from the tokenizer into flat numpy arrays and from there
+padding-free collator reads) is ``tuneloop.data.shards``'s; packing part by part and its cache are
+``tuneloop.data.pack_cache``'s. Tokens go from the tokenizer into flat numpy arrays and from there
 into Arrow columns, without a Python object per token.
 """
 
@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import logging
 
-from tuneloop import lineage, packcache, shards
-from tuneloop.chat import ChatTokenizer, load_chat_tokenizer
+from tuneloop.data import pack_cache, shards
+from tuneloop.data.chat import ChatTokenizer, load_chat_tokenizer
+from tuneloop.data.pack import balance_ranks
+from tuneloop.data.pack_cache import Packed
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.models import base_model_ref
-from tuneloop.packcache import Packed
-from tuneloop.packing import balance_ranks
 from tuneloop.params import Params, load_params
 from tuneloop.stage import logged_after, setup_logging, write_metrics
+from tuneloop.tracking import lineage
 
 STAGE = "pack"
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 def pack_split(split: str, tokenizer: ChatTokenizer, params: Params) -> Packed:
     """Pack a clean file part by part: the parts packed before from ``paths.pack_cache``, the
     others from tokens (the lines tokenized before, from the same cache)."""
-    packed = packcache.pack_file(
+    packed = pack_cache.pack_file(
         params.paths.clean / f"{split}.jsonl",
         params.paths.pack_cache,
         split,
@@ -61,7 +62,7 @@ def main() -> None:
         tokenizer = load_chat_tokenizer(base_model_ref(params))
         train_parts = pack_split("train", tokenizer, params)
         val_parts = pack_split("val", tokenizer, params)
-        packcache.prune(params.paths.pack_cache, [*train_parts.keys, *val_parts.keys])
+        pack_cache.prune(params.paths.pack_cache, [*train_parts.keys, *val_parts.keys])
         train, val = train_parts.result, val_parts.result
         batch = params.batch
         plan = balance_ranks(

@@ -3,8 +3,9 @@
 The fenced block of that section is read from README.md, so the doc cannot drift from what
 works. It runs in a temp project folder holding what ``make demo`` leaves for a release: a
 registry with champion v1 and challenger v2 (two tiny models of one shape, registered the way
-``tuneloop.registry`` registers them, without training), and a ``configs/demo.yaml`` with short
-intervals. Three substitutions, none in what a command does: free ports instead of
+``tuneloop.tracking.registry`` registers them, without training), and a
+``configs/demo.yaml`` with short intervals. Three substitutions, none in what a command does: free
+ports instead of
 8001/8002/8080 (other tests run beside these), and the test session's Prefect server instead
 of starting another (a second server costs half a minute here).
 """
@@ -21,7 +22,7 @@ import yaml
 
 from tests.helpers import ROOT, free_port
 from tests.registry_helpers import register_champion_and_challenger
-from tuneloop import registry
+from tuneloop.tracking import registry
 
 MODEL = "tuneloop-support"
 # A release in seconds: one short analysis per step, loose thresholds (two tiny random models
@@ -65,9 +66,9 @@ def readme_block(number: int = 0) -> str:
 
 def make_project(tmp_path: Path, overlay: dict[str, dict[str, Any]]) -> Path:
     """``tmp_path/project``: champion v1 and challenger v2 registered, ``overlay`` as demo.yaml."""
-    from tuneloop.demo import tokenizer_corpus
+    from tuneloop.demo.domain import tokenizer_corpus
+    from tuneloop.demo.tiny import save_tiny
     from tuneloop.params import TinyModel
-    from tuneloop.tiny import save_tiny
 
     shape = TinyModel(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tuneloop.data.records import Badcase, PoolRecord, content_hash, parse_record
 from tuneloop.io import write_jsonl
 from tuneloop.params import CleanParams
-from tuneloop.records import Badcase, PoolRecord, content_hash, parse_record
 
 PARAMS = CleanParams(
     val_fraction=0.1,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuneloop.gate import SuiteItems
+from tuneloop.judge.gate import SuiteItems
 from tuneloop.params import GateParams
 
 SUITE, GENERAL = "support_demo", "general_demo"

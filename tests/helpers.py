@@ -77,11 +77,11 @@ def flow_runs(repo: Path) -> tuple[Any, dict[str, Any]]:
 
 def seed_demo_month(repo: Path) -> None:
     """The demo's month 1 in ``repo``'s incoming folder, sized by its own params.yaml."""
-    from tuneloop import demo
+    from tuneloop.demo import domain
     from tuneloop.params import load_params
 
     params = load_params(repo / "params.yaml")
-    demo.seed_month(repo / params.paths.incoming, params.demo)
+    domain.seed_month(repo / params.paths.incoming, params.demo)
 
 
 def copy_project(target: Path) -> Path:
@@ -114,11 +114,11 @@ def chat_messages(record: dict[str, object]) -> list[dict[str, str]]:
 
 def chat_lines(seed: int, n: int) -> list[str]:
     """``n`` demo support records as clean's training lines (``{"id", "messages"}``)."""
-    from tuneloop import demo
+    from tuneloop.demo import domain
 
     return [
         json.dumps({"id": f"{seed}-{i}", "messages": chat_messages(r)}, ensure_ascii=False)
-        for i, r in enumerate(demo.support_records(seed, n))
+        for i, r in enumerate(domain.support_records(seed, n))
     ]
 
 
@@ -182,6 +182,6 @@ def mlflow_server(store_uri: str) -> Iterator[str]:
 
 def tokens_of(path: Path, cache: Path | None, tokenizer: Any) -> Any:
     """The tokens of every line of a chats file, as pack gets them (``tokencache``)."""
-    from tuneloop import tokencache
+    from tuneloop.data import token_cache
 
-    return tokencache.tokens_of_lines(tokencache.split_lines(path.read_bytes()), cache, tokenizer)
+    return token_cache.tokens_of_lines(token_cache.split_lines(path.read_bytes()), cache, tokenizer)

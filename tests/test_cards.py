@@ -13,9 +13,9 @@ from pathlib import Path
 import yaml
 
 from tests.helpers import ROOT
-from tuneloop import cards, gate
-from tuneloop.gate import BASE, CANDIDATE, FP8, SuiteItems
 from tuneloop.io import write_json
+from tuneloop.judge import cards, gate
+from tuneloop.judge.gate import BASE, CANDIDATE, FP8, SuiteItems
 from tuneloop.params import load_params
 
 SUITE = "support_demo"

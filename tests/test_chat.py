@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tuneloop import demo, tiny
-from tuneloop.chat import (
+from tuneloop.data.chat import (
     ChatTokenizer,
     TokenizerFilesError,
     assistant_spans,
@@ -25,6 +24,7 @@ from tuneloop.chat import (
     tokenize_chat,
     tokenize_chats,
 )
+from tuneloop.demo import domain, tiny
 from tuneloop.models import load_tokenizer
 
 RICH_TEMPLATE = (
@@ -45,7 +45,7 @@ RICH_TEMPLATE = (
 
 def conversations() -> list[list[dict[str, str]]]:
     chats: list[list[dict[str, str]]] = []
-    for record in demo.support_records(3, 60):
+    for record in domain.support_records(3, 60):
         if "messages" in record:
             chats.append(record["messages"])  # type: ignore[arg-type]
         else:
@@ -68,7 +68,7 @@ def conversations() -> list[list[dict[str, str]]]:
 
 
 def save_tokenizer(folder: Path, template: str, bos: str | None = None) -> Path:
-    tokenizer = tiny.build_tokenizer(demo.tokenizer_corpus(0), 512)
+    tokenizer = tiny.build_tokenizer(domain.tokenizer_corpus(0), 512)
     tokenizer.chat_template = template
     if bos is not None:
         tokenizer.bos_token = bos

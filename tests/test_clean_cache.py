@@ -22,28 +22,29 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.clean_helpers import PARAMS, pool_line, write_pool
-from tuneloop import cleancache, demo, fileparts, text, tiny, turnkeys
-from tuneloop.chat import ChatTokenizer
-from tuneloop.cleancache import CleanReport, clean_pool
-from tuneloop.cleaning import hash_fractions
+from tuneloop.data import clean_cache, clean_parts, text, turn_keys
+from tuneloop.data.chat import ChatTokenizer
+from tuneloop.data.clean import hash_fractions
+from tuneloop.data.clean_cache import CleanReport, clean_pool
+from tuneloop.demo import domain, tiny
 from tuneloop.io import write_jsonl
 from tuneloop.params import CleanParams
 
-EVAL = [item.question for item in demo.eval_items(0, 40)]
+EVAL = [item.question for item in domain.eval_items(0, 40)]
 
 
 @pytest.fixture(scope="module")
 def tokenizer_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tokenizer")
-    tiny.build_tokenizer(demo.tokenizer_corpus(0), 512).save_pretrained(folder)
+    tiny.build_tokenizer(domain.tokenizer_corpus(0), 512).save_pretrained(folder)
     return folder
 
 
 def demo_lines(seed: int, n: int) -> list[dict[str, Any]]:
     """Demo chats and badcases with what clean must catch: repeats, edits, eval items, junk."""
     rng = random.Random(seed)
-    raw: list[dict[str, Any]] = [*demo.support_records(seed, n)]
-    raw += demo.badcase_records(seed, n // 8)
+    raw: list[dict[str, Any]] = [*domain.support_records(seed, n)]
+    raw += domain.badcase_records(seed, n // 8)
     english = [r for r in raw if "prompt" in r and str(r["prompt"]).isascii()]
     for _ in range(max(3, n // 10)):
         record = dict(rng.choice(english))
@@ -95,7 +96,7 @@ def assert_parts_describe(out: Path) -> None:
     """The parts clean writes for pack are its segments' lines, in file order."""
     for split in ("train", "val"):
         data = (out / f"{split}.jsonl").read_bytes()
-        parts = fileparts.read(out / f"{split}.jsonl", data)
+        parts = clean_parts.read(out / f"{split}.jsonl", data)
         assert all(p.name != "whole" for p in parts)
         start = 0
         for part in parts:
@@ -107,7 +108,7 @@ def assert_parts_describe(out: Path) -> None:
 def assert_turn_keys_describe(out: Path) -> None:
     """The keys clean writes for preflight are those of every user turn of train.jsonl."""
     data = (out / "train.jsonl").read_bytes()
-    keys = turnkeys.read(out / turnkeys.NAME, data)
+    keys = turn_keys.read(out / turn_keys.NAME, data)
     assert keys is not None
     expected = [
         (row, text.key(m["content"]))
@@ -125,7 +126,7 @@ def uncached(root: Path, tokenizer: ChatTokenizer, **kwargs: Any) -> Run:
 @pytest.fixture
 def small_segments(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     # Several segments per batch file, so segment boundaries and chains are exercised.
-    monkeypatch.setattr(cleancache, "SEGMENT_LINES", 37)
+    monkeypatch.setattr(clean_cache, "SEGMENT_LINES", 37)
     yield
 
 
@@ -217,7 +218,7 @@ def test_changed_eval_set_redecides_without_recomputing_features(
 def test_changed_tokenizer_recomputes_features(filled: tuple[Path, Run], tmp_path: Path) -> None:
     root, first = filled
     folder = tmp_path / "tokenizer"
-    tokenizer = tiny.build_tokenizer(demo.tokenizer_corpus(0), 512)
+    tokenizer = tiny.build_tokenizer(domain.tokenizer_corpus(0), 512)
     tokenizer.chat_template = tiny.CHAT_TEMPLATE.replace("'\\n'", "'\\n\\n'")
     tokenizer.save_pretrained(folder)
     other = ChatTokenizer.from_folder(folder)
@@ -271,9 +272,9 @@ def test_features_on_worker_processes_equal_inline(
     write_pool(tmp_path / "pool", [demo_lines(3, 300)])
     tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
     inline = uncached(tmp_path, tokenizer)
-    monkeypatch.setattr(cleancache, "CHUNK_LINES", 50)
-    monkeypatch.setattr(cleancache, "PARALLEL_MIN_RECORDS", 100)
-    monkeypatch.setattr(cleancache, "usable_cores", lambda: 2)
+    monkeypatch.setattr(clean_cache, "CHUNK_LINES", 50)
+    monkeypatch.setattr(clean_cache, "PARALLEL_MIN_RECORDS", 100)
+    monkeypatch.setattr(clean_cache, "usable_cores", lambda: 2)
     parallel = uncached(tmp_path, tokenizer)
     assert parallel.files == inline.files
     assert parallel.report.records_in == inline.report.records_in > 300
@@ -283,7 +284,7 @@ def test_a_new_segment_size_recuts_the_cache(
     filled: tuple[Path, Run], tokenizer_folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root, first = filled
-    monkeypatch.setattr(cleancache, "SEGMENT_LINES", 23)
+    monkeypatch.setattr(clean_cache, "SEGMENT_LINES", 23)
     rerun = run(root, root / "cache", ChatTokenizer.from_folder(tokenizer_folder))
     assert rerun.files == first.files
     assert rerun.report.cache["records_computed"] == first.report.records_in

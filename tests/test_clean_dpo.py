@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 from tests.clean_helpers import PARAMS, pool_line, write_pool
-from tuneloop import demo, tiny
-from tuneloop.chat import ChatTokenizer
-from tuneloop.cleancache import CleanReport, clean_pool
-from tuneloop.cleaning import DPO_CODE, dpo_pair, pair_verdicts
+from tuneloop.data.chat import ChatTokenizer
+from tuneloop.data.clean import DPO_CODE, dpo_pair, pair_verdicts
+from tuneloop.data.clean_cache import CleanReport, clean_pool
+from tuneloop.demo import domain, tiny
 
 GOOD = "[return] The Aurora kettle can be returned within 30 days."
-EVAL_QUESTION = demo.eval_items(0, 1)[0].question
+EVAL_QUESTION = domain.eval_items(0, 1)[0].question
 
 
 def badcase(question: str, bad: str, corrected: str | None = GOOD) -> dict[str, Any]:
@@ -73,7 +73,7 @@ CASES: dict[str, tuple[dict[str, Any], str, str]] = {
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
     folder = tmp_path_factory.mktemp("tokenizer")
-    tiny.build_tokenizer(demo.tokenizer_corpus(0), 512).save_pretrained(folder)
+    tiny.build_tokenizer(domain.tokenizer_corpus(0), 512).save_pretrained(folder)
     return ChatTokenizer.from_folder(folder)
 
 

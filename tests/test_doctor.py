@@ -16,8 +16,8 @@ from typing import Any
 import pynvml
 import pytest
 
-from tuneloop import doctor
-from tuneloop.doctor import (
+from tuneloop.preflight import doctor
+from tuneloop.preflight.doctor import (
     GpuInventory,
     TorchVersions,
     check_bandwidth,

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tuneloop.dvcrun import DvcLockTimeout, lock_holder, run_dvc
+from tuneloop.orchestration.dvcrun import DvcLockTimeout, lock_holder, run_dvc
 
 ENV = os.environ | {"DVC_NO_ANALYTICS": "1"}
 

@@ -37,9 +37,11 @@ from stages import (
     train,
 )
 from tests.helpers import ROOT, write_params
-from tuneloop import demo, gate, general, registry, scoring
-from tuneloop.gate import BASE, CANDIDATE, CHAMPION, FP8
+from tuneloop.demo import domain, general
+from tuneloop.judge import gate, scoring
+from tuneloop.judge.gate import BASE, CANDIDATE, CHAMPION, FP8
 from tuneloop.params import load_params
+from tuneloop.tracking import registry
 
 SUITE, GENERAL = "support_demo", "general_demo"
 
@@ -90,7 +92,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     os.chdir(folder)
     try:
         params = load_params()
-        demo.seed_month(params.paths.incoming, params.demo)
+        domain.seed_month(params.paths.incoming, params.demo)
         for stage in (
             base,
             ingest,

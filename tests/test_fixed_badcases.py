@@ -20,11 +20,21 @@ from stages import fixed_badcases
 from tests.clean_helpers import PARAMS, pool_line, write_pool
 from tests.gate_helpers import DIRECTIONS, GATE, IDS, SUITE, N, right, suite
 from tests.helpers import ROOT, write_params
-from tuneloop import demo, suites, tiny
-from tuneloop.chat import ChatTokenizer
-from tuneloop.cleancache import clean_pool
-from tuneloop.gate import BASE, CANDIDATE, CHAMPION, FP8, SuiteItems, decide, report, scores_of
+from tuneloop.data.chat import ChatTokenizer
+from tuneloop.data.clean_cache import clean_pool
+from tuneloop.demo import domain, tiny
 from tuneloop.io import read_jsonl, write_json
+from tuneloop.judge import suites
+from tuneloop.judge.gate import (
+    BASE,
+    CANDIDATE,
+    CHAMPION,
+    FP8,
+    SuiteItems,
+    decide,
+    report,
+    scores_of,
+)
 from tuneloop.params import load_params
 
 FIXED = "fixed_badcases"
@@ -134,7 +144,7 @@ def test_corrections_in_the_suite_are_still_trained_on(project: Path, tmp_path: 
         1 for _ in suites.questions(params.paths.eval_suites, skip=(FIXED,))
     )
     folder = tmp_path / "tokenizer"
-    tiny.build_tokenizer(demo.tokenizer_corpus(0), 512).save_pretrained(folder)
+    tiny.build_tokenizer(domain.tokenizer_corpus(0), 512).save_pretrained(folder)
     out = tmp_path / "out"
     out.mkdir()
     report_ = clean_pool(

@@ -23,8 +23,8 @@ from tests.gate_helpers import (
     right,
     suite,
 )
-from tuneloop import gate, scoring, stats
-from tuneloop.gate import BASE, CANDIDATE, CHAMPION, FP8, GateError, SuiteItems, decide
+from tuneloop.judge import gate, scoring, stats
+from tuneloop.judge.gate import BASE, CANDIDATE, CHAMPION, FP8, GateError, SuiteItems, decide
 from tuneloop.params import GateParams
 
 

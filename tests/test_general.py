@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT
-from tuneloop import demo, general, tiny
+from tuneloop.demo import domain, general, tiny
 from tuneloop.io import read_jsonl
 from tuneloop.params import load_params
 
@@ -26,7 +26,7 @@ def test_the_committed_suites_are_what_the_generators_write(tmp_path: Path) -> N
     params = load_params(ROOT / "params.yaml")
     committed = ROOT / "eval/support_demo/test.jsonl"
     n = len(committed.read_text(encoding="utf-8").splitlines())
-    demo.write_eval_suite(tmp_path / "support.jsonl", params.demo.seed, n)
+    domain.write_eval_suite(tmp_path / "support.jsonl", params.demo.seed, n)
     assert (tmp_path / "support.jsonl").read_bytes() == (
         ROOT / "eval/support_demo/test.jsonl"
     ).read_bytes()
@@ -52,21 +52,21 @@ def test_train_and_eval_questions_are_disjoint_and_answers_right() -> None:
 def test_the_demos_two_question_replay_stays_clear_of_the_general_suite() -> None:
     params = load_params(ROOT / "params.yaml").demo
     assert (params.replay_every, params.replay_turns) == (3, 2)  # what the demo ships
-    records = list(demo.support_records(0, 300, replay_every=params.replay_every, replay_turns=2))
+    records = list(domain.support_records(0, 300, replay_every=params.replay_every, replay_turns=2))
     replay = [r for r in records if r["source"] == "general-replay"]
     assert len(replay) == 100 and all(len(r["messages"]) == 4 for r in replay)  # type: ignore[arg-type]
     asked = {m["content"] for r in replay for m in r["messages"] if m["role"] == "user"}  # type: ignore[attr-defined]
-    allowed = {item.question for item in demo.replay_items()}
+    allowed = {item.question for item in domain.replay_items()}
     assert asked <= allowed and len(allowed) == 219
     # Decontaminated where the replay is made: none of them within clean's threshold of a
     # general_demo question, so clean does not drop a two-question chat for one of its halves.
     threshold = load_params(ROOT / "params.yaml").clean.decontam_threshold
-    held_out = [demo._shingles(item.question) for item in general.items("eval")]
+    held_out = [domain._shingles(item.question) for item in general.items("eval")]
     for question in asked:
-        mine = demo._shingles(question)
+        mine = domain._shingles(question)
         assert max(len(mine & o) / len(mine | o) for o in held_out) < min(0.6, threshold)
     # Seeded, and distinct chats where single questions would repeat.
-    again = list(demo.support_records(0, 300, replay_every=3, replay_turns=2))
+    again = list(domain.support_records(0, 300, replay_every=3, replay_turns=2))
     assert again == records
     assert len({str(r["messages"]) for r in replay}) == len(replay)
 
@@ -76,7 +76,7 @@ def test_pretraining_trains_the_layers_and_keeps_the_embedding() -> None:
     shape = load_params(ROOT / "params.yaml").model.tiny.model_copy(
         update={"hidden_size": 64, "head_dim": 16, "intermediate_size": 128, "vocab_size": 600}
     )
-    corpus = itertools.chain(general.corpus(), (demo.REFUSAL["en"],))
+    corpus = itertools.chain(general.corpus(), (domain.REFUSAL["en"],))
     tokenizer = tiny.build_tokenizer(corpus, shape.vocab_size)
     model = tiny.build_model(shape, tokenizer, seed=0)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}

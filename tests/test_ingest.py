@@ -16,9 +16,8 @@ from hypothesis import strategies as st
 
 from stages import ingest
 from tests.helpers import write_params
-from tuneloop import pii, records
-from tuneloop.io import read_jsonl
-from tuneloop.records import (
+from tuneloop.data import pii, records
+from tuneloop.data.records import (
     IDS_SUFFIX,
     InvalidRecord,
     PoolRecord,
@@ -30,6 +29,7 @@ from tuneloop.records import (
     pool_ids,
     pool_records,
 )
+from tuneloop.io import read_jsonl
 
 GOOD = {"prompt": "Can I return the Aurora kettle?", "response": "[return] Yes, within 30 days."}
 
@@ -345,10 +345,10 @@ def test_property_workers_give_what_one_process_gives(
 
 
 def test_workers_give_the_same_month_as_one_process() -> None:
-    from tuneloop import demo
+    from tuneloop.demo import domain
 
-    export = [line(r) for r in demo.support_records(0, 400)]
-    feedback = [line(r) for r in demo.badcase_records(0, 60)]
+    export = [line(r) for r in domain.support_records(0, 400)]
+    feedback = [line(r) for r in domain.badcase_records(0, 60)]
     hostile, _ = hostile_file()
     raw = [*export, *feedback, *hostile.splitlines(keepends=True), *export[:50]]
     lines = _files(raw, 3)

@@ -19,7 +19,7 @@ import pytest
 
 from stages import ingest
 from tests.helpers import write_params
-from tuneloop.records import pool_records
+from tuneloop.data.records import pool_records
 
 EMAIL = "zhang.wei.8841@example.com"
 EMAIL_PLUS = "li_na+vip@mail.example.cn"

@@ -22,9 +22,9 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
 from tests.helpers import ROOT, copy_project, seed_demo_month, write_params
-from tuneloop import lineage
 from tuneloop.params import ParamsError, parse_params
 from tuneloop.pipeline import StageOrderError, stage_order
+from tuneloop.tracking import lineage
 
 # Enough lines that the demo's malformed ones stay under ingest.max_reject_rate.
 SMALL = {"demo": {"n_support": 120, "n_badcases": 8}}

@@ -23,8 +23,8 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.tracking import MlflowClient
 
 from tests.helpers import CHROMIUM, chromium, copy_project, mlflow_server, write_params
-from tuneloop import init_from, registry
 from tuneloop.params import load_params
+from tuneloop.tracking import init_from, registry
 
 pytestmark = pytest.mark.slow
 

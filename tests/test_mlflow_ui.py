@@ -15,8 +15,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.helpers import CHROMIUM, chromium, mlflow_server, write_params
-from tuneloop import lineage, tracking
 from tuneloop.params import Params, load_params
+from tuneloop.tracking import lineage, runs
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium")
 
@@ -48,19 +48,19 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UI]:
     write_params(folder)
     params = load_params(folder / "params.yaml")
     with contextlib.chdir(folder):
-        experiment_id = tracking.setup(params.tracking.experiment)
-        uri = tracking.tracking_uri()
+        experiment_id = runs.setup(params.tracking.experiment)
+        uri = runs.tracking_uri()
         # A stage run under plain `dvc repro` (no flow, so no parent) with its data dep as an
         # MLflow dataset input, logged the way every stage logs it.
-        with tracking.stage_run("clean", params) as clean:
+        with runs.stage_run("clean", params) as clean:
             md5s = lineage.StageMd5s(deps={DATASET: DIGEST}, outs={}, remote="s3://team/dvc")
             MlflowClient().log_inputs(
-                clean.info.run_id, datasets=tracking.dataset_inputs("clean", md5s)
+                clean.info.run_id, datasets=runs.dataset_inputs("clean", md5s)
             )
         with mlflow.start_run(run_name="retrain-ui-test", experiment_id=experiment_id) as parent:
             mlflow.set_tags({"git.commit": "0123abcd", "prefect.flow_run_id": "flow-ui-test"})
             for stage in ("ingest", "train"):
-                with tracking.stage_run(stage, params):
+                with runs.stage_run(stage, params):
                     mlflow.log_metric("records", 42)
             # A registered version with the alias the flow sets (the real registration, with
             # its pyfunc wrapper around a merged model, is test_registry's; this page only

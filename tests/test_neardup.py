@@ -11,9 +11,10 @@ import pytest
 import yaml
 from datasketch import MinHash, MinHashLSH
 
-from tuneloop import demo, neardup
-from tuneloop.neardup import NearDupIndex, _distinct, dedup, shingle_text, shingles
-from tuneloop.text import normalise
+from tuneloop.data import neardup
+from tuneloop.data.neardup import NearDupIndex, _distinct, dedup, shingle_text, shingles
+from tuneloop.data.text import normalise
+from tuneloop.demo import domain
 
 EN = (
     "To reset your password, open Settings, choose Account, and tap Reset Password. "
@@ -181,7 +182,7 @@ def planted_pairs(lang: str, n: int, seed: int) -> list[tuple[str, str, float]]:
     """
     rng = random.Random(seed)
     texts: list[str] = []
-    for record in demo.support_records(seed, 20 * n):
+    for record in domain.support_records(seed, 20 * n):
         if "messages" in record:
             text = "\n".join(m["content"] for m in record["messages"])  # type: ignore[attr-defined]
         else:

@@ -1,7 +1,8 @@
 """pack part by part: the same bins with the cache or without it, and only new parts packed.
 
-Files are written as clean writes them (chats, and the parts they came in, ``tuneloop.fileparts``);
-parts close at a few dozen lines here instead of ``PART_MIN_LINES``, so a file has several.
+Files are written as clean writes them (chats, and the parts they came in,
+``tuneloop.data.clean_parts``); parts close at a few dozen lines here instead of
+``PART_MIN_LINES``, so a file has several.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import numpy as np
 import pytest
 
 from tests import helpers
-from tuneloop import demo, fileparts, packcache, tiny
-from tuneloop.chat import ChatTokenizer
-from tuneloop.packcache import Packed, pack_file, part_ranges
-from tuneloop.packing import pack_samples
-from tuneloop.shards import IGNORE_INDEX
+from tuneloop.data import clean_parts, pack_cache
+from tuneloop.data.chat import ChatTokenizer
+from tuneloop.data.pack import pack_samples
+from tuneloop.data.pack_cache import Packed, pack_file, part_ranges
+from tuneloop.data.shards import IGNORE_INDEX
+from tuneloop.demo import domain, tiny
 
 SEQ_LEN = 96
 
@@ -27,13 +29,13 @@ SEQ_LEN = 96
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
     folder = tmp_path_factory.mktemp("tokenizer")
-    tiny.build_tokenizer(demo.tokenizer_corpus(0), 512).save_pretrained(folder)
+    tiny.build_tokenizer(domain.tokenizer_corpus(0), 512).save_pretrained(folder)
     return ChatTokenizer.from_folder(folder)
 
 
 @pytest.fixture(autouse=True)
 def small_parts(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(packcache, "PART_MIN_LINES", 40)
+    monkeypatch.setattr(pack_cache, "PART_MIN_LINES", 40)
     yield
 
 
@@ -44,9 +46,12 @@ def chat_lines(seed: int, n: int) -> list[bytes]:
 def write(path: Path, segments: list[list[bytes]]) -> Path:
     """A file as clean writes it: the lines of each segment, and the parts file."""
     path.write_bytes(b"".join(line for segment in segments for line in segment))
-    fileparts.write(
+    clean_parts.write(
         path,
-        [fileparts.Part(f"segment-{i}", len(s), sum(map(len, s))) for i, s in enumerate(segments)],
+        [
+            clean_parts.Part(f"segment-{i}", len(s), sum(map(len, s)))
+            for i, s in enumerate(segments)
+        ],
     )
     return path
 
@@ -57,7 +62,7 @@ def pack(
     """As the stage packs a file: then the cache keeps this run's parts only."""
     packed = pack_file(path, cache, "train", tokenizer, seq_len, "truncate")
     if cache is not None:
-        packcache.prune(cache, packed.keys)
+        pack_cache.prune(cache, packed.keys)
     return packed
 
 
@@ -151,7 +156,7 @@ def test_other_params_or_a_broken_part_are_never_reused(
     second.with_suffix(".json").write_text(
         json.dumps({**json.loads(second.with_suffix(".json").read_text()), "real_tokens": 1})
     )
-    with caplog.at_level(logging.WARNING, logger="tuneloop.packcache"):
+    with caplog.at_level(logging.WARNING, logger="tuneloop.data.pack_cache"):
         again = pack(path, cache, tokenizer, seq_len=64)
     assert again.parts_reused == 0 and caplog.text.count("packed again") == 2
     assert_same(again, pack(path, None, tokenizer, seq_len=64))
@@ -176,18 +181,18 @@ def test_a_parts_file_that_does_not_add_up_reads_the_file_as_one_part(
     lines = chat_lines(8, 50)
     path = write(tmp_path / "train.jsonl", [lines])
     expected = pack(path, None, tokenizer)
-    fileparts.path_for(path).write_text(json.dumps({"parts": parts}))
-    assert fileparts.read(path, path.read_bytes()) == [
-        fileparts.Part("whole", 50, path.stat().st_size)
+    clean_parts.path_for(path).write_text(json.dumps({"parts": parts}))
+    assert clean_parts.read(path, path.read_bytes()) == [
+        clean_parts.Part("whole", 50, path.stat().st_size)
     ]
     assert_same(pack(path, tmp_path / "cache", tokenizer), expected)
-    fileparts.path_for(path).unlink()
+    clean_parts.path_for(path).unlink()
     assert_same(pack(path, tmp_path / "cache", tokenizer), expected)
 
 
 def test_closed_parts_do_not_depend_on_what_follows() -> None:
     sizes = [(30, 300), (15, 150), (40, 400), (5, 50), (1, 10)]
-    parts = [fileparts.Part(str(i), n, size) for i, (n, size) in enumerate(sizes)]
+    parts = [clean_parts.Part(str(i), n, size) for i, (n, size) in enumerate(sizes)]
     full = part_ranges(parts, 40)
     assert full == [range(0, 450), range(450, 850), range(850, 910)]
     for end in range(1, len(parts)):

@@ -19,15 +19,15 @@ from hypothesis import strategies as st
 from trl import pack_dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from tuneloop import packing, shards
-from tuneloop.packing import (
+from tuneloop.data import pack, shards
+from tuneloop.data.pack import (
     Bin,
     Overlong,
     PackResult,
     balance_ranks,
     pack_samples,
 )
-from tuneloop.shards import IGNORE_INDEX
+from tuneloop.data.shards import IGNORE_INDEX
 
 OVERLONG: tuple[Overlong, ...] = ("truncate", "drop", "split")
 
@@ -304,7 +304,7 @@ def test_runs_gathered_a_source_at_a_time_land_where_one_gather_puts_them(
 ) -> None:
     """tokencache reads each cached segment where it lies and writes its lines' runs into
     one output (``out``/``at``): the same arrays as one gather over the joined sources."""
-    monkeypatch.setattr(packing, "_GATHER_CHUNK", chunk)  # runs cut across chunks too
+    monkeypatch.setattr(pack, "_GATHER_CHUNK", chunk)  # runs cut across chunks too
     rng = np.random.default_rng(3)
     sources = []
     for _ in range(3):
@@ -316,9 +316,7 @@ def test_runs_gathered_a_source_at_a_time_land_where_one_gather_puts_them(
     joined = [np.concatenate([s[i] for s in sources]) for i in range(3)]
     starts = np.cumsum(joined[2]) - joined[2]
     lengths = joined[2][wanted]
-    expected = packing.gather_runs(
-        (joined[0], joined[1]), starts[wanted], lengths, int(lengths.sum())
-    )
+    expected = pack.gather_runs((joined[0], joined[1]), starts[wanted], lengths, int(lengths.sum()))
 
     at = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     out = (np.full(int(lengths.sum()), -7, np.int32), np.full(int(lengths.sum()), -7, np.int32))
@@ -328,9 +326,7 @@ def test_runs_gathered_a_source_at_a_time_land_where_one_gather_puts_them(
         local = wanted[rows] - first[s]
         source_starts = (np.cumsum(source_lengths) - source_lengths)[local]
         total = int(lengths[rows].sum())
-        packing.gather_runs(
-            (ids, labels), source_starts, lengths[rows], total, out=out, at=at[rows]
-        )
+        pack.gather_runs((ids, labels), source_starts, lengths[rows], total, out=out, at=at[rows])
     assert [a.tolist() for a in out] == [a.tolist() for a in expected]
     with pytest.raises(ValueError, match="both out and at"):
-        packing.gather_runs((joined[0],), starts[:1], lengths[:1], 1, out=out)
+        pack.gather_runs((joined[0],), starts[:1], lengths[:1], 1, out=out)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from tuneloop.pii import (
+from tuneloop.data.pii import (
     BANK_CARD,
     CN_ID,
     EMAIL,

@@ -23,14 +23,14 @@ import pytest
 
 from stages import ingest
 from tests.helpers import ROOT, write_params
-from tuneloop import pool
-from tuneloop.records import pool_records
+from tuneloop.data import pool
+from tuneloop.data.records import pool_records
 
 # Run as `python -c CHILD <point>` in the project folder: ingest, stopped at <point>.
 CHILD = """
 import os, signal, sys
 from stages import ingest
-from tuneloop import pool
+from tuneloop.data import pool
 
 def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)

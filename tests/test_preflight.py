@@ -19,17 +19,19 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers import chat_messages
-from tuneloop import demo, doctor, text, tiny, turnkeys
-from tuneloop.packing import balance_ranks, pack_samples
+from tuneloop.data import text, turn_keys
+from tuneloop.data.pack import balance_ranks, pack_samples
+from tuneloop.data.shards import IGNORE_INDEX as IGNORE
+from tuneloop.data.shards import shard_name, write_shard
+from tuneloop.data.text import normalise
+from tuneloop.demo import domain, tiny
 from tuneloop.params import BatchParams, Params, load_params
 from tuneloop.preflight import check as pf_check
 from tuneloop.preflight import config as pf_config
 from tuneloop.preflight import data as pf_data
+from tuneloop.preflight import doctor
 from tuneloop.preflight import machine as pf_machine
 from tuneloop.preflight import run as pf_run
-from tuneloop.shards import IGNORE_INDEX as IGNORE
-from tuneloop.shards import shard_name, write_shard
-from tuneloop.text import normalise
 from tuneloop.training.plan import Environment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,13 +236,13 @@ def test_tokenizer_larger_than_the_embedding_fails(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    return tiny.build_tokenizer(demo.tokenizer_corpus(0), 512)
+    return tiny.build_tokenizer(domain.tokenizer_corpus(0), 512)
 
 
 def demo_chats(n: int) -> list[dict[str, Any]]:
     return [
         {"id": f"c{i}", "messages": chat_messages(r)}
-        for i, r in enumerate(demo.support_records(5, n))
+        for i, r in enumerate(domain.support_records(5, n))
     ]
 
 
@@ -248,7 +250,7 @@ def pack_chats(
     folder: Path, tokenizer: Any, chats: list[dict[str, Any]], seq_len: int, overlong: Any
 ) -> tuple[pf_data.Shards, list[bytes]]:
     """Chats packed for two ranks by pack's own code, and their train.jsonl lines."""
-    from tuneloop.chat import tokenize_chat
+    from tuneloop.data.chat import tokenize_chat
 
     tokens = [tokenize_chat(tokenizer, c["messages"]) for c in chats]
     packed = pack_samples(
@@ -301,7 +303,7 @@ def test_other_label_mask_fails_the_round_trip(tmp_path: Path, tokenizer: Any) -
 def test_a_tokenizer_that_loses_text_fails_the_round_trip(tmp_path: Path) -> None:
     from tokenizers import normalizers
 
-    lossy = tiny.build_tokenizer(demo.tokenizer_corpus(0), 512)
+    lossy = tiny.build_tokenizer(domain.tokenizer_corpus(0), 512)
     lossy.backend_tokenizer.normalizer = normalizers.Lowercase()  # trains on text it never sees
     shards, lines = pack_chats(tmp_path, lossy, demo_chats(10), seq_len=256, overlong="truncate")
     result = pf_data.check_template_roundtrip(shards, lines, len(lines), lossy, 256, n_checked=200)
@@ -366,9 +368,9 @@ def write_turn_keys(train: Path, leave_out_line: int | None = None) -> None:
         for i, line in enumerate(lines)
     ]
     keys = [np.frombuffer(text.key(t), dtype=np.uint8) for line in turns for t in line]
-    writer = turnkeys.TurnKeysWriter()
+    writer = turn_keys.TurnKeysWriter()
     writer.add(data, len(lines), np.array([len(t) for t in turns]), np.array(keys))
-    writer.save(train.parent / turnkeys.NAME)
+    writer.save(train.parent / turn_keys.NAME)
 
 
 def test_contamination_is_read_from_clean_keys_of_exactly_these_bytes(tmp_path: Path) -> None:
@@ -378,7 +380,7 @@ def test_contamination_is_read_from_clean_keys_of_exactly_these_bytes(tmp_path: 
     train.write_text("".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chats))
     write_turn_keys(train)
     result = pf_data.check_eval_contamination(train, questions)
-    assert result.status == "pass" and turnkeys.NAME in result.detail
+    assert result.status == "pass" and turn_keys.NAME in result.detail
 
     # Edited after clean: the keys are of other bytes, so the file is parsed.
     chats[7]["messages"][0]["content"] = "  how long is the WARRANTY on the Orbit\u00a0watch? "
@@ -395,7 +397,7 @@ def test_contamination_is_read_from_clean_keys_of_exactly_these_bytes(tmp_path: 
     assert pf_data.check_eval_contamination(train, questions).status == "pass"
 
     # A damaged keys file is no keys file.
-    (tmp_path / turnkeys.NAME).write_bytes(b"PK\x03\x04 not an archive")
+    (tmp_path / turn_keys.NAME).write_bytes(b"PK\x03\x04 not an archive")
     result = pf_data.check_eval_contamination(train, questions)
     assert result.status == "fail" and "row 7 = support_demo/1" in result.detail
 

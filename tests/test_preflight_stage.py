@@ -27,11 +27,12 @@ from mlflow.tracking import MlflowClient
 
 from stages import pack, preflight
 from tests.helpers import ROOT, chat_messages, copy_project, write_params
-from tuneloop import demo, suites, tiny
+from tuneloop.data.shards import shard_name
+from tuneloop.demo import domain, tiny
+from tuneloop.judge import suites
 from tuneloop.params import load_params
 from tuneloop.pipeline import stage_order
 from tuneloop.preflight import run as pf_run
-from tuneloop.shards import shard_name
 
 # Small enough that two ranks step through an epoch in well under a second.
 SMALL_MODEL = {
@@ -64,10 +65,10 @@ def build_packed_project(folder: Path, n_chats: int = 70) -> None:
     write_params(folder, OVERRIDES)
     with contextlib.chdir(folder):
         params = load_params()
-        tiny.save_tiny(params.paths.base_model, params.model.tiny, demo.tokenizer_corpus(0), 0)
+        tiny.save_tiny(params.paths.base_model, params.model.tiny, domain.tokenizer_corpus(0), 0)
         eval_questions = {q for _, q in suites.questions(params.paths.eval_suites)}
         chats: list[dict[str, Any]] = []
-        for record in demo.support_records(3, n_chats):
+        for record in domain.support_records(3, n_chats):
             messages = chat_messages(record)
             if not any(m["content"] in eval_questions for m in messages):
                 chats.append({"id": f"chat-{len(chats)}", "messages": messages})

@@ -15,7 +15,7 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tuneloop import recovery, tracking
+from tuneloop.tracking import recovery, runs
 from tuneloop.training import checkpoints
 from tuneloop.training.run import name_continued_run
 
@@ -45,11 +45,11 @@ def test_runs_of_a_dead_flow_run_are_killed_with_the_reason(
     experiment = client.create_experiment("tuneloop", artifact_location=tmp_path.as_uri())
 
     def run(pipeline: str | None, flow_run: str, parent: str | None = None, stage: str = "") -> str:
-        tags = {tracking.TAG_FLOW_RUN: flow_run}
+        tags = {runs.TAG_FLOW_RUN: flow_run}
         if pipeline:
-            tags[tracking.TAG_PIPELINE] = pipeline
+            tags[runs.TAG_PIPELINE] = pipeline
         if parent:
-            tags |= {tracking.TAG_PARENT: parent, tracking.TAG_STAGE: stage}
+            tags |= {runs.TAG_PARENT: parent, runs.TAG_STAGE: stage}
         return client.create_run(experiment, run_name=stage or pipeline, tags=tags).info.run_id
 
     killed = run("retrain", crashed)
@@ -71,13 +71,13 @@ def test_runs_of_a_dead_flow_run_are_killed_with_the_reason(
     assert len(said) == 2
     for run_id in (killed, hung_stage):
         assert status(run_id) == "KILLED"
-        reason = client.get_run(run_id).data.tags[tracking.TAG_KILLED]
+        reason = client.get_run(run_id).data.tags[runs.TAG_KILLED]
         assert reason == (
             f"its Prefect flow run {crashed} is CRASHED; closed when retrain flow run "
             f"{current} started"
         )
     assert status(lost) == "KILLED"
-    assert "is unknown to the Prefect server" in client.get_run(lost).data.tags[tracking.TAG_KILLED]
+    assert "is unknown to the Prefect server" in client.get_run(lost).data.tags[runs.TAG_KILLED]
     assert status(finished_stage) == status(done) == "FINISHED"
     # A flow run still going keeps its runs; so does another pipeline until it starts again.
     assert status(alive) == status(alive_stage) == status(other_pipeline) == "RUNNING"
@@ -99,4 +99,4 @@ def test_a_resumed_train_run_names_the_run_it_continues(tmp_path: Path, resumed:
         tags = MlflowClient().get_run(run.info.run_id).data.tags
     finally:
         mlflow.set_tracking_uri(previous)
-    assert tags.get(tracking.TAG_RESUMES) == ("killed-run-id" if resumed else None)
+    assert tags.get(runs.TAG_RESUMES) == ("killed-run-id" if resumed else None)

@@ -21,9 +21,10 @@ from mlflow.tracking import MlflowClient
 
 from stages import base, export
 from tests.helpers import ROOT, write_params
-from tuneloop import cards, gate, init_from, registry
 from tuneloop.io import write_json, write_text
+from tuneloop.judge import cards, gate
 from tuneloop.params import Params, load_params
+from tuneloop.tracking import init_from, registry
 
 SUITE = "support_demo"
 DIRECTIONS = {SUITE: {"accuracy": True, "format_compliance": True, "hallucination_rate": False}}

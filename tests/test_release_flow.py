@@ -94,9 +94,9 @@ RELEASE = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tuneloop.demo import tokenizer_corpus
+    from tuneloop.demo.domain import tokenizer_corpus
+    from tuneloop.demo.tiny import save_tiny
     from tuneloop.params import TinyModel
-    from tuneloop.tiny import save_tiny
 
     shape = TinyModel(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

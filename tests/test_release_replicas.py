@@ -48,8 +48,8 @@ from tests.byhand_helpers import (
     readme_block,
 )
 from tests.helpers import free_port, write_params
+from tuneloop.demo.customers import ARM_HEADER, USER_HEADER
 from tuneloop.release import approval
-from tuneloop.traffic import ARM_HEADER, USER_HEADER
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tuneloop import results
+from tuneloop.tracking import results
 
 
 def git(repo: Path, *args: str) -> str:

@@ -48,7 +48,7 @@ from tests.router_helpers import (  # noqa: F401 (fixtures)
     serve,
     served_arm,
 )
-from tuneloop.records import parse_record
+from tuneloop.data.records import parse_record
 
 # --- pure parts -------------------------------------------------------------------------------
 

@@ -127,9 +127,9 @@ def test_wait_healthy_stops_when_the_backend_exits() -> None:
 def test_transformers_serve_behind_the_router(tmp_path: Path) -> None:
     """The CPU backend for real: the tiny model, launched by our command, behind the router."""
     from tests.router_helpers import make_config, running_router  # the loopback helpers
-    from tuneloop.demo import tokenizer_corpus
+    from tuneloop.demo.domain import tokenizer_corpus
+    from tuneloop.demo.tiny import save_tiny
     from tuneloop.params import TinyModel
-    from tuneloop.tiny import save_tiny
 
     shape = TinyModel(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

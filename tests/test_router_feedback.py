@@ -30,9 +30,9 @@ from tests.router_helpers import (
     router_secrets,  # noqa: F401  (autouse: the request-id key and producer token)
     running_router,
 )
-from tuneloop import pii
+from tuneloop.data import pii
+from tuneloop.data.records import parse_record
 from tuneloop.params import load_params
-from tuneloop.records import parse_record
 
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}

@@ -18,8 +18,7 @@ from zoneinfo import ZoneInfo
 import pytest
 import yaml
 
-from tuneloop.params import ParamsError, load_params
-from tuneloop.schedule import (
+from tuneloop.orchestration.schedule import (
     AUTOMATION,
     apply_pools,
     check_deployments,
@@ -27,6 +26,7 @@ from tuneloop.schedule import (
     enter_checkout,
     prefect_values,
 )
+from tuneloop.params import ParamsError, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = yaml.safe_load((ROOT / "prefect.yaml").read_text())
@@ -181,7 +181,7 @@ def test_the_checkout_is_the_workers_not_the_deploying_machines(deployed: None) 
         ]
 
     for steps in read(pull):
-        assert steps == [{"tuneloop.schedule.enter_checkout": {}}]
+        assert steps == [{"tuneloop.orchestration.schedule.enter_checkout": {}}]
         assert str(ROOT) not in str(steps)
 
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers import ROOT, flow_runs
-from tuneloop import demo
+from tuneloop.demo import domain
 from tuneloop.pipeline import stage_order
 
 STAGES = [importlib.import_module(f"stages.{name}") for name in stage_order(ROOT)]
@@ -44,8 +44,8 @@ def test_base_builds_a_loadable_tiny_model(project: Path) -> None:
 def test_ingest_accounts_for_every_line(project: Path) -> None:
     m = metrics(project, "ingest")
     assert m["lines"] == m["accepted"] + m["quarantined"] + m["duplicates"]
-    assert m["quarantined"] == len(demo.MALFORMED_LINES)
-    assert m["lines"] == 500 + 40 + len(demo.MALFORMED_LINES)
+    assert m["quarantined"] == len(domain.MALFORMED_LINES)
+    assert m["lines"] == 500 + 40 + len(domain.MALFORMED_LINES)
 
 
 def test_clean_splits_and_builds_dpo_pairs(project: Path) -> None:

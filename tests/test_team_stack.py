@@ -348,7 +348,9 @@ def test_the_retrain_ran_in_the_workers_checkout(
         return await client.read_deployment_by_name("retrain/retrain-monthly")
 
     # The deployment names no folder; the worker's TUNELOOP_HOME chose the checkout.
-    assert stack.api(deployment).pull_steps == [{"tuneloop.schedule.enter_checkout": {}}]
+    assert stack.api(deployment).pull_steps == [
+        {"tuneloop.orchestration.schedule.enter_checkout": {}}
+    ]
     assert (project / "metrics" / "evaluate.json").is_file()
     assert not (stack.root / "worker-folder" / "metrics").exists()
     # Tracking went to the server: no local store beside the checkout.

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 
 from tests.helpers import chat_lines, tokens_of
-from tuneloop import demo, tiny
-from tuneloop.chat import ChatTokenizer
-from tuneloop.tokencache import Tokens
+from tuneloop.data.chat import ChatTokenizer
+from tuneloop.data.token_cache import Tokens
+from tuneloop.demo import domain, tiny
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
     folder = tmp_path_factory.mktemp("tokenizer")
-    tiny.build_tokenizer(demo.tokenizer_corpus(0), 512).save_pretrained(folder)
+    tiny.build_tokenizer(domain.tokenizer_corpus(0), 512).save_pretrained(folder)
     return ChatTokenizer.from_folder(folder)
 
 
@@ -87,7 +87,7 @@ def test_another_tokenizer_or_a_broken_segment_starts_over(
 ) -> None:
     path, cache = write(tmp_path / "val.jsonl", chat_lines(4, 60)), tmp_path / "cache"
     tokens_of(path, cache, tokenizer)
-    other = tiny.build_tokenizer(demo.tokenizer_corpus(1), 600)
+    other = tiny.build_tokenizer(domain.tokenizer_corpus(1), 600)
     other.save_pretrained(tmp_path / "other")
     different = ChatTokenizer.from_folder(tmp_path / "other")
     assert tokens_of(path, cache, different).lines_tokenized == 60

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from stages import base, clean, ingest, pack, train
 from tests.helpers import ROOT, write_params
-from tuneloop import demo
+from tuneloop.demo import domain
 from tuneloop.params import load_params
 from tuneloop.telemetry.trace import TraceError, read_trace
 from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE
@@ -57,7 +57,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     try:
         write_params(folder)
         params = load_params()
-        demo.seed_month(params.paths.incoming, params.demo)
+        domain.seed_month(params.paths.incoming, params.demo)
         for stage in (base, ingest, clean, pack):
             stage.main()
         write_params(folder, {"batch": {"world_size": 2, "effective_batch": 2}})

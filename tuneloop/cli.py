@@ -11,11 +11,11 @@ from typing import Any
 
 
 def _seed_demo(args: argparse.Namespace) -> int:
-    from tuneloop import demo
+    from tuneloop.demo import domain
     from tuneloop.params import load_params
 
     params = load_params()
-    written = demo.seed_month(params.paths.incoming, params.demo)
+    written = domain.seed_month(params.paths.incoming, params.demo)
     for path in written:
         print(f"wrote {path}")
     if not written:
@@ -77,7 +77,7 @@ def _retrain(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from flows import demo
-    from tuneloop.loop_report import format_loop
+    from tuneloop.demo.report import format_loop
 
     history = demo.run(Path(args.repo), args.months, args.approval_wait)
     print(format_loop(history))
@@ -87,8 +87,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _register_base(args: argparse.Namespace) -> int:
-    from tuneloop import registry
     from tuneloop.params import load_params
+    from tuneloop.tracking import registry
 
     done = registry.register_base(load_params())
     print(done.reasons[0])
@@ -220,7 +220,7 @@ def _wait(args: argparse.Namespace) -> int:
 def _traffic(args: argparse.Namespace) -> int:
     import os
 
-    from tuneloop import traffic
+    from tuneloop.demo import customers
     from tuneloop.release.backends import wait_healthy
 
     token = None
@@ -231,7 +231,7 @@ def _traffic(args: argparse.Namespace) -> int:
             return 1
     router = args.router.rstrip("/")
     wait_healthy(router, timeout=60)
-    report = traffic.run(
+    report = customers.run(
         router,
         requests=args.requests,
         users=args.users,
@@ -430,10 +430,10 @@ def _passthrough(name: str) -> Any:
 
         return calibrate_main
     if name == "deploy":
-        from tuneloop.schedule import deploy_main
+        from tuneloop.orchestration.schedule import deploy_main
 
         return deploy_main
-    from tuneloop.doctor import main as doctor_main
+    from tuneloop.preflight.doctor import main as doctor_main
 
     return doctor_main
 

@@ -43,9 +43,9 @@ def write_metrics(params: Params, stage: str, metrics: dict[str, Any]) -> Path:
     # No MLflow imported means no active run: do not import it just to find that out.
     mlflow = sys.modules.get("mlflow")
     if mlflow is not None and mlflow.active_run() is not None:
-        from tuneloop import tracking
+        from tuneloop.tracking import runs
 
-        tracking.log_metrics(metrics)
+        runs.log_metrics(metrics)
     return path
 
 
@@ -96,12 +96,12 @@ def logged_after(stage: str, params: Params) -> Iterator[Deferred]:
 def _run(stage: str, params: Params, deferred: Deferred, seconds: float) -> Iterator[None]:
     import mlflow
 
-    from tuneloop import tracking
+    from tuneloop.tracking import runs
 
-    with tracking.stage_run(stage, params):
+    with runs.stage_run(stage, params):
         for entry in deferred.metrics:
-            tracking.log_metrics(entry)
-        tracking.log_metrics({"stage_seconds": round(seconds, 3)})
+            runs.log_metrics(entry)
+        runs.log_metrics({"stage_seconds": round(seconds, 3)})
         for name, data in deferred.dicts.items():
             mlflow.log_dict(data, name)
         for name, text in deferred.texts.items():

@@ -14,7 +14,7 @@ from pathlib import Path
 import datasets
 
 # The project's one normaliser: "the same answer" means what "the same text" means in clean.
-from tuneloop.text import normalise
+from tuneloop.data.text import normalise
 
 HERE = Path(__file__).parent
 ANSWER_FORMAT = re.compile(r"^\[(return|warranty|shipping|unknown|greeting)\] \S.*$")

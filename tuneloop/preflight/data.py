@@ -21,12 +21,10 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
-from tuneloop import text, turnkeys
-from tuneloop.chat import ChatTokenizer, render, tokenize_chat
-from tuneloop.params import BatchParams
-from tuneloop.preflight.check import Check
-from tuneloop.shards import IGNORE_INDEX as IGNORE
-from tuneloop.shards import (
+from tuneloop.data import text, turn_keys
+from tuneloop.data.chat import ChatTokenizer, render, tokenize_chat
+from tuneloop.data.shards import IGNORE_INDEX as IGNORE
+from tuneloop.data.shards import (
     INPUT_IDS,
     LABELS,
     REQUIRED_COLUMNS,
@@ -35,7 +33,9 @@ from tuneloop.shards import (
     SOURCE_COLUMN,
     shard_name,
 )
-from tuneloop.shards import list_column as _list_column
+from tuneloop.data.shards import list_column as _list_column
+from tuneloop.params import BatchParams
+from tuneloop.preflight.check import Check
 
 if TYPE_CHECKING:  # the stage reads with a ChatTokenizer; a transformers one works as well
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -635,7 +635,7 @@ def check_eval_contamination(
 ) -> Check:
     """No eval-suite question among the training data's user turns (normalised, hash lookup).
 
-    The turns' keys come from what clean wrote beside the file (``tuneloop.turnkeys``) when
+    The turns' keys come from what clean wrote beside the file (``tuneloop.data.turn_keys``) when
     that was written for exactly these bytes; otherwise the file is parsed and normalised
     here. ``data`` is the file's content when the caller has read it already.
     """
@@ -644,7 +644,7 @@ def check_eval_contamination(
         return Check(name, "warn", "no eval suite found: contamination cannot be checked")
     if data is None and train_jsonl.exists():
         data = train_jsonl.read_bytes()
-    keys = turnkeys.read(train_jsonl.parent / turnkeys.NAME, data) if data is not None else None
+    keys = turn_keys.read(train_jsonl.parent / turn_keys.NAME, data) if data is not None else None
     if keys is not None:  # clean's keys of exactly these bytes: no JSON to parse
         by_key = {text.key(q): (item, text.normalise(q)) for item, q in eval_questions}
         found = keys.find(set(by_key))
@@ -655,7 +655,7 @@ def check_eval_contamination(
             name,
             "pass",
             f"none of {len(keys.keys)} user turns matches the {len(eval_questions)} eval "
-            f"questions (by the keys clean wrote for this file, {turnkeys.NAME})",
+            f"questions (by the keys clean wrote for this file, {turn_keys.NAME})",
         )
     turns, rows = user_turns(train_jsonl if data is None else data)
     normalised_eval = normalise_texts(pa.array([q for _, q in eval_questions], pa.string()))

@@ -16,11 +16,12 @@ from typing import Any
 
 import pynvml
 
-from tuneloop import doctor, suites
-from tuneloop.chat import load_chat_tokenizer
+from tuneloop.data.chat import load_chat_tokenizer
 from tuneloop.io import read_json
+from tuneloop.judge import suites
 from tuneloop.models import base_model_ref, model_limits
 from tuneloop.params import Params, TrainParams
+from tuneloop.preflight import doctor
 from tuneloop.preflight.check import Check, counts, run_timed
 from tuneloop.preflight.config import (
     check_effective_batch,

@@ -95,13 +95,13 @@ def find_flow_run(ref: str) -> FlowRun:
                 return client.read_flow_run(run_id)
             except ObjectNotFound:
                 raise ApprovalError(f"no flow run with id {ref}") from None
-        runs = client.read_flow_runs(
+        found_runs = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[ref])), limit=2
         )
-    if len(runs) != 1:
-        found = "none" if not runs else "several"
+    if len(found_runs) != 1:
+        found = "none" if not found_runs else "several"
         raise ApprovalError(f"{found} flow runs named {ref!r}; give the flow-run id instead")
-    return runs[0]
+    return found_runs[0]
 
 
 def pending_form(run: FlowRun) -> dict[str, Any]:
@@ -238,10 +238,10 @@ def _tag_release_run(params: Params, operator: str, reason: str) -> str | None:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from tuneloop import tracking
-    from tuneloop.registry import CHALLENGER, find_alias
+    from tuneloop.tracking import runs
+    from tuneloop.tracking.registry import CHALLENGER, find_alias
 
-    client = MlflowClient(tracking.tracking_uri())
+    client = MlflowClient(runs.tracking_uri())
     try:
         version = find_alias(params.tracking.registered_model, CHALLENGER, client)
         if version is None or not version.run_id:
@@ -340,7 +340,7 @@ def status(params: Params) -> dict[str, Any]:
 def registry_aliases(name: str) -> dict[str, str] | str:
     """``{alias: version}`` of registered model ``name``, or why they cannot be read.
 
-    The store is ``tuneloop.tracking.tracking_uri()``'s: ``$MLFLOW_TRACKING_URI``, else the
+    The store is ``tuneloop.tracking.runs.tracking_uri()``'s: ``$MLFLOW_TRACKING_URI``, else the
     project's ``mlflow.db``. A SQLite store is read from its ``registered_model_aliases``
     table, an MLflow server through its REST API; any other store through ``MlflowClient``.
     """

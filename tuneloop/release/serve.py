@@ -13,7 +13,7 @@ Before it hands over, it records what it serves in ``run/serve/<alias>.json`` (U
 name, version): a router config whose arm says ``alias: champion`` reads it
 (``serving.config``), so the router and the release flow see the version that actually
 serves, whatever the alias says later. Aliases are only read here; they move in
-``tuneloop.registry``.
+``tuneloop.tracking.registry``.
 """
 
 from __future__ import annotations
@@ -89,11 +89,11 @@ def fetch(name: str, alias: str, serve_dir: Path = SERVE_DIR) -> tuple[str, Path
     """(version, merged folder, FP8 folder or None) of ``name@alias``, downloaded once."""
     from mlflow.tracking import MlflowClient
 
-    from tuneloop import registry, tracking
+    from tuneloop.tracking import registry, runs
 
     if alias not in ALIASES:
         raise NotServable(f"alias must be one of {list(ALIASES)} (got {alias!r})")
-    client = MlflowClient(tracking.tracking_uri())
+    client = MlflowClient(runs.tracking_uri())
     version = registry.find_alias(name, alias, client)
     if version is None:
         raise _missing_alias(name, alias)

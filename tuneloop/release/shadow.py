@@ -18,8 +18,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from tuneloop.data.text import normalise
 from tuneloop.io import read_jsonl
-from tuneloop.text import normalise
 
 
 class SuiteError(ValueError):

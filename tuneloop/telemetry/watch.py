@@ -190,7 +190,7 @@ def _tracking_uri(options: WatchOptions) -> str:
     # Read now, not at import: whoever launched the watch set it for this job.
     if from_env := os.environ.get("MLFLOW_TRACKING_URI"):
         return from_env
-    from tuneloop.tracking import tracking_uri  # the project's one default (imports mlflow)
+    from tuneloop.tracking.runs import tracking_uri  # the project's one default (imports mlflow)
 
     return tracking_uri()
 

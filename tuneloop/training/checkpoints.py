@@ -39,9 +39,9 @@ import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from tuneloop import lineage
 from tuneloop.io import read_json, write_json
 from tuneloop.params import TRAIN_PHASE_ORDER, Params
+from tuneloop.tracking import lineage
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
+from tuneloop.data.shards import VAL_SHARD, shard_name
 from tuneloop.io import read_jsonl
 from tuneloop.params import Params
-from tuneloop.shards import VAL_SHARD, shard_name
 from tuneloop.training.plan import TrainPlan
 from tuneloop.training.stoploss import StepMeter
 

@@ -25,13 +25,13 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from transformers import EarlyStoppingCallback, TrainerCallback, TrainingArguments
 
-from tuneloop import init_from, lineage, tracking
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.models import load_tokenizer
 from tuneloop.params import Params
 from tuneloop.stage import write_metrics
 from tuneloop.telemetry.actions import AlertHook, send_alert
 from tuneloop.telemetry.callback import HeartbeatCallback
+from tuneloop.tracking import init_from, lineage, runs
 from tuneloop.training import checkpoints, methods
 from tuneloop.training.plan import TrainPlan
 from tuneloop.training.stoploss import StepMeter, StopLossCallback, StopRules, TrainingStopped
@@ -136,7 +136,7 @@ def phase_mlflow_run(phase: str, params: Params, rank: Rank) -> Iterator[None]:
     with mlflow.start_run(
         run_name=f"{STAGE}/{phase}",
         nested=True,
-        tags={tracking.TAG_STAGE: STAGE, TAG_PHASE: phase},
+        tags={runs.TAG_STAGE: STAGE, TAG_PHASE: phase},
     ):
         yield
 
@@ -227,7 +227,7 @@ def run_phase(
         if stop.event is not None:  # inside the phase's run, which ends FAILED with it
             raise TrainingStopped(stop.event, phase, metrics)
         if rank.is_main and phase != params.train.phases[0]:
-            tracking.log_metrics(metrics)
+            runs.log_metrics(metrics)
 
     final = phase_dir / checkpoints.FINAL
     methods.drop_reference_adapter(trainer.model)
@@ -299,7 +299,7 @@ def continue_mlflow_run(prep: checkpoints.Preparation, params_hash: str, experim
         return
     if "MLFLOW_RUN_ID" in os.environ or previous.params_hash != params_hash:
         return
-    tracking.setup(experiment)
+    runs.setup(experiment)
     try:
         status = MlflowClient().get_run(previous.mlflow_run_id).info.status
     except MlflowException:
@@ -313,7 +313,7 @@ def name_continued_run(prep: checkpoints.Preparation | None, run_id: str) -> Non
     """Tag a run that resumed another run's checkpoints with that run's id."""
     previous = prep.previous if prep is not None and prep.resumed else None
     if previous is not None and previous.mlflow_run_id not in (None, run_id):
-        mlflow.set_tag(tracking.TAG_RESUMES, previous.mlflow_run_id)
+        mlflow.set_tag(runs.TAG_RESUMES, previous.mlflow_run_id)
 
 
 def report_stop(
@@ -325,11 +325,9 @@ def report_stop(
     """
     event = stopped.event
     run = mlflow.active_run()
-    mlflow.set_tags(
-        {tracking.TAG_STOP_RULE: event.rule, tracking.TAG_STOP_REASON: str(stopped)[:5000]}
-    )
+    mlflow.set_tags({runs.TAG_STOP_RULE: event.rule, runs.TAG_STOP_REASON: str(stopped)[:5000]})
     gpus = plan.world_size if plan.cuda else 0
-    tracking.log_metrics(
+    runs.log_metrics(
         {
             **stopped.metrics,
             "stop_step": event.step,
@@ -391,7 +389,7 @@ def train(params: Params, plan: TrainPlan, started_at: float) -> None:
         log.info("train: %s", prep.detail)
         continue_mlflow_run(prep, params_hash, params.tracking.experiment)
 
-    run_context = tracking.stage_run(STAGE, params) if rank.is_main else contextlib.nullcontext()
+    run_context = runs.stage_run(STAGE, params) if rank.is_main else contextlib.nullcontext()
     with run_context as run:
         if run is not None:
             name_continued_run(prep, run.info.run_id)

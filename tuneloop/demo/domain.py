@@ -34,7 +34,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from tuneloop import general
+from tuneloop.demo import general
 
 if TYPE_CHECKING:
     from tuneloop.params import DemoParams
@@ -232,7 +232,7 @@ class Generator:
         return Item(question, answer(product, intent, lang), True, lang, intent)
 
 
-# A share of every export is general-skill chats (tuneloop.general), as teams mix general data
+# A share of every export is general-skill chats (tuneloop.demo.general), as teams mix general data
 # into a domain fine-tune so that it does not erode what the base model knew: one record in
 # ``demo.replay_every``, each asking ``demo.replay_turns`` questions. Without it the candidate
 # forgets the base's skill and the gate's forgetting budget (gate.max_forgetting) refuses it.
@@ -254,7 +254,7 @@ REPLAY_MAX_SIMILARITY = 0.6
 
 
 def _shingles(text: str) -> set[str]:
-    # Exact sets rather than clean's MinHash (tuneloop.neardup): 765 x 175 short questions
+    # Exact sets rather than clean's MinHash (tuneloop.data.neardup): 765 x 175 short questions
     # take milliseconds, and the base stage, which builds its tokenizer from this module's
     # chats, does not then depend on the sketching code.
     flat = " ".join(re.sub(r"[^\w ]", "", text.lower()).split())

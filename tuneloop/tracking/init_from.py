@@ -7,7 +7,7 @@ weights, and ``merge`` folds it into those same weights; a full fine-tune contin
 With no champion yet (the first month) training starts from the base, and ``init.json`` says
 why. ``init_from: base`` always starts from the base (a retrain from scratch).
 
-Resolving the alias and fetching the champion is ``tuneloop.registry.resolve_start``; this
+Resolving the alias and fetching the champion is ``tuneloop.tracking.registry.resolve_start``; this
 module only records and reads the result, so training and merging import no registry code.
 The ``init`` stage is ``always_changed`` in dvc.yaml, since DVC cannot see an alias move: it
 resolves the alias on every ``dvc repro``, but its out changes (and so ``train`` reruns) only

@@ -3,13 +3,13 @@
 Trained from the base, a month's training set is the whole pool: everything last month
 packed, and the new batch. Packed as one set, every line is looked up in the token cache and
 every bin packed and gathered again each month, work that follows the pool. So a file is
-packed in parts, the runs of lines clean wrote segment by segment (``tuneloop.fileparts``),
+packed in parts, the runs of lines clean wrote segment by segment (``tuneloop.data.clean_parts``),
 grouped until a part holds ``PART_MIN_LINES`` lines: each part is packed on its own, and its
-bins (a shard file, ``tuneloop.shards``) and counts are kept in ``paths.pack_cache``/parts
+bins (a shard file, ``tuneloop.data.shards``) and counts are kept in ``paths.pack_cache``/parts
 under a key of the part's bytes, the tokenizer and code (``tokencache.fingerprint``), this
-module and ``tuneloop.packing``, and ``pack.seq_len`` and ``pack.overlong``. A month then
+module and ``tuneloop.data.pack``, and ``pack.seq_len`` and ``pack.overlong``. A month then
 reads the parts it packed before and packs the lines of the new ones; their tokens come
-from the token cache (``tuneloop.tokencache``) for the lines it holds.
+from the token cache (``tuneloop.data.token_cache``) for the lines it holds.
 
 The parts are the same with the cache or without it (they follow clean's files, never
 the cache), so the shards are too (``tests/test_pack_cache.py``). Packing parts alone costs
@@ -35,10 +35,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from tuneloop import fileparts, shards, tokencache
-from tuneloop.chat import ChatTokenizer
+from tuneloop.data import clean_parts, shards, token_cache
+from tuneloop.data.chat import ChatTokenizer
+from tuneloop.data.pack import Overlong, PackedBins, PackResult, join_packed, pack_samples
 from tuneloop.io import read_json, remove_all_but, write_json
-from tuneloop.packing import Overlong, PackedBins, PackResult, join_packed, pack_samples
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Packed:
     """The cache entries of this file's parts (``prune`` keeps them)."""
 
 
-def part_ranges(parts: list[fileparts.Part], min_lines: int) -> list[range]:
+def part_ranges(parts: list[clean_parts.Part], min_lines: int) -> list[range]:
     """Byte ranges of clean's parts grouped in file order, each closed at ``min_lines`` lines.
 
     The grouping of the earlier parts does not depend on the later ones: a file that grows
@@ -88,7 +88,7 @@ def part_ranges(parts: list[fileparts.Part], min_lines: int) -> list[range]:
 def fingerprint(tokenizer: ChatTokenizer, seq_len: int, overlong: Overlong) -> str:
     """What a part's bins depend on besides its bytes."""
     code = Path(__file__).parent
-    digest = hashlib.sha256(f"{tokencache.fingerprint(tokenizer)}\0{seq_len}\0{overlong}".encode())
+    digest = hashlib.sha256(f"{token_cache.fingerprint(tokenizer)}\0{seq_len}\0{overlong}".encode())
     for name in ("packing.py", "packcache.py"):
         digest.update((code / name).read_bytes())
     return digest.hexdigest()
@@ -108,7 +108,7 @@ def pack_file(
     in its ``split`` folder); None packs everything and keeps nothing.
     """
     data = path.read_bytes()
-    ranges = part_ranges(fileparts.read(path, data), PART_MIN_LINES)
+    ranges = part_ranges(clean_parts.read(path, data), PART_MIN_LINES)
     config = fingerprint(tokenizer, seq_len, overlong)
     keys = [
         hashlib.sha256(
@@ -119,12 +119,12 @@ def pack_file(
     folder = cache / PARTS if cache is not None else None
     results = [_load(folder, key, seq_len) if folder is not None else None for key in keys]
     missing = [i for i, result in enumerate(results) if result is None]
-    lines = [tokencache.split_lines(data[ranges[i].start : ranges[i].stop]) for i in missing]
+    lines = [token_cache.split_lines(data[ranges[i].start : ranges[i].stop]) for i in missing]
     del data
     tokenized = 0
     if missing:
-        token_cache = cache / split if cache is not None else None
-        fresh, tokenized = _pack_parts(lines, token_cache, tokenizer, seq_len, overlong)
+        tokens_dir = cache / split if cache is not None else None
+        fresh, tokenized = _pack_parts(lines, tokens_dir, tokenizer, seq_len, overlong)
         for i, packed in zip(missing, fresh, strict=True):
             if folder is not None:
                 _save(folder, keys[i], packed)
@@ -140,15 +140,15 @@ def pack_file(
 
 def _pack_parts(
     parts: list[list[bytes]],
-    token_cache: Path | None,
+    tokens_dir: Path | None,
     tokenizer: ChatTokenizer,
     seq_len: int,
     overlong: Overlong,
 ) -> tuple[list[PackResult], int]:
     """Each part's lines packed on its own, tokenized in one call (one look-up in the token
     cache), and how many lines were not in the token cache."""
-    tokens = tokencache.tokens_of_lines(
-        [line for part in parts for line in part], token_cache, tokenizer
+    tokens = token_cache.tokens_of_lines(
+        [line for part in parts for line in part], tokens_dir, tokenizer
     )
     packed, first = [], 0
     for part in parts:

@@ -9,7 +9,7 @@ with every month the champion has trained on, and DVC versions each month's item
 
 Which items count is decided at the gate, not here: the suite holds every correction from a
 pool batch the champion trained on (its ``tuneloop.data.batches`` tag, via ``metrics/init.json``),
-and ``tuneloop.gate`` counts as *fixed* only the items the champion answers right today
+and ``tuneloop.judge.gate`` counts as *fixed* only the items the champion answers right today
 (``gate.primary_metric`` 1 on the item). An item the champion gets wrong was never fixed for
 the model that serves, so a candidate cannot break it; each one the champion gets right and
 the candidate does not is a *broken fix*, and more than ``gate.max_broken_fixes`` of them
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tuneloop.data.records import pool_batches
+from tuneloop.data.text import normalise
 from tuneloop.io import read_jsonl
-from tuneloop.records import pool_batches
-from tuneloop.text import normalise
 
 log = logging.getLogger(__name__)
 

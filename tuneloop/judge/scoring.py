@@ -4,7 +4,7 @@ lm-eval's Hugging Face backend, or vLLM where it is installed and a GPU is prese
 suite scores the same inside tuneloop and under ``lm_eval --include_path eval/``.
 
 lm-eval logs every item's metric values (``log_samples``); the gate compares models on
-those, paired (``tuneloop.gate``). A metric's per-item value is read as lm-eval's
+those, paired (``tuneloop.judge.gate``). A metric's per-item value is read as lm-eval's
 aggregation would read it:
 
 - a number: one item of a mean (``aggregation: mean``);
@@ -34,8 +34,8 @@ from lm_eval import simple_evaluate
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager, get_task_dict
 
-from tuneloop.gate import Directions, GateError, SuiteItems
 from tuneloop.io import read_jsonl, write_jsonl
+from tuneloop.judge.gate import Directions, GateError, SuiteItems
 from tuneloop.params import Params
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@
 the values a team tunes live in params.yaml with every other knob:
 
 - ``schedule.cron`` and ``schedule.timezone``: prefect.yaml's build step
-  ``tuneloop.schedule.prefect_values`` reads them, so ``prefect deploy`` templates the
+  ``tuneloop.orchestration.schedule.prefect_values`` reads them, so ``prefect deploy`` templates the
   monthly schedule from them (``{{ params.cron }}``);
 - ``schedule.pools``: the process work pools, their work queues, priorities and concurrency
   limits (a GPU pool with a ``night`` queue for the monthly run and a ``day`` queue for

@@ -14,7 +14,7 @@ Where to look:
   MLflow   .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000
            -> http://127.0.0.1:5000: experiment 'tuneloop', tick the two `retrain-...` runs and
               press Compare (one month each); Models -> {model}: every version, its aliases
-              (champion, previous-champion) and the lineage tags (tuneloop.init_from: what
+              (champion, previous-champion) and the lineage tags (tuneloop.tracking.init_from: what
               each month started from)
   DVC      .venv/bin/dvc metrics diff tuneloop/results~1 tuneloop/results: the last two months
            (schedule.commit_results commits each month's dvc.lock and metrics/ to that branch,

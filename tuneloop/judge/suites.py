@@ -19,8 +19,8 @@ def held_out_questions(root: Path, fixed_badcases: Path) -> Iterator[tuple[str, 
 
     The other suites are held out: they measure how a model does on questions it never saw,
     so their items (and near duplicates) are removed from training. The fixed-badcase suite
-    (``paths.fixed_badcases``, ``tuneloop.fixed``) is a regression suite: its items are
-    corrected production badcases, training data in the month they arrive and regression
+    (``paths.fixed_badcases``, ``tuneloop.judge.fixed_badcases``) is a regression suite: its
+    items are corrected production badcases, training data in the month they arrive and regression
     tests afterwards. It measures whether what was learned stays learned, not whether
     something unseen is answered, so training on its items is the design, not a leak;
     decontaminating against it would remove the corrections (and next month's repeats of

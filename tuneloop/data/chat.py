@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import tokenizers
 
-from tuneloop.shards import IGNORE_INDEX
+from tuneloop.data.shards import IGNORE_INDEX
 
 if TYPE_CHECKING:
     import jinja2

@@ -1,6 +1,6 @@
 """Near-duplicate detection for cleaning training data and decontaminating it against evals.
 
-Texts are normalised (``tuneloop.text.normalise``), punctuation is dropped and cut into
+Texts are normalised (``tuneloop.data.text.normalise``), punctuation is dropped and cut into
 overlapping character n-grams. Characters rather than words because Chinese has no
 spaces to split on; n-grams over characters work the same for English. Each shingle set
 is sketched with rensa's R-MinHash (Rust, a whole batch per call): a row of ``num_perm``
@@ -28,8 +28,8 @@ from itertools import chain
 import numpy as np
 from rensa import RMinHash
 
+from tuneloop.data.text import normalise
 from tuneloop.io import usable_cores
-from tuneloop.text import normalise
 
 log = logging.getLogger(__name__)
 

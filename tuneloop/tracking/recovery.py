@@ -1,8 +1,8 @@
 """Closing the MLflow runs a killed flow left open.
 
 A flow whose process was killed (its worker stopped, its machine lost: Prefect marks the
-flow run Crashed, see tuneloop/schedule.py) cannot end its MLflow runs; they stay RUNNING
-in the experiment and look alive forever. At the next start of the same pipeline,
+flow run Crashed, see tuneloop/orchestration/schedule.py) cannot end its MLflow runs;
+they stay RUNNING in the experiment and look alive forever. At the next start of the same pipeline,
 :func:`close_killed_runs` finds its RUNNING runs whose Prefect flow run is over (or unknown
 to the server) and ends each, with its RUNNING child runs, as KILLED, tagged with the
 reason. A run whose flow run is still going (a pilot beside a sweep, a run on another
@@ -21,7 +21,7 @@ from uuid import UUID
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from tuneloop import tracking
+from tuneloop.tracking import runs
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def _running_children(client: MlflowClient, run: Run) -> list[Run]:
         found = client.search_runs(
             [run.info.experiment_id],
             filter_string=(
-                f"tags.`{tracking.TAG_PARENT}` = '{parent}' and attributes.status = 'RUNNING'"
+                f"tags.`{runs.TAG_PARENT}` = '{parent}' and attributes.status = 'RUNNING'"
             ),
         )
         below.extend(found)
@@ -78,12 +78,12 @@ def close_killed_runs(
     found = client.search_runs(
         [experiment_id],
         filter_string=(
-            f"attributes.status = 'RUNNING' and tags.`{tracking.TAG_PIPELINE}` = '{pipeline}'"
+            f"attributes.status = 'RUNNING' and tags.`{runs.TAG_PIPELINE}` = '{pipeline}'"
         ),
     )
     said: list[str] = []
     for run in found:
-        flow_run_id = run.data.tags.get(tracking.TAG_FLOW_RUN, "")
+        flow_run_id = run.data.tags.get(runs.TAG_FLOW_RUN, "")
         if not flow_run_id or flow_run_id == current_flow_run:
             continue
         state = state_of(flow_run_id)
@@ -94,12 +94,12 @@ def close_killed_runs(
             f"its Prefect flow run {flow_run_id} {where}; closed when {pipeline} flow run "
             f"{current_flow_run or '(none)'} started"
         )
-        runs = [run, *_running_children(client, run)]
-        for each in runs:
-            client.set_tag(each.info.run_id, tracking.TAG_KILLED, reason)
+        ended = [run, *_running_children(client, run)]
+        for each in ended:
+            client.set_tag(each.info.run_id, runs.TAG_KILLED, reason)
             client.set_terminated(each.info.run_id, status="KILLED")
         said.append(
-            f"marked {len(runs)} MLflow run(s) KILLED, {run.info.run_name or run.info.run_id} "
+            f"marked {len(ended)} MLflow run(s) KILLED, {run.info.run_name or run.info.run_id} "
             f"({run.info.run_id}) and its stages still RUNNING: {reason}"
         )
         log.warning(said[-1])

@@ -6,7 +6,7 @@ once training continues from last month's champion, another replay share of the 
 line's own bytes, wherever it stands in the file: a segment of the cache holds its lines'
 token ids, labels and lengths and each line's key (xxh3-128 of its bytes). A run keys every
 line it is given (pack gives it the lines of the parts it holds no packed bins of,
-``tuneloop.packcache``), takes the tokens of each line some segment holds, and tokenizes only
+``tuneloop.data.pack_cache``), takes the tokens of each line some segment holds, and tokenizes only
 the others, into one new segment. A line is the same record as the month before wherever clean
 puts it, so the cache grows with the distinct lines clean has written (the pool's kept
 records), not with the months. A different tokenizer or tokenization code (the fingerprint)
@@ -30,9 +30,9 @@ import numpy as np
 import orjson
 import xxhash
 
-from tuneloop.chat import ChatTokenizer, tokenize_chats
+from tuneloop.data.chat import ChatTokenizer, tokenize_chats
+from tuneloop.data.pack import gather_runs
 from tuneloop.io import read_json, remove_all_but, usable_cores, write_json
-from tuneloop.packing import gather_runs
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The user turns of a training file, by key: written by clean, read by preflight.
 
-Clean already holds each user turn's key (``tuneloop.text.key``: a digest of the normalised
+Clean already holds each user turn's key (``tuneloop.data.text.key``: a digest of the normalised
 text) for its own decontamination. It writes the keys of the turns it puts in train.jsonl
 beside it (``train.turns.npz``: the key and the line of each turn) with a digest of the file's
 bytes. Preflight's contamination check then looks the eval questions' keys up in those
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tuneloop.text import KEY_BYTES
+from tuneloop.data.text import KEY_BYTES
 
 NAME = "train.turns.npz"
 

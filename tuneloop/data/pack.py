@@ -2,7 +2,7 @@
 
 ``pack_samples`` puts tokenized samples into bins of ``seq_len`` tokens with best-fit decreasing
 (BFD), over all of its input at once (the pack stage gives it a part of clean's file at a
-time, ``tuneloop.packcache``). Each bin is a row in TRL's packed format (``input_ids``,
+time, ``tuneloop.data.pack_cache``). Each bin is a row in TRL's packed format (``input_ids``,
 ``labels``, ``seq_lengths``), so ``DataCollatorForLanguageModeling(padding_free=True)`` restarts
 position ids at every sample and no sample attends to its neighbour.
 
@@ -32,8 +32,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tuneloop import shards
-from tuneloop.shards import IGNORE_INDEX
+from tuneloop.data import shards
+from tuneloop.data.shards import IGNORE_INDEX
 
 Overlong = Literal["truncate", "drop", "split"]
 # Tokens gathered per index in ``gather_runs``: the index (512 KB) stays in cache; 4M-token
@@ -117,7 +117,7 @@ class PackedBins:
         return PackedBins(input_ids, labels, bin_offsets, seq_lengths, sample_indices, seq_offsets)
 
     def table(self) -> pa.Table:
-        """The bins as a shard table (``tuneloop.shards``)."""
+        """The bins as a shard table (``tuneloop.data.shards``)."""
         return shards.bins_table(
             self.input_ids,
             self.labels,

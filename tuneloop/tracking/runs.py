@@ -4,7 +4,7 @@ A stage resumes the child run its flow task created (``MLFLOW_RUN_ID``) or,
 under a plain ``dvc repro``, starts its own. Either way the run carries the
 lineage tags: git commit and dirty flag, params hash, the Prefect flow-run id
 when there is one, and, once the stage has written its outs, the md5 of every
-DVC dep and out (``dvc.dep.<path>``, ``dvc.out.<path>``, as ``tuneloop.lineage``
+DVC dep and out (``dvc.dep.<path>``, ``dvc.out.<path>``, as ``tuneloop.tracking.lineage``
 hashes them), the base model's revision, and its data deps as MLflow dataset
 inputs (the Dataset column of the MLflow runs page).
 """
@@ -26,8 +26,8 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Run, RunTag
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
-from tuneloop import lineage
 from tuneloop.params import Params
+from tuneloop.tracking import lineage
 
 log = logging.getLogger(__name__)
 

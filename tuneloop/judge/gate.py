@@ -1,8 +1,8 @@
 """The eval gate: judge the candidate against the base, the champion and its FP8 export.
 
-The gate reads per-item scores (lm-eval's logged samples, ``tuneloop.scoring``) and
+The gate reads per-item scores (lm-eval's logged samples, ``tuneloop.judge.scoring``) and
 compares models *paired*, item by item, with a bootstrap interval for each difference
-(``tuneloop.stats``; ``gate.confidence``, ``gate.bootstrap_samples``, ``gate.seed``).
+(``tuneloop.judge.stats``; ``gate.confidence``, ``gate.bootstrap_samples``, ``gate.seed``).
 Every difference is "better by": positive when the first model is the better one,
 whichever way the metric points (``higher_is_better`` of the suite, as lm-eval reports it).
 
@@ -20,8 +20,9 @@ The rules (params ``gate``), each a threshold on such a difference:
 - ``slice_regression`` (only when ``max_slice_regression`` is set): in every slice of a
   business suite (``evaluate.slices``), the candidate is behind its reference (the
   champion, else the base) by at most that much.
-- ``fixed_badcases``: of the fixed-badcase suite's items (``tuneloop.fixed``) the champion
-  answers right (``FIXED_METRIC`` 1 on the item), the candidate answers at most
+- ``fixed_badcases``: of the fixed-badcase suite's items
+  (``tuneloop.judge.fixed_badcases``) the champion answers right (``FIXED_METRIC`` 1 on the item),
+  the candidate answers at most
   ``max_broken_fixes`` wrong. A count over a known set, not an estimate, so no interval:
   each broken fix is a regression a user reported once already. An empty suite (no
   correction from a month the champion trained on yet) is a note, not a check.
@@ -50,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from tuneloop import stats
+from tuneloop.judge import stats
 from tuneloop.params import GateParams
 
 BASE, CHAMPION, CANDIDATE, FP8 = "base", "champion", "candidate", "candidate-fp8"
@@ -70,7 +71,7 @@ class SuiteItems:
     """One model's per-item scores on one suite.
 
     A metric's figure is ``sum(weight * value) / sum(weight)`` over the items: weight 1
-    everywhere for a mean, 0 on the items a rate does not count (see ``tuneloop.stats``).
+    everywhere for a mean, 0 on the items a rate does not count (see ``tuneloop.judge.stats``).
     ``slices`` holds each item's label for every slice field the suite's items carry.
     """
 

@@ -4,7 +4,7 @@ Clean's exact-duplicate keys and exact eval matches, the near-duplicate shingles
 the demo suite's answer check all normalise through ``normalise``, so two places can
 never disagree on whether two texts are equal. (Preflight's contamination check runs
 the same steps vectorised in Arrow.) Near-duplicate detection also drops punctuation,
-but that is a shingling choice (``tuneloop.neardup``), made after this normalisation.
+but that is a shingling choice (``tuneloop.data.neardup``), made after this normalisation.
 
 A change here changes clean's sample ids and its train/validation split, and clean's
 cache keys on this file's bytes, so the cache is recomputed, never reused, after one.

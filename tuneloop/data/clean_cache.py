@@ -1,6 +1,6 @@
 """clean over the whole pool, with each record's work and the decisions cached.
 
-The pool only grows, so both kinds of ``tuneloop.cleaning`` work are kept in
+The pool only grows, so both kinds of ``tuneloop.data.clean`` work are kept in
 ``paths.clean_cache`` (a DVC out beside the pool), per pool *segment* (``SEGMENT_LINES``
 lines of one pool batch file, which bounds the memory of every step whatever a month's
 size):
@@ -15,9 +15,9 @@ size):
 A month's run therefore computes features for its new records only and decides them
 against the cached index of the earlier ones. The output is the same bytes whether an
 entry came from the cache or not (``tests/test_clean_cache.py``). Beside train.jsonl goes
-the key of each of its user turns (``tuneloop.turnkeys``), which preflight checks eval
+the key of each of its user turns (``tuneloop.data.turn_keys``), which preflight checks eval
 contamination with, and beside each file where each segment's lines lie in it
-(``tuneloop.fileparts``), which pack packs by.
+(``tuneloop.data.clean_parts``), which pack packs by.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from tuneloop import fileparts, turnkeys
-from tuneloop.chat import ChatTokenizer
-from tuneloop.cleaning import (
+from tuneloop.data import clean_parts, turn_keys
+from tuneloop.data.chat import ChatTokenizer
+from tuneloop.data.clean import (
     DPO_REASONS,
     NOT_REPLAYED,
     REASONS,
@@ -55,9 +55,9 @@ from tuneloop.cleaning import (
     features_fingerprint,
     hash_fractions,
 )
+from tuneloop.data.records import pool_batches
 from tuneloop.io import atomic_dir, read_json, usable_cores, write_json
 from tuneloop.params import CleanParams
-from tuneloop.records import pool_batches
 
 log = logging.getLogger(__name__)
 
@@ -341,8 +341,8 @@ def clean_pool(
     evals = EvalSet(eval_questions, params.decontam_threshold)
     chain = decisions_fingerprint(params, evals)
     history = History(params.near_dup_threshold)
-    turn_keys = turnkeys.TurnKeysWriter()
-    parts: dict[str, list[fileparts.Part]] = {"train": [], "val": []}
+    user_turns = turn_keys.TurnKeysWriter()
+    parts: dict[str, list[clean_parts.Part]] = {"train": [], "val": []}
     with (
         (out / "train.jsonl").open("wb") as train,
         (out / "val.jsonl").open("wb") as val,
@@ -378,13 +378,13 @@ def clean_pool(
             report.records_in += len(codes)
             lines = _lines(f.lines, f.line_offsets, train_rows)
             train.write(lines)
-            parts["train"].append(fileparts.Part(segment.name, len(train_rows), len(lines)))
+            parts["train"].append(clean_parts.Part(segment.name, len(train_rows), len(lines)))
             user_rows, turns_per_line = f.user_rows(train_rows)
-            turn_keys.add(lines, len(train_rows), turns_per_line, f.user_key[user_rows])
+            user_turns.add(lines, len(train_rows), turns_per_line, f.user_key[user_rows])
             report.train += len(train_rows)
             val_lines = _lines(f.lines, f.line_offsets, val_rows)
             val.write(val_lines)
-            parts["val"].append(fileparts.Part(segment.name, len(val_rows), len(val_lines)))
+            parts["val"].append(clean_parts.Part(segment.name, len(val_rows), len(val_lines)))
             report.val += len(val_rows)
             report.train_tokens += int(np.asarray(f.tokens)[train_rows].sum())
             if skipped := int(((codes == TRAIN) & ~replayed).sum()):
@@ -413,9 +413,9 @@ def clean_pool(
             for code, count in zip(*np.unique(codes, return_counts=True), strict=True):
                 if code >= 2:
                     report.removed[REASONS[int(code) - 2]] += int(count)
-    turn_keys.save(out / turnkeys.NAME)
+    user_turns.save(out / turn_keys.NAME)
     for split, split_parts in parts.items():
-        fileparts.write(out / f"{split}.jsonl", split_parts)
+        clean_parts.write(out / f"{split}.jsonl", split_parts)
     _prune(cache, segments)
     report.cache["records_reused"] = report.records_in - report.cache["records_computed"]
     return report

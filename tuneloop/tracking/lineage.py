@@ -4,7 +4,7 @@ dvc.yaml is the one record of which param groups and files a stage uses; this mo
 it rather than keeping a second list. The md5 of a stage's deps and outs is computed here
 with DVC's own hashing, after the stage wrote its outs, so it is the version DVC records
 for that run whichever way the stage was started (``dvc repro``, ``dvc exp run``, ``python
--m stages.<name>``, the Prefect flow). ``tuneloop.tracking`` puts it on the MLflow run.
+-m stages.<name>``, the Prefect flow). ``tuneloop.tracking.runs`` puts it on the MLflow run.
 """
 
 from __future__ import annotations

@@ -49,9 +49,10 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.pyfunc import PythonModel, PythonModelContext
 from mlflow.tracking import MlflowClient
 
-from tuneloop import cards, gate, init_from, lineage, tracking
 from tuneloop.io import atomic_dir, read_json, write_json
+from tuneloop.judge import cards, gate
 from tuneloop.params import Params
+from tuneloop.tracking import init_from, lineage, runs
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def download_folder(version: ModelVersion, artifact: str, dst: Path) -> Path:
     if artifact not in artifacts:
         raise KeyError(
             f"{version.name} v{version.version} has no {artifact!r} artifact (it has "
-            f"{sorted(artifacts)}); it was not registered by tuneloop.registry"
+            f"{sorted(artifacts)}); it was not registered by tuneloop.tracking.registry"
         )
     return local / artifacts[artifact]["path"]
 
@@ -139,7 +140,7 @@ def champion_batches(version: ModelVersion) -> tuple[str, ...]:
 
 def resolve_start(params: Params, folder: Path) -> init_from.Start:
     """Fill ``folder`` (``paths.init``) with the starting point ``train.init_from`` asks for
-    (see ``tuneloop/init_from.py``).
+    (see ``tuneloop/tracking/init_from.py``).
 
     A champion already fetched into ``folder`` is not downloaded again.
     """
@@ -261,10 +262,10 @@ def lineage_tags(params: Params, flow_run_id: str | None) -> dict[str, str]:
     """Git commit, params hash, every DVC data/model md5, and the flow run of a candidate."""
     git = lineage.git_state()
     tags = {
-        tracking.TAG_COMMIT: git.commit,
-        tracking.TAG_DIRTY: str(git.dirty).lower(),
+        runs.TAG_COMMIT: git.commit,
+        runs.TAG_DIRTY: str(git.dirty).lower(),
         # Every group: the version depends on the whole pipeline, not one stage.
-        tracking.TAG_PARAMS_HASH: lineage.params_hash(params, list(type(params).model_fields)),
+        runs.TAG_PARAMS_HASH: lineage.params_hash(params, list(type(params).model_fields)),
         TAG_CANDIDATE: candidate_key(params.paths.merged),
         # Month over month: the champion this version's training continued from, and the
         # pool batches its training set drew from (clean's metrics).
@@ -272,7 +273,7 @@ def lineage_tags(params: Params, flow_run_id: str | None) -> dict[str, str]:
         **data_tags(params),
     }
     if flow_run_id:
-        tags[tracking.TAG_FLOW_RUN] = flow_run_id
+        tags[runs.TAG_FLOW_RUN] = flow_run_id
     for md5s in lineage.dvc_lock_md5s().values():
         for path, md5 in md5s["outs"].items():
             tags[f"dvc.out.{path}"] = md5
@@ -361,7 +362,7 @@ def register_candidate(
             f"{params.paths.merged}; run `dvc repro evaluate` before registering"
         )
 
-    experiment_id = tracking.setup(params.tracking.experiment)
+    experiment_id = runs.setup(params.tracking.experiment)
     client = MlflowClient()
     champion = describe(find_alias(name, CHAMPION, client))
     compared = decision.get("champion")
@@ -467,7 +468,7 @@ def register_base(params: Params) -> Registration:
     from tuneloop.models import base_model_ref
 
     name = params.tracking.registered_model
-    experiment_id = tracking.setup(params.tracking.experiment)
+    experiment_id = runs.setup(params.tracking.experiment)
     client = MlflowClient()
     current = find_alias(name, CHAMPION, client)
     if current is not None:
@@ -492,8 +493,8 @@ def register_base(params: Params) -> Registration:
     git = lineage.git_state()
     tags = {
         TAG_BASE: params.model.base,
-        tracking.TAG_COMMIT: git.commit,
-        tracking.TAG_DIRTY: str(git.dirty).lower(),
+        runs.TAG_COMMIT: git.commit,
+        runs.TAG_DIRTY: str(git.dirty).lower(),
         init_from.TAG_BATCHES: "",  # trained on none of the pool
     }
     with mlflow.start_run(run_name="register-base", experiment_id=experiment_id) as run:

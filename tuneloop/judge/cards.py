@@ -25,9 +25,9 @@ from typing import Any
 
 import yaml
 
-from tuneloop import lineage
+from tuneloop.data.records import pool_records
 from tuneloop.params import Params
-from tuneloop.records import pool_records
+from tuneloop.tracking import lineage
 
 CARD = "README.md"  # the file name a model folder's card has on a hub
 

@@ -334,7 +334,7 @@ def ids_index(batch: bytes | Sequence[bytes], ids: Sequence[str]) -> bytes:
 
 def hashes_path(pool: Path) -> Path:
     """Where ``pool_ids`` remembers each batch's xxh3-128: beside the pool (a DVC out hashed
-    whole), like its lock and staging folder (``tuneloop.pool``, which the stages that only
+    whole), like its lock and staging folder (``tuneloop.data.pool``, which the stages that only
     read the pool do not import)."""
     return pool.parent / f".{pool.name}.hashes.json"
 

@@ -7,7 +7,7 @@ exact duplicate of an earlier record, a near duplicate of an earlier *kept* reco
 outside the pilot sample. The split is by content hash, so a sample never moves between
 train and val from one month to the next.
 
-The work comes in two kinds, so that ``tuneloop.cleancache`` can keep both:
+The work comes in two kinds, so that ``tuneloop.data.clean_cache`` can keep both:
 
 - **Features** (``features``), per record and independent of every other record: the
   chat, its sample line, the filter verdict with the token count behind it, its content
@@ -34,12 +34,12 @@ from typing import Any
 import numpy as np
 import orjson
 
-from tuneloop import neardup
-from tuneloop.chat import ChatTokenizer, render
-from tuneloop.neardup import NearDupIndex
+from tuneloop.data import neardup
+from tuneloop.data.chat import ChatTokenizer, render
+from tuneloop.data.neardup import NearDupIndex
+from tuneloop.data.text import KEY_BYTES, normalise
+from tuneloop.data.text import key as text_key
 from tuneloop.params import CleanParams
-from tuneloop.text import KEY_BYTES, normalise
-from tuneloop.text import key as text_key
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ DPO_REASONS = (
 )
 DPO_CODE = {reason: 1 + i for i, reason in enumerate(DPO_REASONS)}
 # A kept training chat of a batch the starting model already trained on, outside the replay
-# share (clean.replay_fraction); decided after the cached decisions, see tuneloop.cleancache.
+# share (clean.replay_fraction); decided after the cached decisions, see tuneloop.data.clean_cache.
 NOT_REPLAYED = "not_replayed"
 # Records that reached the exact-duplicate check and were not duplicates of one before.
 _FIRST_SEEN = (TRAIN, VAL, CODE["not_in_pilot"], CODE["near_duplicate"])

@@ -1,10 +1,11 @@
 """Where each clean segment's lines lie in clean's output files: written by clean, read by pack.
 
-clean writes train.jsonl and val.jsonl segment after segment of the pool (``tuneloop.cleancache``),
-so a file is a run of parts, each the kept lines of one segment. Beside each file it writes
+clean writes train.jsonl and val.jsonl segment after segment of the pool
+(``tuneloop.data.clean_cache``), so a file is a run of parts, each the kept lines of one segment.
+Beside each file it writes
 their sizes (``train.parts.json``: the segment, its lines and bytes, in file order). pack packs
 part by part and keeps each part's bins by the part's bytes, so a month that only adds a batch
-re-packs only that batch's lines (``tuneloop.packcache``).
+re-packs only that batch's lines (``tuneloop.data.pack_cache``).
 
 The sizes are only a hint of where to cut: pack keys every part by its own bytes, and a
 parts file that does not add up to the file it describes (a file edited by hand, or written

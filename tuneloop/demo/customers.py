@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from tuneloop import demo
+from tuneloop.demo import domain
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def run(
     Without ``feedback_token`` nothing is flagged (traffic only). ``stop`` ends it early.
     """
     rng = random.Random(f"traffic/{seed}/{month}")
-    gen = demo.Generator(seed + 11, "train", month)
+    gen = domain.Generator(seed + 11, "train", month)
     plan = [
         (f"demo-user-{rng.randrange(users):04d}", gen.item(unknown_rate=0.1))
         for _ in range(requests)
@@ -92,7 +92,7 @@ def run(
     started = time.monotonic()
     headers = {"Authorization": f"Bearer {feedback_token}"} if feedback_token else {}
 
-    def one(client: httpx.Client, user: str, item: demo.Item) -> None:
+    def one(client: httpx.Client, user: str, item: domain.Item) -> None:
         if stop is not None and stop.is_set():
             return
         messages = [{"role": "user", "content": item.question}]

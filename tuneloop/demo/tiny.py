@@ -6,7 +6,7 @@ Hugging Face folder with a ChatML chat template. Everything downstream loads it
 exactly as it would load ``Qwen/Qwen3-8B``.
 
 Before it is saved, :func:`pretrain` gives it a general skill of its own
-(``tuneloop.general``: comparing digits, small sums), the way a real base model
+(``tuneloop.demo.general``: comparing digits, small sums), the way a real base model
 arrives knowing things the domain data never teaches; the forgetting budget of
 the gate measures how much of it a fine-tuned candidate keeps.
 """

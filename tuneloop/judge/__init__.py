@@ -1,0 +1,1 @@
+"""Judging a candidate: suites, scoring, statistics, the gate, fixed badcases, cards."""

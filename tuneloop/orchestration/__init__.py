@@ -1,0 +1,1 @@
+"""Running the pipeline: Prefect deployments and DVC commands from flows."""

@@ -1,0 +1,1 @@
+"""Records of what ran: MLflow runs, lineage, the registry, recovery, results."""
