@@ -72,7 +72,7 @@ NOT_REPLAYED = "not_replayed"
 # Records that reached the exact-duplicate check and were not duplicates of one before.
 _FIRST_SEEN = (TRAIN, VAL, CODE["not_in_pilot"], CODE["near_duplicate"])
 # The modules whose code shapes features and decisions: their bytes key the cache.
-_CODE_FILES = ("text.py", "neardup.py", "chat.py", "cleaning.py", "cleancache.py")
+_CODE_FILES = ("text.py", "neardup.py", "chat.py", "clean.py", "clean_cache.py")
 
 Messages = list[dict[str, str]]
 

@@ -89,7 +89,7 @@ def fingerprint(tokenizer: ChatTokenizer, seq_len: int, overlong: Overlong) -> s
     """What a part's bins depend on besides its bytes."""
     code = Path(__file__).parent
     digest = hashlib.sha256(f"{token_cache.fingerprint(tokenizer)}\0{seq_len}\0{overlong}".encode())
-    for name in ("packing.py", "packcache.py"):
+    for name in ("pack.py", "pack_cache.py"):
         digest.update((code / name).read_bytes())
     return digest.hexdigest()
 

@@ -122,7 +122,7 @@ def fingerprint(tokenizer: ChatTokenizer) -> str:
     """The tokenizer's files and the code that turns chats into tokens."""
     code = Path(__file__).parent
     digest = hashlib.sha256(tokenizer.fingerprint.encode())
-    for name in ("chat.py", "shards.py", "tokencache.py"):
+    for name in ("chat.py", "shards.py", "token_cache.py"):
         digest.update((code / name).read_bytes())
     return digest.hexdigest()
 
