@@ -48,9 +48,8 @@ from tuneloop.judge.gate import (
     Items,
     Scores,
     decide,
-    plot,
-    report,
 )
+from tuneloop.judge.gate_report import plot, report
 from tuneloop.models import base_model_ref
 from tuneloop.params import Params, load_params
 from tuneloop.stage import setup_logging, write_metrics

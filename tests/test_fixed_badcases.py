@@ -32,9 +32,9 @@ from tuneloop.judge.gate import (
     FP8,
     SuiteItems,
     decide,
-    report,
     scores_of,
 )
+from tuneloop.judge.gate_report import report
 from tuneloop.params import load_params
 
 FIXED = "fixed_badcases"

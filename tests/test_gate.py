@@ -23,7 +23,7 @@ from tests.gate_helpers import (
     right,
     suite,
 )
-from tuneloop.judge import gate, scoring, stats
+from tuneloop.judge import gate, gate_report, scoring, stats
 from tuneloop.judge.gate import BASE, CANDIDATE, CHAMPION, FP8, GateError, SuiteItems, decide
 from tuneloop.params import GateParams
 
@@ -233,7 +233,7 @@ def test_a_general_suite_that_could_not_run_is_named_not_dropped() -> None:
     assert decision["forgetting"]["could_not_run"] == {"mmlu_stem": why}
     assert f"general suite mmlu_stem: {why}" in decision["reasons"]
     assert "forgetting budget not enforced: no general suite could run" in decision["reasons"]
-    text = gate.report(
+    text = gate_report.report(
         gate.scores_of(
             {
                 m: {SUITE: s}
@@ -295,7 +295,7 @@ def test_the_report_shows_intervals_slices_and_general_suites() -> None:
     items = {name: {SUITE: found} for name, found in models.items()}
     for name, found in general_items.items():
         items[name][GENERAL] = found
-    text = gate.report(gate.scores_of(items), decision, DIRECTIONS)
+    text = gate_report.report(gate.scores_of(items), decision, DIRECTIONS)
     assert f"Gate: **{decision['verdict'].upper()}**" in text and "Champion: m v3" in text
     header = next(line for line in text.splitlines() if line.startswith("| metric"))
     assert "candidate vs champion" in header and "candidate-fp8 vs candidate" in header

@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 from stages import base, export
 from tests.helpers import ROOT, write_params
 from tuneloop.io import write_json, write_text
-from tuneloop.judge import cards, gate
+from tuneloop.judge import cards, gate, gate_report
 from tuneloop.params import Params, load_params
 from tuneloop.tracking import init_from, registry
 
@@ -62,8 +62,8 @@ def write_evaluation(params: Params, items: gate.Items, champion: str | None) ->
     scores = gate.scores_of(items)
     write_json(params.paths.metrics / "decision.json", decision)
     write_json(params.paths.metrics / "evaluate.json", scores)
-    write_text(params.paths.reports / "eval.md", gate.report(scores, decision, DIRECTIONS))
-    gate.plot(scores, DIRECTIONS, params.paths.reports / "eval.png")
+    write_text(params.paths.reports / "eval.md", gate_report.report(scores, decision, DIRECTIONS))
+    gate_report.plot(scores, DIRECTIONS, params.paths.reports / "eval.png")
     facts = cards.gather(params, Path())
     write_text(params.paths.reports / "model-card.md", cards.model_card(params, facts, decision))
     write_text(params.paths.reports / "dataset-card.md", cards.dataset_card(params, facts))

@@ -36,8 +36,10 @@ refuses a candidate shown to lose more than it; a small general suite cannot alw
 that it did not) are named in the reasons without blocking, and so are regressed slices
 unless ``max_slice_regression`` is set.
 
-``decide`` returns the verdict with every check and comparison, its numbers and a reason
-for each; ``report`` and ``plot`` show them.
+The verdict and every check's status are the shared vocabulary of ``tuneloop.judge.verdict``;
+the checks stay JSON-shaped dicts, as ``metrics/decision.json`` holds them. ``decide`` returns
+the verdict with every check and comparison, its numbers and a reason for each;
+``tuneloop.judge.gate_report`` shows them.
 """
 
 from __future__ import annotations
@@ -46,16 +48,15 @@ import math
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tuneloop.judge import stats
+from tuneloop.judge.verdict import FAIL, INCONCLUSIVE, PASS, Outcome, outcome
 from tuneloop.params import GateParams
 
 BASE, CHAMPION, CANDIDATE, FP8 = "base", "champion", "candidate", "candidate-fp8"
-PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
 # Scores are means over items: float error must not turn a tie into a failure.
 EPS = 1e-9
 Scores = dict[str, dict[str, dict[str, float]]]  # model -> suite -> metric -> value
@@ -246,7 +247,8 @@ def _signed(value: float | None) -> str:
     return "n/a" if value is None else f"{value:+.3f}"
 
 
-def _plain(value: float | None) -> str:
+def plain(value: float | None) -> str:
+    """A figure as reasons and the report print it."""
     return "n/a" if value is None else f"{value:.3f}"
 
 
@@ -254,8 +256,8 @@ def _figures(c: dict[str, Any], confidence: float) -> str:
     where = f"[{c['slice']}] " if c["slice"] else ""
     arrow = "higher is better" if c["higher_is_better"] else "lower is better"
     return (
-        f"{c['suite']}/{c['metric']} {where}({arrow}): {c['model']} {_plain(c['value'])} vs "
-        f"{c['reference']} {_plain(c['reference_value'])}: better by {_signed(c['diff'])} "
+        f"{c['suite']}/{c['metric']} {where}({arrow}): {c['model']} {plain(c['value'])} vs "
+        f"{c['reference']} {plain(c['reference_value'])}: better by {_signed(c['diff'])} "
         f"[{_signed(c['low'])}, {_signed(c['high'])}] ({confidence:.0%}, {c['items']} items)"
     )
 
@@ -270,6 +272,7 @@ def _check(
 ) -> dict[str, Any]:
     """Judge one comparison against ``threshold`` (the least "better by" allowed)."""
     found: stats.Interval | None = comparison["_interval"]
+    status: Outcome
     if found is None:
         status = INCONCLUSIVE
     elif found.low >= threshold - EPS:
@@ -501,9 +504,10 @@ def _verdict(
     general: Sequence[str],
     could_not_run: Mapping[str, str],
 ) -> dict[str, Any]:
+    # A failure always blocks; an unsettled check blocks only where the rules say so.
+    verdict = outcome(c["status"] for c in checks if c["blocking"])
     failed = [c for c in checks if c["status"] == FAIL]
     unsettled = [c for c in checks if c["status"] == INCONCLUSIVE and c["blocking"]]
-    verdict = FAIL if failed else INCONCLUSIVE if unsettled else PASS
     # Per suite, the most any unsettled check needs; None when one of them cannot say.
     more: dict[str, int | None] = {}
     for suite in dict.fromkeys(c["suite"] for c in unsettled):
@@ -563,145 +567,3 @@ def _verdict(
         "comparisons": [{k: v for k, v in c.items() if k != "_interval"} for c in comparisons],
         "slices": slices,
     }
-
-
-# --- report -----------------------------------------------------------------------------------
-
-
-def _cell(c: dict[str, Any] | None) -> str:
-    if c is None:
-        return ""
-    if c["diff"] is None:
-        return "n/a"
-    return f"{c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]"
-
-
-def _find(
-    decision: dict[str, Any], suite: str, metric: str, model: str, reference: str
-) -> dict[str, Any] | None:
-    for c in decision["comparisons"]:
-        if (c["suite"], c["metric"], c["model"], c["reference"]) == (
-            suite,
-            metric,
-            model,
-            reference,
-        ):
-            return dict(c)
-    return None
-
-
-def report(scores: Scores, decision: dict[str, Any], directions: Directions) -> str:
-    """Markdown: the verdict and its reasons, every model x metric with the paired
-    differences and their intervals, the slices, and the general suites."""
-    verdict = str(decision["verdict"]).upper()
-    conf = decision["statistics"]
-    lines = ["# Evaluation", "", f"Gate: **{verdict}**", ""]
-    if champion := decision.get("champion"):
-        lines += [f"Champion: {champion['name']} v{champion['version']}", ""]
-    lines += [
-        f'Differences are paired, item by item, and read "better by" (positive: the first '
-        f"model is better, whichever way the metric points), with {conf['confidence']:.0%} "
-        f"intervals from a {conf['method']} ({conf['samples']} resamples, seed {conf['seed']}).",
-        "",
-    ]
-    lines += [f"- {reason}" for reason in decision["reasons"]]
-    general = set(decision["forgetting"]["suites"])
-    pairs = [(CANDIDATE, BASE), (CANDIDATE, CHAMPION), (FP8, CANDIDATE)]
-    for suite in scores[CANDIDATE]:
-        if suite in general or suite == (decision.get("fixed_badcases") or {}).get("suite"):
-            continue
-        models = [m for m in scores if suite in scores[m]]
-        shown = [(m, r) for m, r in pairs if m in models and r in models]
-        header = ["metric", *models, *(f"{m} vs {r}" for m, r in shown)]
-        count = decision["items"].get(suite, "?")
-        lines += ["", f"## {suite} ({count} items)", "", _row(header), "|---" * len(header) + "|"]
-        for metric in sorted(scores[CANDIDATE][suite]):
-            arrow = "↑" if directions.get(suite, {}).get(metric, True) else "↓"
-            cells = [f"{metric} {arrow}"]
-            cells += [_plain(scores[m][suite].get(metric)) for m in models]
-            cells += [_cell(_find(decision, suite, metric, m, r)) for m, r in shown]
-            lines.append(_row(cells))
-        parts = [s for s in decision["slices"] if s["suite"] == suite]
-        if parts:
-            lines += [
-                "",
-                f"### {suite} by slice: {CANDIDATE} vs {decision['reference']}",
-                "",
-                _row(["slice", "metric", "items", decision["reference"], CANDIDATE, "better by"]),
-                "|---" * 6 + "|",
-            ]
-            for s in parts:
-                mark = " **regressed**" if s["regressed"] else ""
-                lines.append(
-                    _row(
-                        [
-                            s["slice"],
-                            s["metric"],
-                            str(s["items"]),
-                            _plain(s["reference_value"]),
-                            _plain(s["value"]),
-                            _cell(s) + mark,
-                        ]
-                    )
-                )
-    fixed = decision.get("fixed_badcases") or {}
-    if fixed.get("suite"):
-        lines += [
-            "",
-            f"## Fixed badcases: {fixed['suite']} ({fixed['items']} items, "
-            f"max_broken_fixes {fixed['max_broken_fixes']})",
-            "",
-            f"The champion answers {fixed['fixed_by_champion']} right; the candidate breaks "
-            f"{fixed['broken']} of them: **{fixed['status']}**.",
-        ]
-    forgetting = decision["forgetting"]
-    if forgetting["suites"] or forgetting["could_not_run"]:
-        budget = decision["thresholds"]["max_forgetting"]
-        lines += [
-            "",
-            f"## Forgetting: general suites, {CANDIDATE} vs {forgetting['reference']} "
-            f"(max_forgetting {budget:.3f})",
-            "",
-        ]
-        rows = [c for c in decision["checks"] if c["rule"] == "forgetting"]
-        if rows:
-            models = [m for m in (BASE, CHAMPION, CANDIDATE) if m in scores]
-            header = ["suite", "metric", *models, "better by", "check"]
-            lines += [_row(header), "|---" * len(header) + "|"]
-            for c in rows:
-                cells = [c["suite"], c["metric"]]
-                cells += [_plain(scores[m].get(c["suite"], {}).get(c["metric"])) for m in models]
-                lines.append(_row([*cells, _cell(c), c["status"]]))
-        for suite, why in forgetting["could_not_run"].items():
-            lines.append(f"\n- {suite}: {why}")
-    return "\n".join(lines) + "\n"
-
-
-def _row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
-
-
-def plot(scores: Scores, directions: Directions, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    suites = list(scores[CANDIDATE])
-    fig, axes = plt.subplots(1, len(suites), figsize=(6 * len(suites), 4), squeeze=False)
-    for ax, suite in zip(axes[0], suites, strict=True):
-        metrics = sorted(scores[CANDIDATE][suite])
-        models = [m for m in scores if suite in scores[m]]
-        width = 0.8 / len(models)
-        for i, model in enumerate(models):
-            values = [scores[model][suite].get(m, 0.0) for m in metrics]
-            ax.bar([x + i * width for x in range(len(metrics))], values, width, label=model)
-        labels = [f"{m} {'↑' if directions[suite].get(m, True) else '↓'}" for m in metrics]
-        ax.set_xticks([x + width * (len(models) - 1) / 2 for x in range(len(metrics))], labels)
-        ax.set_ylim(0, 1)
-        ax.set_title(suite)
-        ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
