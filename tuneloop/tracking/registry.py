@@ -50,7 +50,8 @@ from mlflow.pyfunc import PythonModel, PythonModelContext
 from mlflow.tracking import MlflowClient
 
 from tuneloop.io import atomic_dir, read_json, write_json
-from tuneloop.judge import cards, gate
+from tuneloop.judge import cards
+from tuneloop.judge.verdict import PASS
 from tuneloop.params import Params
 from tuneloop.tracking import init_from, lineage, runs
 
@@ -350,7 +351,7 @@ def register_candidate(
             "run `dvc repro evaluate` before registering"
         )
     # Only a pass registers: an inconclusive gate blocks as a failed one does.
-    if verdict != gate.PASS or not decision["passed"]:
+    if verdict != PASS or not decision["passed"]:
         blocking = decision.get("failed", []) + decision.get("inconclusive", [])
         log.warning("gate %s; nothing registered: %s", verdict, "; ".join(blocking))
         return Registration(False, name, reasons=[f"gate {verdict}: nothing registered", *blocking])
