@@ -16,6 +16,7 @@ from typing import Any
 import pynvml
 import pytest
 
+from tuneloop.judge.verdict import Check
 from tuneloop.preflight import doctor
 from tuneloop.preflight.doctor import (
     GpuInventory,
@@ -164,6 +165,16 @@ def test_main_without_gpu_exits_0_and_lists_skipped(
     assert by_name["bandwidth_data"]["value"]["write_gbps"] > 0
     assert by_name["page_cache"]["value"]["corpus_bytes"] == len('{"text": "hi"}\n') * 100
     assert not any(c["status"] == "fail" for c in written["checks"])
+
+
+def test_the_table_counts_no_inconclusive_column_unless_a_check_is() -> None:
+    # The doctor and preflight measure, they never estimate: an always-zero column would
+    # only make a reader wonder what could have been inconclusive.
+    checks = [Check("a", "pass", "fine"), Check("b", "skip", "no GPU")]
+    assert doctor.status_counts(checks) == {"pass": 1, "warn": 0, "fail": 0, "skip": 1}
+    assert doctor.format_table(checks).splitlines()[-2] == "1 pass, 0 warn, 0 fail, 1 skip"
+    # One that could not tell is never hidden.
+    assert doctor.status_counts([Check("c", "inconclusive", "?")])["inconclusive"] == 1
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")

@@ -25,8 +25,8 @@ from tuneloop.data.shards import IGNORE_INDEX as IGNORE
 from tuneloop.data.shards import shard_name, write_shard
 from tuneloop.data.text import normalise
 from tuneloop.demo import domain, tiny
+from tuneloop.judge import verdict
 from tuneloop.params import BatchParams, Params, load_params
-from tuneloop.preflight import check as pf_check
 from tuneloop.preflight import config as pf_config
 from tuneloop.preflight import data as pf_data
 from tuneloop.preflight import doctor
@@ -600,10 +600,10 @@ def test_stop_loss() -> None:
 
 
 def test_run_checks_times_every_check_and_keeps_going() -> None:
-    results = pf_check.run_timed(
+    results = verdict.run_timed(
         [
-            lambda: pf_check.Check("a", "fail", "broken"),
-            lambda: pf_check.Check("b", "pass", "fine"),
+            lambda: verdict.Check("a", "fail", "broken"),
+            lambda: verdict.Check("b", "pass", "fine"),
         ]
     )
     assert [r.status for r in results] == ["fail", "pass"]

@@ -10,8 +10,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tuneloop.judge.verdict import Check, Status, worst
 from tuneloop.params import BatchParams
-from tuneloop.preflight.check import Check, Status, worst
 from tuneloop.preflight.data import StepPlan
 
 

@@ -34,8 +34,8 @@ from tuneloop.data.shards import (
     shard_name,
 )
 from tuneloop.data.shards import list_column as _list_column
+from tuneloop.judge.verdict import Check
 from tuneloop.params import BatchParams
-from tuneloop.preflight.check import Check
 
 if TYPE_CHECKING:  # the stage reads with a ChatTokenizer; a transformers one works as well
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase

@@ -1,8 +1,8 @@
 """``tuneloop doctor``: what to check on a new server before the first training run.
 
-Each check returns a ``Check`` (``tuneloop/preflight/check.py``, the type and
-statuses preflight uses too) whose detail says what was found and, unless it
-passed, what to do about it. ``fail`` means training will not work as
+Each check returns a ``Check`` (``tuneloop/judge/verdict.py``, the type and
+statuses preflight and the gate use too) whose detail says what was found and,
+unless it passed, what to do about it. ``fail`` means training will not work as
 configured; ``warn`` means it will work but slower or riskier than it should;
 ``skip`` means the check does not apply here (no GPU, tool not installed)
 and says why. ``main`` prints a table, writes the same as JSON and exits 1
@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import pynvml
 
 from tuneloop.io import write_json
-from tuneloop.preflight.check import Check, counts
+from tuneloop.judge.verdict import Check, counts
 
 log = logging.getLogger(__name__)
 
@@ -633,11 +633,21 @@ def format_table(checks: Sequence[Check]) -> str:
     lines = [header, "-" * len(header)]
     lines += [f"{c.name:<{width}}  {c.status:<7}  {c.detail}" for c in checks]
     lines.append("")
-    lines.append(", ".join(f"{n} {s}" for s, n in counts(checks).items()))
+    lines.append(", ".join(f"{n} {s}" for s, n in status_counts(checks).items()))
     skipped = [c.name for c in checks if c.status == "skip"]
     if skipped:
         lines.append(f"skipped: {', '.join(skipped)}")
     return "\n".join(lines)
+
+
+def status_counts(checks: Sequence[Check]) -> dict[str, int]:
+    """How many checks ended in each status. The doctor and preflight measure, they never
+    estimate, so none of their checks is ``inconclusive``: that count is left out of their
+    tables and reports unless a check ever says it."""
+    found = counts(checks)
+    if not found["inconclusive"]:
+        del found["inconclusive"]
+    return found
 
 
 def write_report(checks: Sequence[Check], path: Path) -> None:

@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tuneloop.io import read_json
+from tuneloop.judge.verdict import Check
 from tuneloop.params import Params
 from tuneloop.preflight import doctor
-from tuneloop.preflight.check import Check
 from tuneloop.preflight.config import ADAPTER_METHODS
 from tuneloop.training.plan import Environment, TrainSetupError, resolve_plan
 

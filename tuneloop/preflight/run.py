@@ -19,10 +19,10 @@ import pynvml
 from tuneloop.data.chat import load_chat_tokenizer
 from tuneloop.io import read_json
 from tuneloop.judge import suites
+from tuneloop.judge.verdict import Check, run_timed
 from tuneloop.models import base_model_ref, model_limits
 from tuneloop.params import Params, TrainParams
 from tuneloop.preflight import doctor
-from tuneloop.preflight.check import Check, counts, run_timed
 from tuneloop.preflight.config import (
     check_effective_batch,
     check_epochs,
@@ -73,7 +73,7 @@ class Report:
         return [c for c in self.checks if c.status == "fail"]
 
     def counts(self) -> dict[str, int]:
-        return dict(counts(self.checks))
+        return doctor.status_counts(self.checks)
 
     def as_dict(self) -> dict[str, Any]:
         return {
