@@ -17,11 +17,15 @@ Why a bootstrap rather than an exact McNemar test: the gate's rules are threshol
 on the size of a difference (``min_gain``, ``max_regression``), which needs an
 interval for the difference, not a p-value for "no difference"; and the same method
 then serves rates over a subset and non-binary scores alike.
+
+The end of the module holds the release analysis' tests, one interval of live traffic
+at a time: two proportions, an exact binomial, an exact McNemar, a Mann-Whitney U, a p99.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -103,3 +107,57 @@ def items_to_settle(found: Interval, threshold: float, items: int, confidence: f
         return None
     z = NormalDist().inv_cdf((1 + confidence) / 2) + NormalDist().inv_cdf(POWER)
     return max(items + 1, math.ceil(items * (z * found.se / gap) ** 2))
+
+
+# --- the release analysis' tests -----------------------------------------------------------------
+# One interval of canary traffic, the challenger against the champion (tuneloop/release/checks.py).
+# scipy is imported where it is used: importing scipy.stats takes seconds, and the gate, which
+# imports this module, never needs it.
+
+
+def two_proportion_p(x1: int, n1: int, x2: int, n2: int) -> float:
+    """One-sided p-value of the pooled two-proportion z-test, H1: x1/n1 > x2/n2.
+
+    Written out (scipy has no two-proportion test and statsmodels is not a
+    dependency); it is the textbook statistic. When neither arm has an event
+    there is no difference to find: p = 1.
+    """
+    from scipy import stats as scipy_stats
+
+    pooled = (x1 + x2) / (n1 + n2)
+    se = math.sqrt(pooled * (1 - pooled) * (1 / n1 + 1 / n2))
+    if se == 0:
+        return 1.0
+    return float(scipy_stats.norm.sf((x1 / n1 - x2 / n2) / se))
+
+
+def mcnemar_p(worse: int, better: int) -> float:
+    """One-sided exact McNemar p-value: of the pairs where the arms differ, the challenger
+    is the worse one in ``worse`` and the better one in ``better``; H1: it is worse more often.
+    """
+    from scipy.stats import binomtest
+
+    if worse + better == 0:
+        return 1.0
+    return float(binomtest(worse, worse + better, 0.5, alternative="greater").pvalue)
+
+
+def binomial_p(events: int, trials: int, rate: float) -> float:
+    """One-sided exact binomial p-value, H1: the rate behind ``events`` in ``trials`` > ``rate``."""
+    from scipy.stats import binomtest
+
+    return float(binomtest(events, trials, rate, alternative="greater").pvalue)
+
+
+def mann_whitney_p(slower: Sequence[float], faster: Sequence[float]) -> float:
+    """One-sided Mann-Whitney U p-value, H1: ``slower``'s values tend to be larger (as Kayenta's
+    judge tests latency)."""
+    from scipy.stats import mannwhitneyu
+
+    return float(mannwhitneyu(slower, faster, alternative="greater").pvalue)
+
+
+def p99(values: Sequence[float]) -> float:
+    """The nearest-rank 99th percentile of ``values`` (not empty)."""
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(0.99 * len(ordered))) - 1]
