@@ -30,10 +30,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tuneloop.cli.host import calibrate_main, watch_main
 from tuneloop.telemetry import synth
 from tuneloop.telemetry.accounting import Accounting
 from tuneloop.telemetry.actions import AlertHook, dump_stacks, send_alert
-from tuneloop.telemetry.calibrate import WORKLOADS, calibrate_main, calibration_from_measurements
+from tuneloop.telemetry.calibrate import WORKLOADS, calibration_from_measurements
 from tuneloop.telemetry.calibration import (
     BUILTIN_MODELS,
     GENERIC,
@@ -69,7 +70,7 @@ from tuneloop.telemetry.trace import (
     read_trace,
     write_trace,
 )
-from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE, watch_main
+from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE
 from tuneloop.telemetry.watchdog import DeadlockDetector, ReplayResult, WatchConfig, replay
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"

@@ -24,9 +24,10 @@ from typing import Any
 import psutil
 import pytest
 
+from tuneloop.cli.host import watch_main
 from tuneloop.telemetry.actions import find_py_spy
 from tuneloop.telemetry.heartbeat import read_heartbeats
-from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE, watch_main
+from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE
 
 DDP_HANG = Path(__file__).parent / "fixtures" / "ddp_hang.py"
 SETSID_RANK = Path(__file__).parent / "fixtures" / "setsid_rank.py"

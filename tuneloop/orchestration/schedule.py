@@ -21,14 +21,14 @@ Where a run executes is the worker's business: the pull step :func:`enter_checko
 the worker for each flow run and enters ``TUNELOOP_HOME`` as that worker has it (a
 ``{{ $TUNELOOP_HOME }}`` in prefect.yaml would be resolved once, on the deploying machine).
 
-``tuneloop deploy`` = check prefect.yaml against params, create or update the pools and
-queues, ``prefect --no-prompt deploy --all``, the heartbeat automation, then print each
-deployment's queue, schedule and next run times, as the server has them.
+``tuneloop deploy`` (``tuneloop/cli/deploy.py``) runs :func:`deploy`: check prefect.yaml
+against params, create or update the pools and queues, ``prefect --no-prompt deploy --all``,
+the heartbeat automation, then print each deployment's queue, schedule and next run times,
+as the server has them.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime as dt
 import os
@@ -318,31 +318,3 @@ def deploy(project: Path, params: Params, extra: Sequence[str] = ()) -> int:
         "prefect worker start --pool NAME (README, Operating it)"
     )
     return 0
-
-
-def deploy_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tuneloop deploy",
-        description="Create or update the work pools and queues in params.yaml's schedule "
-        "group, then register prefect.yaml's deployments (`prefect deploy --all`) on the "
-        "server PREFECT_API_URL names.",
-    )
-    parser.add_argument("--project", type=Path, default=Path(), help="project folder")
-    args, extra = parser.parse_known_args(argv)
-    from prefect.settings import PREFECT_API_URL
-
-    if not PREFECT_API_URL.value():  # the environment or the active Prefect profile
-        print(
-            "tuneloop deploy: set PREFECT_API_URL to your Prefect server, e.g. "
-            "http://127.0.0.1:4200/api after `prefect server start`; deployments on a "
-            "temporary server would vanish with it",
-            file=sys.stderr,
-        )
-        return 2
-    project = args.project.resolve()
-    try:
-        params = load_params(project / "params.yaml")
-        return deploy(project, params, extra)
-    except ParamsError as error:
-        print(f"tuneloop deploy: {error}", file=sys.stderr)
-        return 2

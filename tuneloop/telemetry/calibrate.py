@@ -20,6 +20,8 @@ checkpoint         a 4 GiB state dict copied to the host and saved, repeatedly
 (pure, so it is tested without a GPU); it refuses when the low band overlaps the
 middle ones, because then power cannot tell a checkpoint from a slow job.
 Run it on an otherwise idle card: other processes' draw lands in the figures.
+``calibrate`` measures and returns the calibration; the command
+(``tuneloop/cli/host.py``) writes it.
 
 Not yet run on a GPU: the workloads and the NVML sampling have only been
 exercised without one (the refusal, and a stand-in for NVML), so the first run on
@@ -28,13 +30,11 @@ a card should be checked against ``nvidia-smi``.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import logging
 import os
 import re
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tuneloop.telemetry.calibration import Calibration, CalibrationError, save_calibration
+from tuneloop.telemetry.calibration import Calibration, CalibrationError
 from tuneloop.telemetry.sampler import NvmlSource, TelemetryUnavailable
 from tuneloop.telemetry.trace import STATES, Sample, State
 
@@ -302,45 +302,3 @@ def calibrate(gpu: int = 0, seconds: float = 30.0, workdir: Path | None = None) 
 
 def _slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def calibrate_main(argv: Sequence[str] | None = None) -> int:
-    """``tuneloop calibrate``; returns the exit code."""
-    parser = argparse.ArgumentParser(
-        prog="tuneloop calibrate",
-        description="Measure this GPU model's power in each state (matmul burn, all-reduce "
-        "loop, idle with a context, starved loader, checkpoint save) and write its "
-        "calibration file. Needs a CUDA GPU; run it on an otherwise idle card. The bands "
-        "shipped for H100, H200, B200 and B300 are estimates from public figures, not "
-        "measurements; a file written here is marked measured (estimated: false), and the "
-        "watchdog reports calibration_source 'measured' only when every GPU has one. This "
-        "command and the NVML sampling it uses have not yet run on a GPU (the arithmetic is "
-        "tested on synthetic samples): compare the bands it writes with nvidia-smi readings "
-        "before trusting them.",
-    )
-    parser.add_argument("--gpu", type=int, default=0, help="NVML index of the card (default 0)")
-    parser.add_argument(
-        "--seconds", type=float, default=30.0, help="seconds per workload (default %(default)s)"
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="file to write (default calibrations/<gpu name>.json)",
-    )
-    args = parser.parse_args(list(argv or []))
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        calibration = calibrate(args.gpu, args.seconds)
-    except CalibrationError as err:
-        print(f"tuneloop calibrate: {err}", file=sys.stderr)
-        return 2
-    out = args.out or Path("calibrations") / f"{calibration.gpu_model}.json"
-    save_calibration(out, calibration)
-    print(
-        f"wrote {out}: stall below x={calibration.stall_below}, compute from "
-        f"x={calibration.compute_above}, busy at {calibration.busy_util} % utilisation"
-    )
-    return 0

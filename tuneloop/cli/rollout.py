@@ -1,4 +1,6 @@
-"""The ``tuneloop`` command line."""
+"""``tuneloop register-base``, ``release``, ``approve``, ``reject``, ``serve``, ``wait``,
+``traffic``, ``rollback`` and ``status``: a model in front of users, and the people who decide
+how much traffic it gets."""
 
 from __future__ import annotations
 
@@ -7,83 +9,9 @@ import getpass
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
-
-def _seed_demo(args: argparse.Namespace) -> int:
-    from tuneloop.demo import domain
-    from tuneloop.params import load_params
-
-    params = load_params()
-    written = domain.seed_month(params.paths.incoming, params.demo)
-    for path in written:
-        print(f"wrote {path}")
-    if not written:
-        print(f"{params.paths.incoming} already holds the demo files; nothing written")
-    return 0
-
-
-def _print_summary(result: dict[str, Any]) -> None:
-    data, train, decision = result["data"], result["train"], result["decision"]
-    print("\n=== tuneloop retrain: summary ===")
-    print(
-        f"data   {data['lines']} lines in -> {data['accepted']} accepted, "
-        f"{data['quarantined']} quarantined, {data['duplicates']} duplicates; "
-        f"pool {data['pool']} records -> {data['train']} train / {data['val']} val, "
-        f"{data['dpo_pairs']} DPO pairs"
-    )
-    print(
-        f"train  loss {train['loss_first']:.3f} -> {train['loss_last']:.3f} "
-        f"(val {train['eval_loss']:.3f}) in {train['steps']} steps, "
-        f"{train['tokens_per_second']:.0f} tokens/s"
-    )
-    for model, suites in result["eval"].items():
-        for suite, metrics in suites.items():
-            shown = ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items()))
-            print(f"eval   {model:<14} {suite}: {shown}")
-    print(f"gate   {str(decision['verdict']).upper()}")
-    for reason in decision["reasons"]:
-        print(f"       {reason}")
-    registration = result.get("registration") or {}
-    if registration.get("registered"):
-        print(
-            f"model  registered {registration['name']} v{registration['version']} "
-            f"as {registration['alias']!r}"
-        )
-    else:
-        print("model  not registered:")
-        for reason in registration.get("reasons", []):
-            print(f"       {reason}")
-    print(
-        "\nSee it:\n"
-        "  MLflow  .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000"
-        "   -> http://127.0.0.1:5000 (experiment 'tuneloop': one parent run, a child per stage)\n"
-        "  Prefect .venv/bin/prefect server start"
-        "   -> http://127.0.0.1:4200 (run with PREFECT_API_URL=http://127.0.0.1:4200/api"
-        " to keep flow runs there)\n"
-        "  DVC     .venv/bin/dvc dag; .venv/bin/dvc metrics show; .venv/bin/dvc repro"
-    )
-
-
-def _retrain(args: argparse.Namespace) -> int:
-    from flows.retrain import retrain
-
-    result = retrain(repo=Path(args.repo))
-    _print_summary(result)
-    if args.json:
-        print(json.dumps(result, indent=2, ensure_ascii=False))
-    return 0
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from flows import demo
-    from tuneloop.demo.report import format_loop
-
-    history = demo.run(Path(args.repo), args.months, args.approval_wait)
-    print(format_loop(history))
-    if args.json:
-        print(json.dumps(history, indent=2, ensure_ascii=False, default=str))
-    return 0
+# Seconds a release started just before `tuneloop approve --wait-for-pause` may take to show up.
+STARTUP_S = 60.0
 
 
 def _register_base(args: argparse.Namespace) -> int:
@@ -95,20 +23,16 @@ def _register_base(args: argparse.Namespace) -> int:
     return 0
 
 
-# Seconds a release started just before `tuneloop approve --wait-for-pause` may take to show up.
-STARTUP_S = 60.0
-
-
-def _the_waiting_release(args: argparse.Namespace) -> str:
-    """The flow run to answer: the one given, or the only release waiting (for up to --wait s)."""
+def _the_waiting_release(flow_run: str | None, wait: float) -> str:
+    """The flow run to answer: the one given, or the only release waiting (for up to wait s)."""
     import time
 
     from tuneloop.release import approval
 
-    if args.flow_run:
-        return str(args.flow_run)
+    if flow_run:
+        return flow_run
     started = time.monotonic()
-    deadline = started + args.wait
+    deadline = started + wait
     while True:
         waiting = approval.waiting_releases()
         if len(waiting) > 1:
@@ -133,7 +57,7 @@ def _approve(args: argparse.Namespace) -> int:
     from tuneloop.release import approval
 
     try:
-        run = _the_waiting_release(args)
+        run = _the_waiting_release(args.flow_run, args.wait)
         done = approval.approve(run, args.approver, args.percent, args.comment)
     except approval.ApprovalError as error:
         print(f"tuneloop approve: {error}", file=sys.stderr)
@@ -148,7 +72,8 @@ def _reject(args: argparse.Namespace) -> int:
     from tuneloop.release.admin import AdminError
 
     try:
-        done = approval.reject(_the_waiting_release(args), args.approver, args.comment)
+        run = _the_waiting_release(args.flow_run, args.wait)
+        done = approval.reject(run, args.approver, args.comment)
     except approval.ApprovalError as error:
         print(f"tuneloop reject: {error}", file=sys.stderr)
         return 1
@@ -192,12 +117,18 @@ def _release(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from tuneloop.params import load_params
+    from tuneloop.release.backends import LoraModule
     from tuneloop.release.serve import NotServable, serve_main
 
+    adapters = []
+    for given in args.adapter:
+        name, sep, folder = given.partition("=")
+        if not sep or not name or not folder:
+            print(f"tuneloop serve: --adapter {given!r}: give NAME=FOLDER", file=sys.stderr)
+            return 2
+        adapters.append(LoraModule(name, Path(folder).resolve()))
     try:
-        serve_main(
-            load_params().tracking.registered_model, args.alias, args.port, args.host, args.backend
-        )
+        serve_main(load_params(), args.alias, args.port, args.host, args.backend, adapters=adapters)
     except NotServable as error:
         print(f"tuneloop serve: {error}", file=sys.stderr)
         return 1
@@ -275,38 +206,7 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tuneloop", description="Continuous fine-tuning: badcases in, a judged model out."
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    seed = commands.add_parser(
-        "seed-demo", help="write the demo month of support chats and badcases into incoming/"
-    )
-    seed.set_defaults(run=_seed_demo)
-
-    retrain = commands.add_parser(
-        "retrain", help="run the retrain flow (ingest -> evaluate) once, now: one month"
-    )
-    demo = commands.add_parser(
-        "demo",
-        help="the loop on the embedded model: N months of seed -> retrain -> release -> feedback",
-    )
-    for command in (retrain, demo):
-        command.add_argument("--repo", default=".", help="the tuneloop project folder")
-        command.add_argument("--json", action="store_true", help="also print the full result")
-    retrain.set_defaults(run=_retrain)
-    demo.add_argument("--months", type=int, default=2, help="monthly cycles to run (default 2)")
-    demo.add_argument(
-        "--approval-wait",
-        type=float,
-        default=20.0,
-        help="seconds a release waits for your `tuneloop approve` before the demo approves as "
-        "demo-operator (default 20)",
-    )
-    demo.set_defaults(run=_demo)
-
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     base = commands.add_parser(
         "register-base",
         help="register the base model as the first champion (once), for the first release",
@@ -363,8 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser(
         "serve",
-        help="serve a registry alias: transformers serve (CPU) or vllm serve (GPU), recorded "
-        "in run/serve/ for the router",
+        help="serve a registry alias with vLLM (its own environment: make serve-setup) or "
+        "transformers serve, recorded in run/serve/ for the router",
     )
     serve.add_argument("alias", choices=["champion", "challenger"])
     serve.add_argument("--port", type=int, default=8001, help="listen port (default 8001)")
@@ -372,12 +272,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--backend",
         choices=["auto", "transformers", "vllm"],
-        default="auto",
-        help="auto: vllm where a GPU and vllm are there, else transformers (default auto)",
+        default=None,
+        help="the engine, instead of params.yaml's serve.engine (auto: vLLM where make "
+        "serve-setup built it, else transformers)",
+    )
+    serve.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=FOLDER",
+        help="a LoRA adapter vLLM serves as model NAME on the alias's folder (repeatable); "
+        "checked against vLLM's limits and the base first",
     )
     serve.set_defaults(run=_serve)
 
-    wait = commands.add_parser("wait", help="wait until each URL's /health answers")
+    wait = commands.add_parser(
+        "wait", help="wait until each URL's /health answers (vLLM: once its model is loaded)"
+    )
     wait.add_argument("urls", nargs="+", help="backend or router root URLs")
     wait.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
     wait.set_defaults(run=_wait)
@@ -415,46 +326,3 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--json", action="store_true", help="print it as JSON")
     status.set_defaults(run=_status)
-    return parser
-
-
-# Commands that take their own flags (and, for `watch`, a command after `--`):
-# argparse's REMAINDER cannot pass `watch --deadlock-after 10 -- cmd` through.
-def _passthrough(name: str) -> Any:
-    if name == "watch":
-        from tuneloop.telemetry.watch import watch_main
-
-        return watch_main
-    if name == "calibrate":
-        from tuneloop.telemetry.calibrate import calibrate_main
-
-        return calibrate_main
-    if name == "deploy":
-        from tuneloop.orchestration.schedule import deploy_main
-
-        return deploy_main
-    from tuneloop.preflight.doctor import main as doctor_main
-
-    return doctor_main
-
-
-PASSTHROUGH = {
-    "watch": "run a training command under the power/heartbeat watchdog: watch [opts] -- CMD",
-    "calibrate": "measure this GPU model's power bands and write its calibration file",
-    "doctor": "check a host before the first run: GPUs, NVLink, versions, storage, disk",
-    "deploy": "work pools and queues from params.yaml, then prefect.yaml's deployments",
-}
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] and argv[0] in PASSTHROUGH:
-        return int(_passthrough(argv[0])(argv[1:]))
-    parser = build_parser()
-    parser.epilog = "more: " + "; ".join(f"{k}: {v}" for k, v in PASSTHROUGH.items())
-    args = parser.parse_args(argv)
-    return int(args.run(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m tuneloop.cli``: the ``tuneloop`` command without its console script."""
+
+import sys
+
+from tuneloop.cli import main
+
+sys.exit(main())

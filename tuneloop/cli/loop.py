@@ -1,0 +1,112 @@
+"""``tuneloop seed-demo``, ``retrain`` and ``demo``: the monthly loop, once or for N months."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _seed_demo(args: argparse.Namespace) -> int:
+    from tuneloop.demo import domain
+    from tuneloop.params import load_params
+
+    params = load_params()
+    written = domain.seed_month(params.paths.incoming, params.demo)
+    for path in written:
+        print(f"wrote {path}")
+    if not written:
+        print(f"{params.paths.incoming} already holds the demo files; nothing written")
+    return 0
+
+
+def _print_summary(result: dict[str, Any]) -> None:
+    data, train, decision = result["data"], result["train"], result["decision"]
+    print("\n=== tuneloop retrain: summary ===")
+    print(
+        f"data   {data['lines']} lines in -> {data['accepted']} accepted, "
+        f"{data['quarantined']} quarantined, {data['duplicates']} duplicates; "
+        f"pool {data['pool']} records -> {data['train']} train / {data['val']} val, "
+        f"{data['dpo_pairs']} DPO pairs"
+    )
+    print(
+        f"train  loss {train['loss_first']:.3f} -> {train['loss_last']:.3f} "
+        f"(val {train['eval_loss']:.3f}) in {train['steps']} steps, "
+        f"{train['tokens_per_second']:.0f} tokens/s"
+    )
+    for model, suites in result["eval"].items():
+        for suite, metrics in suites.items():
+            shown = ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items()))
+            print(f"eval   {model:<14} {suite}: {shown}")
+    print(f"gate   {str(decision['verdict']).upper()}")
+    for reason in decision["reasons"]:
+        print(f"       {reason}")
+    registration = result.get("registration") or {}
+    if registration.get("registered"):
+        print(
+            f"model  registered {registration['name']} v{registration['version']} "
+            f"as {registration['alias']!r}"
+        )
+    else:
+        print("model  not registered:")
+        for reason in registration.get("reasons", []):
+            print(f"       {reason}")
+    print(
+        "\nSee it:\n"
+        "  MLflow  .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000"
+        "   -> http://127.0.0.1:5000 (experiment 'tuneloop': one parent run, a child per stage)\n"
+        "  Prefect .venv/bin/prefect server start"
+        "   -> http://127.0.0.1:4200 (run with PREFECT_API_URL=http://127.0.0.1:4200/api"
+        " to keep flow runs there)\n"
+        "  DVC     .venv/bin/dvc dag; .venv/bin/dvc metrics show; .venv/bin/dvc repro"
+    )
+
+
+def _retrain(args: argparse.Namespace) -> int:
+    from flows.retrain import retrain
+
+    result = retrain(repo=Path(args.repo))
+    _print_summary(result)
+    if args.json:
+        print(json.dumps(result, indent=2, ensure_ascii=False))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from flows import demo
+    from tuneloop.demo.report import format_loop
+
+    history = demo.run(Path(args.repo), args.months, args.approval_wait)
+    print(format_loop(history))
+    if args.json:
+        print(json.dumps(history, indent=2, ensure_ascii=False, default=str))
+    return 0
+
+
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    seed = commands.add_parser(
+        "seed-demo", help="write the demo month of support chats and badcases into incoming/"
+    )
+    seed.set_defaults(run=_seed_demo)
+
+    retrain = commands.add_parser(
+        "retrain", help="run the retrain flow (ingest -> evaluate) once, now: one month"
+    )
+    demo = commands.add_parser(
+        "demo",
+        help="the loop on the embedded model: N months of seed -> retrain -> release -> feedback",
+    )
+    for command in (retrain, demo):
+        command.add_argument("--repo", default=".", help="the tuneloop project folder")
+        command.add_argument("--json", action="store_true", help="also print the full result")
+    retrain.set_defaults(run=_retrain)
+    demo.add_argument("--months", type=int, default=2, help="monthly cycles to run (default 2)")
+    demo.add_argument(
+        "--approval-wait",
+        type=float,
+        default=20.0,
+        help="seconds a release waits for your `tuneloop approve` before the demo approves as "
+        "demo-operator (default 20)",
+    )
+    demo.set_defaults(run=_demo)
