@@ -82,7 +82,6 @@ from pathlib import Path
 from typing import Any, Literal
 from uuid import UUID
 
-import pydantic
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.tracking import MlflowClient
 from prefect import flow, get_run_logger, runtime, task
@@ -90,7 +89,6 @@ from prefect.cache_policies import NONE
 from prefect.client.schemas.objects import FlowRun
 from prefect.exceptions import FlowPauseTimeout
 from prefect.flow_runs import pause_flow_run, resume_flow_run
-from prefect.input import RunInput
 from prefect.states import Failed, State
 
 from tuneloop.params import Params, ReleaseParams, load_params, with_overrides
@@ -98,18 +96,21 @@ from tuneloop.release import shadow as suite_judges
 from tuneloop.release.admin import AdminError, Batch, Cursor, LeaseKeeper, RouterAdmin
 from tuneloop.release.analysis import (
     WEIGHT_CHECK,
-    Approval,
     ArmSamples,
     Check,
-    InvalidAnswer,
     StatsError,
     Verdict,
     analyse,
     analyse_shadow,
-    approval_poll_seconds,
     next_step,
     read_pairs,
     tally,
+)
+from tuneloop.release.approval import (
+    Approval,
+    InvalidAnswer,
+    approval_form,
+    approval_poll_seconds,
     validate_answer,
 )
 from tuneloop.release.loadtest import compare_load, load_test
@@ -554,30 +555,6 @@ def hold_and_analyse_shadow(release: Release) -> Verdict:
 
 
 # --- the person in the loop --------------------------------------------------------------------
-
-
-def approval_form(current: int, proposed: int, description: str) -> type[RunInput]:
-    """The form the Prefect UI shows, with the bounds of this step in its schema.
-
-    Built from ``Approval`` with ``next_percent`` narrowed to (current, 100] and
-    defaulting to the planned step. Only the description goes through
-    ``with_initial_data``, which would drop the bounds of any field it sets.
-    """
-    base = RunInput.subclass_from_base_model_type(Approval)
-    form: type[RunInput] = pydantic.create_model(
-        "ReleaseApproval",
-        __base__=base,
-        next_percent=(
-            int,
-            pydantic.Field(
-                default=proposed,
-                ge=current + 1,
-                le=100,
-                description=f"challenger percent to move to (planned: {proposed})",
-            ),
-        ),
-    )
-    return form.with_initial_data(description=description)
 
 
 def _describe_step(

@@ -40,24 +40,27 @@ from tests.router_helpers import (
 from tuneloop.params import ParamsError, ReleaseParams, ShadowParams, load_params, parse_params
 from tuneloop.release.admin import AdminError, Cursor, LeaseKeeper, RouterAdmin
 from tuneloop.release.analysis import (
-    Approval,
     ArmFigures,
     ArmSamples,
     Check,
-    InvalidAnswer,
     Pair,
     Snapshot,
     StatsError,
     Traffic,
     analyse,
     analyse_shadow,
-    approval_poll_seconds,
     mcnemar_p,
     merge,
     next_step,
     parse_stats,
     tally,
     two_proportion_p,
+)
+from tuneloop.release.approval import (
+    Approval,
+    InvalidAnswer,
+    approval_form,
+    approval_poll_seconds,
     validate_answer,
 )
 from tuneloop.release.loadtest import LoadResult, compare_load, load_test
@@ -402,8 +405,6 @@ def test_an_answer_is_validated_again_in_the_flow() -> None:
 
 
 def test_the_form_keeps_its_bounds_where_with_initial_data_drops_them() -> None:
-    from flows.release import approval_form
-
     form = approval_form(current=10, proposed=50, description="ramp?")
     field = form.model_json_schema()["properties"]["next_percent"]
     assert (field["minimum"], field["maximum"], field["default"]) == (11, 100, 50)

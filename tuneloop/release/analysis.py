@@ -20,8 +20,8 @@ calls these. What is decided here:
   exact McNemar test), answer length and, where a request is a suite's question,
   that suite's own scores;
 - (the load test before the first traffic lives in ``tuneloop/release/loadtest.py``);
-- **the ramp plan**: which percent comes next, and whether a person's answer to
-  the approval form is one the flow may act on.
+- **the ramp plan**: which percent comes next (a person's answer to the approval
+  form lives in ``tuneloop/release/approval.py``).
 
 ``parse_stats`` and ``merge`` read the router's cumulative ``/admin/stats``
 (for ``tuneloop status``); the analysis does not use them.
@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from scipy import stats as scipy_stats
 from scipy.stats import binomtest, mannwhitneyu
 
@@ -665,57 +664,9 @@ def _suite_figures(pairs: Sequence[Pair], scorer: Scorer) -> dict[str, float]:
     return figures
 
 
-# --- the ramp and the person's answer --------------------------------------------------------
+# --- the ramp ---------------------------------------------------------------------------------
 
 
 def next_step(steps: Sequence[int], current: int) -> int | None:
     """The planned percent after ``current`` (None at 100: promote, not ramp)."""
     return next((s for s in steps if s > current), None)
-
-
-def approval_poll_seconds(approval_timeout: int) -> int:
-    """How often a paused flow asks the server whether it was answered.
-
-    Often enough that a short test timeout is honoured within a second or so,
-    rarely enough that a day-long wait costs the server nothing.
-    """
-    return max(1, min(10, approval_timeout // 60))
-
-
-class InvalidAnswer(ValueError):
-    """A person's answer to the approval form that the flow must not act on; says why."""
-
-
-class Approval(BaseModel):
-    """A person's answer to "ramp the challenger?", validated before anything moves."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    decision: Literal["approve", "reject"] = Field(description="approve the next step or roll back")
-    approver: str = Field(min_length=1, max_length=100, description="who decided (your name)")
-    next_percent: int = Field(ge=1, le=100, description="challenger percent to move to")
-    comment: str = Field(default="", max_length=2000, description="why; kept with the release")
-
-
-def validate_answer(answer: Mapping[str, Any], current: int) -> Approval:
-    """The answer as an ``Approval``, checked again here.
-
-    Prefect checks a form against the schema it saved, but a form class made
-    with ``RunInput.with_initial_data`` loses its bounds, and an approval may
-    come through the REST API as well: the flow trusts only this check.
-    """
-    try:
-        approval = Approval.model_validate(dict(answer))
-    except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()
-        )
-        raise InvalidAnswer(f"approval form invalid: {problems}") from None
-    if not approval.approver.strip():
-        raise InvalidAnswer("approval form invalid: approver is blank; give your name")
-    if approval.decision == "approve" and approval.next_percent <= current:
-        raise InvalidAnswer(
-            f"approval form invalid: next_percent {approval.next_percent} is not above the "
-            f"current {current} %; to lower traffic, reject (which rolls back)"
-        )
-    return approval

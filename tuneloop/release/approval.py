@@ -1,5 +1,8 @@
-"""Answer a paused release from the command line, roll back, and show where a release stands.
+"""A person's answer to a paused release, in one place; rolling back and where a release stands.
 
+- ``Approval`` and ``validate_answer``: the answer and the one check of it, which the
+  flow (``flows/release.py``) trusts and the command line runs before sending; the
+  flow pauses with ``approval_form``, the form the Prefect UI shows.
 - ``approve(flow_run, approver, percent=None)``: resume the paused release flow
   with an approval; without ``percent`` the flow's planned next step applies.
 - ``reject(flow_run, approver, comment)``: resume it with a rejection, which
@@ -27,20 +30,23 @@ import logging
 import os
 import sqlite3
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import unquote, urlparse
 from uuid import UUID
 
 import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from tuneloop.params import Params
 from tuneloop.release.admin import AdminError, RouterAdmin
-from tuneloop.release.analysis import Approval, merge, parse_stats
+from tuneloop.release.analysis import merge, parse_stats
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
+    from prefect.input import RunInput
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,86 @@ ALIASES = ("champion", "challenger", "previous-champion")
 
 class ApprovalError(RuntimeError):
     """The answer cannot be given; the message says why and what to do."""
+
+
+# --- the answer ----------------------------------------------------------------------------------
+
+
+class InvalidAnswer(ValueError):
+    """A person's answer to the approval form that the flow must not act on; says why."""
+
+
+class Approval(BaseModel):
+    """A person's answer to "ramp the challenger?", validated before anything moves."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    decision: Literal["approve", "reject"] = Field(description="approve the next step or roll back")
+    approver: str = Field(min_length=1, max_length=100, description="who decided (your name)")
+    next_percent: int = Field(ge=1, le=100, description="challenger percent to move to")
+    comment: str = Field(default="", max_length=2000, description="why; kept with the release")
+
+
+def validate_answer(answer: Mapping[str, Any], current: int) -> Approval:
+    """The answer as an ``Approval``, checked again here.
+
+    Prefect checks a form against the schema it saved, but a form class made
+    with ``RunInput.with_initial_data`` loses its bounds, and an approval may
+    come through the REST API as well: the flow trusts only this check.
+    """
+    try:
+        approval = Approval.model_validate(dict(answer))
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()
+        )
+        raise InvalidAnswer(f"approval form invalid: {problems}") from None
+    if not approval.approver.strip():
+        raise InvalidAnswer("approval form invalid: approver is blank; give your name")
+    if approval.decision == "approve" and approval.next_percent <= current:
+        raise InvalidAnswer(
+            f"approval form invalid: next_percent {approval.next_percent} is not above the "
+            f"current {current} %; to lower traffic, reject (which rolls back)"
+        )
+    return approval
+
+
+def approval_form(current: int, proposed: int, description: str) -> type[RunInput]:
+    """The form the Prefect UI shows, with the bounds of this step in its schema.
+
+    Built from ``Approval`` with ``next_percent`` narrowed to (current, 100] and
+    defaulting to the planned step. Only the description goes through
+    ``with_initial_data``, which would drop the bounds of any field it sets.
+    """
+    from prefect.input import RunInput  # here: `tuneloop status` never needs Prefect
+
+    base = RunInput.subclass_from_base_model_type(Approval)
+    form: type[RunInput] = create_model(
+        "ReleaseApproval",
+        __base__=base,
+        next_percent=(
+            int,
+            Field(
+                default=proposed,
+                ge=current + 1,
+                le=100,
+                description=f"challenger percent to move to (planned: {proposed})",
+            ),
+        ),
+    )
+    return form.with_initial_data(description=description)
+
+
+def approval_poll_seconds(approval_timeout: int) -> int:
+    """How often a paused flow asks the server whether it was answered.
+
+    Often enough that a short test timeout is honoured within a second or so,
+    rarely enough that a day-long wait costs the server nothing.
+    """
+    return max(1, min(10, approval_timeout // 60))
+
+
+# --- from the command line -----------------------------------------------------------------------
 
 
 # `tuneloop status` answers in about a second: Prefect and MLflow take seconds to import and
