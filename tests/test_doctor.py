@@ -16,6 +16,7 @@ from typing import Any
 import pynvml
 import pytest
 
+from tuneloop.cli.host import doctor_main
 from tuneloop.judge.verdict import Check
 from tuneloop.preflight import doctor
 from tuneloop.preflight.doctor import (
@@ -30,7 +31,6 @@ from tuneloop.preflight.doctor import (
     check_page_cache,
     check_same_device,
     check_versions,
-    main,
     parse_all_reduce_busbw,
     read_gpus,
     run_checks,
@@ -149,7 +149,7 @@ def test_main_without_gpu_exits_0_and_lists_skipped(
     (data / "train.jsonl").write_text('{"text": "hi"}\n' * 100)
 
     args = ["--data-dir", str(data), "--checkpoint-dir", str(ckpt), "--json", str(report)]
-    code = main([*args, "--probe-mb", "4"])
+    code = doctor_main([*args, "--probe-mb", "4"])
 
     out = capsys.readouterr().out
     assert code == 0

@@ -5,8 +5,8 @@ statuses preflight and the gate use too) whose detail says what was found and,
 unless it passed, what to do about it. ``fail`` means training will not work as
 configured; ``warn`` means it will work but slower or riskier than it should;
 ``skip`` means the check does not apply here (no GPU, tool not installed)
-and says why. ``main`` prints a table, writes the same as JSON and exits 1
-only when something failed.
+and says why. The command (``tuneloop/cli/host.py``) prints a table, writes the
+same as JSON (``write_report``) and exits 1 only when something failed.
 
 NVML is the only GPU source: it answers without creating a CUDA context, so
 the doctor can run beside a training job. Everything NVML-dependent goes
@@ -16,7 +16,6 @@ machine has no GPU, and the checks after it are the same functions either way.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as dt
 import logging
@@ -661,39 +660,3 @@ def write_report(checks: Sequence[Check], path: Path) -> None:
             "checks": [dataclasses.asdict(c) for c in checks],
         },
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tuneloop doctor",
-        description="Check a server before the first training run: GPUs, drivers, "
-        "interconnect, storage bandwidth and space. Exits 1 if a check fails.",
-    )
-    parser.add_argument(
-        "--data-dir", type=Path, default=Path("data"), help="folder holding the training corpus"
-    )
-    parser.add_argument(
-        "--checkpoint-dir",
-        type=Path,
-        default=Path("checkpoints"),
-        help="folder checkpoints are written to",
-    )
-    parser.add_argument(
-        "--json", type=Path, default=Path("reports/doctor.json"), help="where to write the report"
-    )
-    parser.add_argument(
-        "--probe-mb",
-        type=int,
-        default=DEFAULT_PROBE_MB,
-        help="size of the temp file used to measure each folder's read and write bandwidth "
-        "(MB); larger is more accurate on storage with big write caches",
-    )
-    args = parser.parse_args(argv)
-    if args.probe_mb < 1:
-        parser.error("--probe-mb must be at least 1")
-
-    checks = run_checks(args.data_dir, args.checkpoint_dir, probe_mb=args.probe_mb)
-    print(format_table(checks))
-    write_report(checks, args.json)
-    print(f"\nreport written to {args.json}")
-    return 1 if any(c.status == "fail" for c in checks) else 0
