@@ -23,18 +23,14 @@ memory resident: a save, a CPU-side wait) or "nccl-spin" (a collective kernel
 spinning at 100 % utilisation without drawing power); idle is "no-context" or
 "context".
 
-``python -m tuneloop.telemetry.synth --out tests/fixtures/traces`` rewrites the
-small fixture traces the tests replay.
+``fixture_scenarios`` are the small traces the tests replay;
+``python tests/fixtures/make_traces.py`` writes them again.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -48,7 +44,6 @@ from tuneloop.telemetry.trace import (
     State,
     Tick,
     Trace,
-    write_trace,
 )
 
 log = logging.getLogger(__name__)
@@ -374,21 +369,3 @@ def fixture_scenarios() -> list[Scenario]:
             notes="a host-side hang after a starved stretch; instantaneous power readings",
         ),
     ]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m tuneloop.telemetry.synth",
-        description="Write the synthetic fixture traces (CSV with ground-truth labels).",
-    )
-    parser.add_argument("--out", type=Path, required=True, help="folder for the trace files")
-    args = parser.parse_args(argv)
-    for scenario in fixture_scenarios():
-        path = args.out / f"{scenario.name}.csv"
-        write_trace(path, generate(scenario))
-        print(f"wrote {path} ({scenario.notes})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
