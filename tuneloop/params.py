@@ -485,6 +485,43 @@ class ReleaseParams(_Group):
         return self
 
 
+# The ranks vLLM's LoRA kernels take, for --max-lora-rank and for every adapter's rank.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class ServeParams(_Group):
+    """``tuneloop serve``: the engine behind each arm (``tuneloop/release/serve.py``).
+
+    Not a DVC param of any stage: it decides how a model is served, not what the model is.
+    """
+
+    engine: Literal["auto", "vllm", "transformers"] = Field(
+        description="auto: vLLM where its environment is built (make serve-setup), else "
+        "transformers serve"
+    )
+    venv: Path = Field(description="vLLM's own environment, built by make serve-setup")
+    max_model_len: int | None = Field(
+        ge=16, description="tokens per sequence vLLM serves; null = the model's own context"
+    )
+    cpu_kv_cache_gib: int = Field(
+        ge=1, description="VLLM_CPU_KVCACHE_SPACE on a CPU host; unset, vLLM takes most RAM"
+    )
+    cpu_threads: int | None = Field(
+        ge=1, description="OMP_NUM_THREADS for vLLM on a CPU host; null = every core"
+    )
+    max_lora_rank: int = Field(
+        description=f"vLLM's --max-lora-rank when adapters are served, one of {VLLM_LORA_RANKS}"
+    )
+    max_loras: int = Field(ge=1, description="adapters vLLM holds in one batch (--max-loras)")
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _a_vllm_rank(cls, rank: int) -> int:
+        if rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"vLLM takes a max LoRA rank of {list(VLLM_LORA_RANKS)}")
+        return rank
+
+
 class WatchdogParams(_Group):
     """The power/heartbeat watchdog the train stage runs beside itself (``tuneloop.telemetry``).
 
@@ -580,6 +617,7 @@ class Params(_Group):
     gate: GateParams
     tracking: TrackingParams
     release: ReleaseParams
+    serve: ServeParams
     watchdog: WatchdogParams
     schedule: ScheduleParams
 
