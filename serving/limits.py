@@ -1,6 +1,7 @@
-"""Request bodies under limits: size before reading, then JSON that cannot hurt the router.
+"""The router's limits: bodies capped before reading, JSON that cannot hurt it, flag rates.
 
-Every endpoint that takes a body reads it through ``read_json``, in this order:
+Every endpoint that takes a body reads it through ``read_object`` (or ``read_model``,
+which also validates it), in this order:
 
 1. ``Content-Length`` over the limit: refused before a byte is read (413);
 2. the body is read in chunks and refused as soon as it passes the limit, so a
@@ -9,7 +10,10 @@ Every endpoint that takes a body reads it through ``read_json``, in this order:
    (400; the stdlib parser would otherwise raise ``RecursionError`` at ~1,000
    levels, which becomes a 500), lone surrogates such as ``"\\ud800"`` (400;
    Python decodes them into strings that cannot be written as UTF-8, which
-   again would be a 500 at the first write).
+   again would be a 500 at the first write);
+4. not a JSON object, or (``read_model``) not of the endpoint's shape (400).
+
+A feedback producer's flags are limited in rate by its ``TokenBucket`` (429).
 
 Each refusal is a ``Refused`` with the status and a reason a client can act on.
 """
@@ -17,9 +21,15 @@ Each refusal is a ``Refused`` with the status and a reason a client can act on.
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
+
+from serving.config import FeedbackProducer
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 class Refused(Exception):
@@ -113,3 +123,64 @@ def _check_text(text: str, where: str) -> None:
             "send text as valid UTF-16 pairs or UTF-8",
             "bad_text",
         ) from None
+
+
+async def read_object(request: Request, limit: int, max_depth: int) -> dict[str, Any]:
+    """The body as a JSON object, or ``Refused`` (413, 400) saying why not."""
+    data = parse_json(await read_body(request, limit), max_depth)
+    if not isinstance(data, dict):
+        raise Refused(400, "request body must be a JSON object", "bad_json")
+    return data
+
+
+async def read_model(request: Request, model: type[Body], limit: int, max_depth: int) -> Body:
+    """The body validated as ``model``; ``Refused(400)`` names each field that is wrong."""
+    data = await read_object(request, limit, max_depth)
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise Refused(400, _validation_reason(error), "invalid_body") from None
+
+
+def _validation_reason(error: ValidationError) -> str:
+    # Without the input: it may be large, and it is the client's own anyway.
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+        for e in error.errors(include_input=False, include_url=False)
+    )
+
+
+@dataclass
+class TokenBucket:
+    """A producer's rate limit: ``burst`` flags at once, refilled at ``rate_per_minute``."""
+
+    producer: FeedbackProducer
+    tokens: float
+    at: float
+
+    @classmethod
+    def full(cls, producer: FeedbackProducer, now: float) -> TokenBucket:
+        return cls(producer, float(producer.burst), now)
+
+    def take(self, now: float) -> float:
+        """0 when a flag may go now (and spend it); else the seconds until one may."""
+        per_second = self.producer.rate_per_minute / 60
+        self.tokens = min(self.producer.burst, self.tokens + (now - self.at) * per_second)
+        self.at = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / per_second
+
+    def spend(self, now: float) -> None:
+        """Take a flag's token, or ``Refused(429)`` with when to retry."""
+        wait = self.take(now)
+        if wait > 0:
+            spec = self.producer
+            raise Refused(
+                429,
+                f"producer {spec.name!r} is over its rate limit ({spec.rate_per_minute:g} flags "
+                f"a minute, bursts of {spec.burst}); retry in {wait:.1f} s",
+                "rate_limited",
+                headers={"Retry-After": str(max(1, round(wait + 0.5)))},
+            )

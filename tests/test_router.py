@@ -245,13 +245,13 @@ def test_a_rollback_during_a_slow_weight_change_wins_at_once(
     admin_token: dict[str, str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import serving.router
+    import serving.live
 
     def slow_save(path: Path, state: SavedState) -> None:
         time.sleep(0.5)  # a slow disk under the admin lock
         save_state(path, state)
 
-    monkeypatch.setattr(serving.router, "save_state", slow_save)
+    monkeypatch.setattr(serving.live, "save_state", slow_save)
     state_file = tmp_path / "state.json"
     config = make_config(backends, tmp_path, percent=100, state_file=state_file)
 
