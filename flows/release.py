@@ -91,21 +91,11 @@ from prefect.exceptions import FlowPauseTimeout
 from prefect.flow_runs import pause_flow_run, resume_flow_run
 from prefect.states import Failed, State
 
+from tuneloop.judge.verdict import FAIL, INCONCLUSIVE, PASS
 from tuneloop.params import Params, ReleaseParams, load_params, with_overrides
 from tuneloop.release import shadow as suite_judges
 from tuneloop.release.admin import AdminError, Batch, Cursor, LeaseKeeper, RouterAdmin
-from tuneloop.release.analysis import (
-    WEIGHT_CHECK,
-    ArmSamples,
-    Check,
-    StatsError,
-    Verdict,
-    analyse,
-    analyse_shadow,
-    next_step,
-    read_pairs,
-    tally,
-)
+from tuneloop.release.analysis import WEIGHT_CHECK, Verdict, analyse, analyse_shadow, next_step
 from tuneloop.release.approval import (
     Approval,
     InvalidAnswer,
@@ -113,7 +103,9 @@ from tuneloop.release.approval import (
     approval_poll_seconds,
     validate_answer,
 )
+from tuneloop.release.checks import comparison
 from tuneloop.release.loadtest import compare_load, load_test
+from tuneloop.release.readings import ArmSamples, StatsError, read_pairs, tally
 from tuneloop.release.shadow import Judges
 from tuneloop.tracking import runs
 from tuneloop.tracking.registry import CHALLENGER, CHAMPION, PREVIOUS, find_alias, promote
@@ -366,15 +358,15 @@ class Release:
             expected = {shadow_percent} if shadow_percent else set()
             if batch.shadows - expected or batch.percents - {0}:
                 # Rolled back, or moved by someone else: the shadow step must stop.
-                moved = Check(
+                moved = comparison(
                     WEIGHT_CHECK,
+                    FAIL,
                     float(max(batch.percents | {0})),
                     None,
                     f"== 0 with shadow {shadow_percent} % (set by this release); the router "
                     f"has shadow {sorted(batch.shadows)}",
-                    False,
                 )
-                verdict = Verdict.of((moved, *verdict.checks), verdict.figures)
+                verdict = Verdict((moved, *verdict.checks), verdict.figures)
             return verdict, {"metrics": {}, "pairs": len(self.pending)}
 
         return self._analysis("shadow", 0, judge)
@@ -393,12 +385,11 @@ class Release:
         try:
             verdict, extra = judge()
         except (AdminError, StatsError) as error:
-            verdict = Verdict(
-                False, (Check(f"router_samples ({error})", None, None, "readable", False),)
-            )
+            unreadable = comparison(f"router_samples ({error})", FAIL, None, None, "readable")
+            verdict = Verdict((unreadable,))
             extra = {"metrics": {}}
         outcome = verdict.outcome
-        extend = outcome == "inconclusive" and self.extensions < self.params.max_extensions
+        extend = outcome == INCONCLUSIVE and self.extensions < self.params.max_extensions
         if extend:
             self.extensions += 1
             limit = self.params.max_extensions
@@ -406,7 +397,7 @@ class Release:
         else:
             if not verdict.passed:
                 self.failures += 1
-            label = {"pass": "PASS", "fail": "FAIL"}.get(
+            label = {PASS: "PASS", FAIL: "FAIL"}.get(
                 outcome, "INCONCLUSIVE after every extension: FAIL"
             )
             self._new_interval()
@@ -415,17 +406,14 @@ class Release:
             self.roll_back(reason)
         metrics = {
             "analysis.passed": float(verdict.passed),
-            "analysis.inconclusive": float(outcome == "inconclusive"),
+            "analysis.inconclusive": float(outcome == INCONCLUSIVE),
             "analysis.failures": float(self.failures),
             **extra.pop("metrics"),
             **{k: float(v) for k, v in verdict.figures.items()},
         }
         for check in verdict.checks:
-            for key, value in (
-                ("challenger", check.challenger),
-                ("champion", check.champion),
-                ("p_value", check.p_value),
-            ):
+            for key in ("challenger", "champion", "p_value"):
+                value = check.value.get(key)
                 if value is not None and check.name != WEIGHT_CHECK:
                     metrics[f"analysis.{check.name}.{key}"] = float(value)
         summary = "; ".join(verdict.reasons)
@@ -506,7 +494,7 @@ def loadtest_gate(release: Release, arms: dict[str, dict[str, str]]) -> Verdict:
             {"loadtest.skipped": 1.0},
             warn=True,
         )
-        return Verdict(True, ())
+        return Verdict(())  # nothing checked: nothing blocks
     results = {
         arm: load_test(
             arms[arm]["base_url"], arms[arm]["model"], p.requests, p.concurrency, p.max_tokens

@@ -37,25 +37,10 @@ from tests.router_helpers import (
     running_router,
     serve,
 )
+from tuneloop.judge.stats import mcnemar_p, two_proportion_p
 from tuneloop.params import ParamsError, ReleaseParams, ShadowParams, load_params, parse_params
 from tuneloop.release.admin import AdminError, Cursor, LeaseKeeper, RouterAdmin
-from tuneloop.release.analysis import (
-    ArmFigures,
-    ArmSamples,
-    Check,
-    Pair,
-    Snapshot,
-    StatsError,
-    Traffic,
-    analyse,
-    analyse_shadow,
-    mcnemar_p,
-    merge,
-    next_step,
-    parse_stats,
-    tally,
-    two_proportion_p,
-)
+from tuneloop.release.analysis import analyse, analyse_shadow, next_step
 from tuneloop.release.approval import (
     Approval,
     InvalidAnswer,
@@ -64,6 +49,17 @@ from tuneloop.release.approval import (
     validate_answer,
 )
 from tuneloop.release.loadtest import LoadResult, compare_load, load_test
+from tuneloop.release.readings import (
+    ArmFigures,
+    ArmSamples,
+    Pair,
+    Snapshot,
+    StatsError,
+    Traffic,
+    merge,
+    parse_stats,
+    tally,
+)
 from tuneloop.release.shadow import judges as suite_judges
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,12 +149,7 @@ def healthy(n: int, seed: int, errors: int = 0) -> ArmSamples:
 
 
 def outcomes(verdict: Any) -> dict[str, str]:
-    def one(c: Check) -> str:
-        if c.inconclusive:
-            return "inconclusive"
-        return {True: "pass", False: "fail", None: "skipped"}[c.passed]
-
-    return {c.name: one(c) for c in verdict.checks}
+    return {c.name: c.status for c in verdict.checks}
 
 
 def test_equal_arms_pass() -> None:
@@ -167,8 +158,8 @@ def test_equal_arms_pass() -> None:
     assert verdict.outcome == "pass" and verdict.passed and not verdict.interrupted
     assert verdict.reasons[0].startswith("all checks passed")
     for check in verdict.checks[1:]:
-        assert check.p_value is not None and check.p_value > 0.05, check
-        assert check.samples is not None and check.samples[0] >= 50
+        assert check.value["p_value"] is not None and check.value["p_value"] > 0.05, check
+        assert check.value["samples"] is not None and check.value["samples"][0] >= 50
 
 
 @pytest.mark.parametrize(
@@ -192,7 +183,7 @@ def test_a_clear_difference_fails_that_check_and_says_why(
     found = outcomes(verdict)
     assert [name for name, o in found.items() if o == "fail"] == [failed], found
     check = next(c for c in verdict.checks if c.name == failed)
-    assert check.p_value is not None and check.p_value < 1e-6
+    assert check.value["p_value"] is not None and check.value["p_value"] < 1e-6
     assert verdict.reasons[0].startswith(failed) and "FAILED" in verdict.reasons[0]
 
 
@@ -223,10 +214,10 @@ def test_no_streamed_request_skips_ttft_and_at_100_percent_rates_are_absolute() 
     verdict = analyse(
         traffic(no_streams, arm(1800, 0, 0, spread(100, 1800, 2))), release_params(), 10
     )
-    assert outcomes(verdict)["ttft_ms"] == "skipped" and verdict.passed
+    assert outcomes(verdict)["ttft_ms"] == "skip" and verdict.passed
     # At 100 % the champion gets nothing: 0.2 % errors pass the absolute 1 %, 5 % fail it.
     alone = traffic(healthy(1000, 1, errors=2), arm(0), 100)
-    assert outcomes(analyse(alone, release_params(), 100))["latency_ms"] == "skipped"
+    assert outcomes(analyse(alone, release_params(), 100))["latency_ms"] == "skip"
     assert analyse(alone, release_params(), 100).passed
     failing = analyse(traffic(healthy(1000, 1, errors=50), arm(0), 100), release_params(), 100)
     assert outcomes(failing)["error_rate"] == "fail"
@@ -310,8 +301,8 @@ def test_a_shadow_challenger_in_format_passes_and_one_that_breaks_it_fails() -> 
     )
     assert broken.outcome == "fail"
     check = next(c for c in broken.checks if c.name == "shadow_format_compliance")
-    assert (check.challenger, check.champion, check.passed) == (0.0, 1.0, False)
-    assert check.p_value == pytest.approx(
+    assert (check.value["challenger"], check.value["champion"], check.status) == (0.0, 1.0, "fail")
+    assert check.value["p_value"] == pytest.approx(
         0.5**60
     )  # exact McNemar: 60 discordant pairs, all one way
     assert analyse_shadow(pairs(10, "x"), params, None, None).outcome == "inconclusive"
@@ -370,7 +361,7 @@ def test_a_candidate_without_a_single_token_is_blocked() -> None:
     empty = LoadResult(16, 0, 2.0, 0, ())
     verdict = compare_load(load(50, 10), empty, release_params().loadtest)
     assert not verdict.passed
-    assert {c.name for c in verdict.checks if c.passed is False} == {
+    assert {c.name for c in verdict.checks if c.status == "fail"} == {
         "loadtest_ttft_p50_ms",
         "loadtest_tpot_p50_ms",
     }

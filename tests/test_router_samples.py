@@ -27,7 +27,7 @@ from tests.router_helpers import (  # noqa: F401 (fixtures)
     running_router,
     served_arm,
 )
-from tuneloop.release.analysis import tally
+from tuneloop.release.readings import tally
 
 
 def samples(client: httpx.Client, headers: dict[str, str], since: int = 0, **query: Any) -> Any:

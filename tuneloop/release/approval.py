@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from tuneloop.params import Params
 from tuneloop.release.admin import AdminError, RouterAdmin
-from tuneloop.release.analysis import merge, parse_stats
+from tuneloop.release.readings import merge, parse_stats
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun

@@ -35,8 +35,10 @@ from typing import Any, Literal
 
 import httpx
 
+from tuneloop.judge.verdict import FAIL, PASS
 from tuneloop.params import LoadTestParams
-from tuneloop.release.analysis import Check, Verdict, _ratio_check
+from tuneloop.release.analysis import Verdict
+from tuneloop.release.checks import comparison, ratio_check
 
 logger = logging.getLogger(__name__)
 
@@ -99,27 +101,32 @@ def _median(values: Sequence[float]) -> float | None:
 
 def compare_load(champion: LoadResult, candidate: LoadResult, params: LoadTestParams) -> Verdict:
     """Block the release on candidate errors, a slower first token or slower tokens after it."""
-    errors = Check(
+    errors = comparison(
         "loadtest_errors",
+        FAIL if candidate.errors else PASS,
         float(candidate.errors),
         float(champion.errors),
         "== 0",
-        not candidate.errors,
     )
-    ttft = _ratio_check(
-        "loadtest_ttft_p50_ms", candidate.ttft_p50_ms, champion.ttft_p50_ms, params.max_ttft_ratio
+    # Without a single first token there is nothing to release on.
+    ttft = ratio_check(
+        "loadtest_ttft_p50_ms",
+        candidate.ttft_p50_ms,
+        champion.ttft_p50_ms,
+        params.max_ttft_ratio,
+        missing=FAIL,
     )
-    if ttft.passed is None:
-        # Without a single first token there is nothing to release on.
-        ttft = Check(ttft.name, ttft.challenger, ttft.champion, ttft.limit, False)
-    tpot = _ratio_check(
-        "loadtest_tpot_p50_ms", candidate.tpot_p50_ms, champion.tpot_p50_ms, params.max_tpot_ratio
+    # The champion streamed several tokens per answer and the candidate never did: a failure;
+    # neither did (one-token answers): nothing to compare.
+    never = candidate.tpot_p50_ms is None and champion.tpot_p50_ms is not None
+    tpot = ratio_check(
+        "loadtest_tpot_p50_ms",
+        candidate.tpot_p50_ms,
+        champion.tpot_p50_ms,
+        params.max_tpot_ratio,
+        missing=FAIL if never else "skip",
     )
-    if tpot.passed is None and candidate.tpot_p50_ms is None and champion.tpot_p50_ms is not None:
-        # The champion streamed several tokens per answer and the candidate never did.
-        tpot = Check(tpot.name, tpot.challenger, tpot.champion, tpot.limit, False)
-    checks = (errors, ttft, tpot)
-    return Verdict(all(c.passed is not False for c in checks), checks)
+    return Verdict((errors, ttft, tpot))
 
 
 # --- the load generator ------------------------------------------------------------------------
