@@ -8,411 +8,27 @@ Writes: one new batch file under ``paths.pool``/records (accepted records, each
         too many lines are rejected.
 Params: ``ingest``, ``paths``.
 
-PII (e-mail, phone numbers, Chinese resident IDs, bank cards, IP addresses) is
-replaced by typed placeholders before anything is hashed or stored: every text
-and metadata field of a record (tags, source, ...), the file name, and what is
-kept of a rejected line (its excerpt and reason). A line too long to scrub
-keeps no excerpt, only its sha256 and byte offset. Files are written ``0600``.
-
-Every non-blank line ends in exactly one of: accepted, quarantined, or counted
-as a duplicate of a record already in the pool, so
-``lines = accepted + quarantined + duplicates`` holds on every run. Nothing in
-the pool is ever rewritten: a run adds its records and quarantine files
-together or nothing (``tuneloop/data/pool.py``), holding the pool's lock, so a
-second ingest at the same time refuses instead of adding the same lines twice.
+Every non-blank line ends in exactly one of: accepted, quarantined, or counted as a
+duplicate of a record already in the pool, with PII replaced by typed placeholders before
+anything is hashed or stored (``tuneloop.data.ingest``). Files are written ``0600``.
+Nothing in the pool is ever rewritten: a run adds its records and quarantine files
+together or nothing (``tuneloop.data.pool``), holding the pool's lock, so a second ingest
+at the same time refuses instead of adding the same lines twice.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import functools
-import hashlib
-import itertools
-import json
 import logging
-import multiprocessing
-import os
-from collections import Counter
-from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-import orjson
-
-from tuneloop.data import pii
+from tuneloop.data import ingest
 from tuneloop.data import pool as pool_writes
-from tuneloop.data.records import (
-    IDS_SUFFIX,
-    META_FIELDS,
-    InvalidRecord,
-    PlainRecord,
-    content_hash,
-    ids_index,
-    parse_plain,
-    parse_record,
-    plain,
-    pool_ids,
-)
-from tuneloop.io import jsonl_text, read_jsonl, usable_cores, write_jsonl
+from tuneloop.io import write_jsonl
 from tuneloop.params import load_params
 from tuneloop.stage import logged_after, setup_logging, write_metrics
 
 STAGE = "ingest"
 log = logging.getLogger(__name__)
-
-# What a quarantine entry keeps of a bad line, after scrubbing: enough to see what is wrong.
-EXCERPT_CHARS = 200
-REASON_CHARS = 300
-TOO_DEEP = "JSON nested too deeply to read; records are a few levels deep"
-
-
-@dataclass(frozen=True)
-class Line:
-    file: str
-    number: int
-    raw: bytes
-    offset: int = 0  # of the line's first byte in its file
-
-
-@dataclass
-class IngestResult:
-    # Each accepted record as its pool line (bytes, not objects: a month can be a million).
-    accepted: list[bytes] = field(default_factory=list)
-    accepted_ids: list[str] = field(default_factory=list)  # their ids (content hashes)
-    by_source: Counter[str] = field(default_factory=Counter)
-    quarantined: list[dict[str, Any]] = field(default_factory=list)
-    duplicates: int = 0
-    blank: int = 0
-    reasons: Counter[str] = field(default_factory=Counter)
-    pii: Counter[str] = field(default_factory=Counter)
-
-    @property
-    def lines(self) -> int:
-        return len(self.accepted) + len(self.quarantined) + self.duplicates
-
-
-def read_lines(incoming: Path) -> Iterator[Line]:
-    """Raw lines of every incoming file in a stable order; bytes, so bad UTF-8 is seen, not lost."""
-    for path in sorted(incoming.rglob("*.jsonl")):
-        name = str(path.relative_to(incoming))
-        with path.open("rb") as lines:
-            offset = 0
-            for number, raw in enumerate(lines, start=1):
-                yield Line(name, number, raw, offset)
-                offset += len(raw)
-
-
-def _text(line: Line, max_line_bytes: int) -> str:
-    """The line as text, or InvalidRecord: over the size limit or not UTF-8."""
-    raw = line.raw.rstrip(b"\r\n")
-    if len(raw) > max_line_bytes:
-        raise InvalidRecord(
-            "line_too_long",
-            f"line over the size limit: {len(raw)} bytes > ingest.max_line_bytes={max_line_bytes}",
-        )
-    if line.number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]  # a UTF-8 byte-order mark that some exporters write
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise InvalidRecord(
-            "invalid_utf8", f"invalid UTF-8 at byte {error.start}; re-export the file as UTF-8"
-        ) from None
-
-
-def decode(line: Line, max_line_bytes: int) -> Any:
-    """The JSON value of a line, or InvalidRecord saying why it has none."""
-    return _decode_text(_text(line, max_line_bytes))
-
-
-def _decode_text(text: str) -> Any:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise InvalidRecord("bad_json", f"bad JSON: {error.msg} at column {error.colno}") from None
-    except RecursionError:
-        raise InvalidRecord("too_deep", TOO_DEEP) from None
-    if "\\u" in text and not _storable(value):
-        # Only a JSON escape can put a lone surrogate in a string, and no file can hold one.
-        raise InvalidRecord(
-            "lone_surrogate", "a \\uD800-\\uDFFF escape without its pair; re-export the file"
-        )
-    return value
-
-
-def _storable(value: Any) -> bool:
-    """Whether every string in a decoded value (keys too) can be written as UTF-8."""
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    except RecursionError:
-        raise InvalidRecord("too_deep", TOO_DEEP) from None
-    return True
-
-
-def parse_line(line: Line, max_line_bytes: int) -> PlainRecord:
-    """The record a line holds, or InvalidRecord saying why it holds none.
-
-    A well-formed line is read by orjson and checked by ``parse_plain``, several times faster
-    than ``json`` and pydantic; any line either refuses (bad JSON, a value orjson reads
-    differently, such as a huge integer or an unpaired surrogate escape, or an invalid
-    record) is read again the thorough way, whose result or error stands.
-    """
-    text = _text(line, max_line_bytes)
-    try:
-        fast = parse_plain(orjson.loads(text))
-    except orjson.JSONDecodeError:
-        fast = None
-    if fast is not None:
-        return fast
-    return plain(parse_record(_decode_text(text)))
-
-
-def scrub_plain(record: PlainRecord) -> tuple[PlainRecord, Counter[str]]:
-    """The record with PII replaced by typed placeholders in every text field, and the counts.
-
-    Every field is scrubbed (messages, metadata, tags, bad and corrected responses), all of
-    them in one ``pii.scrub_fields`` pass.
-    """
-    meta = record.meta
-    fields = [content for _, content in record.messages]
-    fields += [meta[name] for name in META_FIELDS if meta[name] is not None]
-    fields += meta["tags"]
-    extra = [text for text in (record.bad_response, record.corrected_response) if text is not None]
-    scrubbed, found = pii.scrub_fields(fields + extra)
-    if not found:
-        return record, found
-    texts = iter(scrubbed)
-    messages = [(role, next(texts)) for role, _ in record.messages]
-    new_meta: dict[str, Any] = {
-        name: None if meta[name] is None else next(texts) for name in META_FIELDS
-    }
-    new_meta["tags"] = [next(texts) for _ in meta["tags"]]
-    bad = None if record.bad_response is None else next(texts)
-    corrected = None if record.corrected_response is None else next(texts)
-    return PlainRecord(record.kind, messages, bad, corrected, new_meta), found
-
-
-def pool_line(record: PlainRecord, digest: str, provenance: dict[str, Any]) -> bytes:
-    """The record's line in a pool batch file: ``PoolRecord.model_dump(mode="json")``'s keys,
-    in its order, as ``tuneloop.io.jsonl_text`` writes them."""
-    data = {
-        "id": digest,
-        "kind": record.kind,
-        "messages": [{"role": role, "content": content} for role, content in record.messages],
-        "bad_response": record.bad_response,
-        "corrected_response": record.corrected_response,
-        "meta": record.meta,
-        "provenance": provenance,
-    }
-    return (json.dumps(data, ensure_ascii=False) + "\n").encode()
-
-
-def quarantine_entry(
-    line: Line, error: InvalidRecord, digest: str, max_line_bytes: int, now: str
-) -> tuple[dict[str, Any], Counter[str]]:
-    """What the quarantine keeps of a rejected line: where it is, why, and a scrubbed excerpt.
-
-    The whole line is scrubbed before it is cut, so the cut cannot keep half an
-    address the scrubber would no longer recognise. A line over the size limit
-    is not scrubbed at all (that is the work the limit refuses) and keeps no
-    excerpt: its file, byte offset and sha256 find it in the incoming file.
-    """
-    raw = line.raw.rstrip(b"\r\n")
-    found: Counter[str] = Counter()
-    excerpt: str | None = None
-    if len(raw) <= max_line_bytes:
-        text, found = pii.scrub_bytes(raw)
-        excerpt = text[:EXCERPT_CHARS]
-    # A reason may quote the line's keys or values.
-    reason, in_reason = pii.scrub(str(error))
-    file, in_name = pii.scrub(line.file)
-    found.update(in_reason + in_name)
-    entry = {
-        "file": file,
-        "line": line.number,
-        "offset": line.offset,
-        "bytes": len(raw),
-        "reason": reason[:REASON_CHARS],
-        "kind": error.kind,
-        "excerpt": excerpt,
-        "sha256": digest,
-        "ingested_at": now,
-    }
-    return entry, found
-
-
-# A line's own work (parse, PII scrub, content hash, its pool line): what the workers do.
-# ("record", digest, PII found, pool line, source) or ("invalid", kind, reason).
-Sorted = tuple[Any, ...]
-# Over this much incoming data (about 20,000 lines) a run spreads its lines' own work over the
-# usable cores, a window of WINDOW_LINES at a time (one window's lines and results in memory,
-# not the month's).
-PARALLEL_MIN_BYTES = 6 << 20
-WINDOW_LINES = 40_000
-
-
-def sort_one(line: Line, max_line_bytes: int, now: str) -> Sorted:
-    """What a line is on its own, before the run's deduplication decides whether it counts."""
-    try:
-        record = parse_line(line, max_line_bytes)
-    except InvalidRecord as error:
-        return ("invalid", error.kind, str(error))
-    record, found = scrub_plain(record)
-    digest = content_hash(record)
-    provenance = {"file": _scrubbed_name(line.file), "line": line.number, "sha256": digest}
-    provenance["ingested_at"] = now
-    source = str(record.meta["source"] or "unknown")
-    return ("record", digest, tuple(found.items()), pool_line(record, digest, provenance), source)
-
-
-@functools.lru_cache(maxsize=1024)
-def _scrubbed_name(name: str) -> str:
-    return pii.scrub(name)[0]
-
-
-def _sort_many(lines: list[Line], max_line_bytes: int, now: str) -> list[Sorted]:
-    return [sort_one(line, max_line_bytes, now) for line in lines]
-
-
-def ingest(
-    lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str, workers: int = 1
-) -> IngestResult:
-    """Sort every line into accepted, quarantined or duplicate.
-
-    ``known`` holds the content hashes of the pool's records and the raw-line
-    hashes of lines quarantined before: a line seen before, good or bad, is a
-    duplicate, so ingesting the same file twice adds nothing.
-
-    With ``workers`` > 1 a window of lines is screened first (blank, seen before, a repeat
-    of a line already sent): the rest are sorted by ``sort_one`` in worker processes, and
-    the window is then decided line by line in order exactly as one process decides it, so
-    the pool and quarantine get the same bytes either way (``tests/test_ingest.py``).
-    """
-    result = IngestResult()
-    seen = set(known)
-    # A line whose bytes were parsed earlier in this run (into a record, so its record's hash
-    # is in ``seen``) is a duplicate with the same PII counts: those are remembered, by the
-    # line's digest, rather than worked out again. Not for a file's first line, where a
-    # byte-order mark is dropped (the same bytes elsewhere are not the same record).
-    earlier: dict[bytes, tuple[tuple[str, int], ...]] = {}
-
-    def decide(line: Line, raw_hash: bytes | None = None, outcome: Sorted | None = None) -> None:
-        """The line's fate, in order; ``outcome`` is its ``sort_one`` if a worker did it."""
-        if not line.raw.strip():
-            result.blank += 1
-            return
-        if raw_hash is None:
-            raw_hash = hashlib.sha256(line.raw.rstrip(b"\r\n")).digest()
-        raw_digest = "raw:" + raw_hash.hex()
-        if raw_digest in seen:
-            result.duplicates += 1
-            return
-        remembered = earlier.get(raw_hash) if line.number != 1 else None
-        if remembered is not None:
-            result.pii.update(dict(remembered))
-            result.duplicates += 1
-            return
-        if outcome is None:
-            outcome = sort_one(line, max_line_bytes, now)
-        if outcome[0] == "invalid":
-            error = InvalidRecord(outcome[1], outcome[2])
-            result.reasons[error.kind] += 1
-            seen.add(raw_digest)
-            entry, found = quarantine_entry(line, error, raw_digest, max_line_bytes, now)
-            result.pii.update(found)
-            result.quarantined.append(entry)
-            return
-        _, digest, found_items, pooled, source = outcome
-        result.pii.update(dict(found_items))
-        if line.number != 1:
-            earlier[raw_hash] = found_items
-        if digest in seen:
-            result.duplicates += 1
-            return
-        seen.add(digest)
-        result.accepted.append(pooled)
-        result.accepted_ids.append(digest)
-        result.by_source[source] += 1
-
-    if workers <= 1:
-        for line in lines:
-            decide(line)
-        return result
-
-    def send(window: list[Line]) -> Sending:
-        """Screen a window and hand the lines that need their own work to the workers.
-
-        The screen is conservative (``decide`` makes the exact decision, in order): blank
-        lines, lines seen before and repeats of a line already sent are not sent. It may
-        run on the state of a window ago, which only sends a little more work.
-        """
-        hashes: list[bytes | None] = []
-        todo: list[int] = []
-        sent: set[bytes] = set()
-        for index, line in enumerate(window):
-            if not line.raw.strip():
-                hashes.append(None)
-                continue
-            raw_hash = hashlib.sha256(line.raw.rstrip(b"\r\n")).digest()
-            hashes.append(raw_hash)
-            if "raw:" + raw_hash.hex() in seen or (line.number != 1 and raw_hash in earlier):
-                continue
-            if line.number != 1:
-                if raw_hash in sent:
-                    continue
-                sent.add(raw_hash)
-            todo.append(index)
-        share = -(-len(todo) // workers) or 1
-        parts = [
-            executor.submit(
-                _sort_many, [window[i] for i in todo[k : k + share]], max_line_bytes, now
-            )
-            for k in range(0, len(todo), share)
-        ]
-        return Sending(window, hashes, todo, parts)
-
-    def settle(sending: Sending) -> None:
-        outcomes = (outcome for part in sending.parts for outcome in part.result())
-        done = dict(zip(sending.todo, outcomes, strict=True))
-        for index, line in enumerate(sending.window):
-            decide(line, sending.hashes[index], done.pop(index, None))
-
-    context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as executor:
-        # Window N+1 is sorted by the workers while this process decides window N.
-        in_flight: Sending | None = None
-        for window in iter(lambda: list(itertools.islice(lines, WINDOW_LINES)), []):
-            sending = send(window)
-            if in_flight is not None:
-                settle(in_flight)
-            in_flight = sending
-        if in_flight is not None:
-            settle(in_flight)
-    return result
-
-
-@dataclass
-class Sending:
-    """A window of lines whose own work is with the workers."""
-
-    window: list[Line]
-    hashes: list[bytes | None]  # each line's raw hash (None: blank)
-    todo: list[int]  # the window's lines sent, in order
-    parts: list[Future[list[Sorted]]]  # their outcomes, a consecutive share of todo each
-
-
-def known_hashes(pool: Path) -> tuple[set[str], int]:
-    """Content hashes of pooled records and raw hashes of quarantined lines; how many of
-    them are pooled records."""
-    known = pool_ids(pool)
-    pooled = len(known)
-    for path in sorted((pool / "quarantine").glob("*.jsonl")):
-        known.update(entry["sha256"] for entry in read_jsonl(path))
-    return known, pooled
 
 
 def main() -> None:
@@ -421,30 +37,15 @@ def main() -> None:
     pool = params.paths.pool
     with pool_writes.locked(pool), logged_after(STAGE, params):
         pool_writes.recover(pool)
-        known, pooled = known_hashes(pool)
+        known, pooled = ingest.known_hashes(pool)
         now = dt.datetime.now(dt.UTC)
-        incoming = params.paths.incoming
-        size = sum(path.stat().st_size for path in incoming.rglob("*.jsonl"))
-        result = ingest(
-            read_lines(incoming),
+        result = ingest.ingest_folder(
+            params.paths.incoming,
             known,
             params.ingest.max_line_bytes,
             now.isoformat(timespec="seconds"),
-            workers=usable_cores() if size > PARALLEL_MIN_BYTES else 1,
         )
-        reject_rate = len(result.quarantined) / max(result.lines, 1)
-        metrics = {
-            "lines": result.lines,
-            "accepted": len(result.accepted),
-            "accepted_by_source": dict(result.by_source),
-            "quarantined": len(result.quarantined),
-            "duplicates": result.duplicates,
-            "blank_lines": result.blank,
-            "reject_rate": round(reject_rate, 6),
-            "quarantine_reasons": dict(result.reasons),
-            "pii_scrubbed": {kind: result.pii.get(kind, 0) for kind in pii.PII_TYPES},
-            "pool_records": pooled + len(result.accepted),
-        }
+        metrics = ingest.metrics(result, pooled)
         log.info(
             "ingest: %d lines -> %d accepted, %d quarantined, %d duplicates",
             result.lines,
@@ -452,27 +53,18 @@ def main() -> None:
             len(result.quarantined),
             result.duplicates,
         )
-        if reject_rate > params.ingest.max_reject_rate:
+        limit = params.ingest.max_reject_rate
+        if result.reject_rate > limit:
             # Nothing enters the pool from a batch this bad: fix the export, then ingest again.
             rejected = params.paths.reports / "ingest-rejected.jsonl"
             write_jsonl(rejected, result.quarantined)
             write_metrics(params, STAGE, metrics | {"pool_records": pooled})
             raise SystemExit(
-                f"ingest: {reject_rate:.1%} of lines were rejected, over "
-                f"ingest.max_reject_rate={params.ingest.max_reject_rate:.1%}; the pool is "
-                f"unchanged. Each rejected line and its reason: {rejected}"
+                f"ingest: {result.reject_rate:.1%} of lines were rejected, over "
+                f"ingest.max_reject_rate={limit:.1%}; the pool is unchanged. Each rejected "
+                f"line and its reason: {rejected}"
             )
-        batch = now.strftime("%Y%m%dT%H%M%S%fZ")
-        # DVC needs the out to exist even when a run adds nothing.
-        (pool / "records").mkdir(mode=pool_writes.FOLDER_MODE, parents=True, exist_ok=True)
-        files: dict[str, bytes | list[bytes]] = {}
-        if result.accepted:
-            files[f"records/{batch}.jsonl"] = result.accepted
-            files[f"records/{batch}{IDS_SUFFIX}"] = ids_index(result.accepted, result.accepted_ids)
-        if result.quarantined:
-            files[f"quarantine/{batch}.jsonl"] = jsonl_text(result.quarantined).encode()
-        if files:
-            pool_writes.commit(pool, batch, files)
+        ingest.add_batch(pool, now, result)
         write_metrics(params, STAGE, metrics)
 
 

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stages import ingest
+from stages import ingest as ingest_stage
 from tests.helpers import write_params
-from tuneloop.data import pii, records
+from tuneloop.data import ingest, pii, records
 from tuneloop.data.records import (
     IDS_SUFFIX,
     InvalidRecord,
@@ -107,7 +107,7 @@ def project(in_folder: Path) -> Iterator[Path]:
     incoming = in_folder / "data/badcases/incoming"
     incoming.mkdir(parents=True)
     (incoming / "first.jsonl").write_bytes(line(GOOD) + line({"prompt": "p", "response": "r"}))
-    ingest.main()
+    ingest_stage.main()
     yield in_folder
 
 
@@ -120,7 +120,7 @@ def test_hostile_file_every_line_accounted_no_pii_pool_intact(project: Path) -> 
     before = pool_digest(pool)
     data, expected = hostile_file()
     (project / "data/badcases/incoming/hostile.jsonl").write_bytes(data)
-    ingest.main()
+    ingest_stage.main()
     m = metrics(project)
     # first.jsonl is read again: its 2 lines are duplicates now, and GOOD recurs in hostile.
     assert m["lines"] == m["accepted"] + m["quarantined"] + m["duplicates"]
@@ -161,10 +161,10 @@ def test_hostile_file_every_line_accounted_no_pii_pool_intact(project: Path) -> 
 def test_ingesting_the_same_files_twice_adds_nothing(project: Path) -> None:
     data, _ = hostile_file()
     (project / "data/badcases/incoming/hostile.jsonl").write_bytes(data)
-    ingest.main()
+    ingest_stage.main()
     pool = project / "data/pool"
     before = pool_digest(pool)
-    ingest.main()
+    ingest_stage.main()
     m = metrics(project)
     assert m["accepted"] == 0 and m["quarantined"] == 0
     assert m["duplicates"] == m["lines"]
@@ -176,7 +176,7 @@ def test_the_pool_ids_come_from_the_ids_files_only_while_they_match_their_batch(
 ) -> None:
     data, _ = hostile_file()
     (project / "data/badcases/incoming/hostile.jsonl").write_bytes(data)
-    ingest.main()
+    ingest_stage.main()
     pool = project / "data/pool"
     batches = pool_batches(pool)
     assert len(batches) == 2 and all(b.with_suffix(IDS_SUFFIX).exists() for b in batches)
@@ -208,7 +208,7 @@ def test_a_batch_is_hashed_once_until_its_file_changes(
 ) -> None:
     data, _ = hostile_file()
     (project / "data/badcases/incoming/hostile.jsonl").write_bytes(data)
-    ingest.main()
+    ingest_stage.main()
     pool = project / "data/pool"
     written = {PoolRecord.model_validate(r).id for b in pool_batches(pool) for r in read_jsonl(b)}
     hashed: list[int] = []
@@ -266,7 +266,7 @@ def test_a_crash_mid_ingest_leaves_the_pool_as_it_was(
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="disk full"):
-        ingest.main()
+        ingest_stage.main()
     assert pool_digest(pool) == before
 
 
@@ -276,7 +276,7 @@ def test_reject_rate_over_the_limit_fails_and_stores_nothing(in_folder: Path) ->
     incoming.mkdir(parents=True)
     (incoming / "bad.jsonl").write_bytes(line(GOOD) + b"{nope\n{nope again\n")
     with pytest.raises(SystemExit, match=r"ingest.max_reject_rate=20.0%; the pool is unchanged"):
-        ingest.main()
+        ingest_stage.main()
     assert not list((in_folder / "data/pool").rglob("*.jsonl"))
     assert (in_folder / "reports/ingest-rejected.jsonl").read_text().count("\n") == 2
 
