@@ -40,7 +40,7 @@ from tests.router_helpers import (
 from tuneloop.judge.stats import mcnemar_p, two_proportion_p
 from tuneloop.params import ParamsError, ReleaseParams, ShadowParams, load_params, parse_params
 from tuneloop.release.admin import AdminError, Cursor, LeaseKeeper, RouterAdmin
-from tuneloop.release.analysis import analyse, analyse_shadow, next_step
+from tuneloop.release.analysis import analyse, analyse_shadow
 from tuneloop.release.approval import (
     Approval,
     InvalidAnswer,
@@ -48,6 +48,7 @@ from tuneloop.release.approval import (
     approval_poll_seconds,
     validate_answer,
 )
+from tuneloop.release.controller import Release, ReleaseLog, next_step
 from tuneloop.release.loadtest import LoadResult, compare_load, load_test
 from tuneloop.release.readings import (
     ArmFigures,
@@ -686,8 +687,6 @@ def test_too_few_requests_extend_the_interval_then_count_as_a_failure(
     import logging
 
     from mlflow.tracking import MlflowClient
-
-    from flows.release import Release, ReleaseLog
 
     monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -245,11 +245,3 @@ def _suite_figures(pairs: Sequence[Pair], scorer: Scorer) -> dict[str, float]:
         figures[f"shadow.champion.{metric}"] = champion_sum / count
         figures[f"shadow.challenger.{metric}"] = challenger_sum / count
     return figures
-
-
-# --- the ramp ---------------------------------------------------------------------------------
-
-
-def next_step(steps: Sequence[int], current: int) -> int | None:
-    """The planned percent after ``current`` (None at 100: promote, not ramp)."""
-    return next((s for s in steps if s > current), None)
