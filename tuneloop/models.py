@@ -41,9 +41,11 @@ HUB_IGNORE = ["*.gguf", "*.onnx", "*.onnx_data", "*.msgpack", "*.h5", "*.tflite"
 def base_model_ref(params: Params) -> str:
     """The folder to load the base model from.
 
-    ``builtin:tiny`` is built by the ``base`` stage into ``paths.base_model``; a local folder
-    is used as given; a hub id is fetched at its pinned ``model.revision`` into the Hugging
-    Face cache and its snapshot folder returned. Resolving the pin once, here, means every
+    A builtin base (``builtin:tiny``, or a GGUF checkpoint it converts such as
+    ``builtin:smollm2-135m-instruct``) is built by the ``base`` stage into
+    ``paths.base_model``, an ordinary folder from then on; a local folder is used as given; a
+    hub id is fetched at its pinned ``model.revision`` into the Hugging Face cache and its
+    snapshot folder returned. Resolving the pin once, here, means every
     loader (transformers, peft, lm-eval, vLLM) reads the same commit without each being told
     it. An unpinned hub id is refused (``ModelParams.pinned_revision``).
     """

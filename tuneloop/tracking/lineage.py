@@ -192,14 +192,17 @@ def uses_base_model(stage: str) -> bool:
 def base_model_revision(params: Params, md5s: Mapping[str, str]) -> str | None:
     """The version of the base model a stage loaded.
 
-    A hub id: its pinned commit (an unpinned one is refused). builtin:tiny: the DVC md5 of
-    ``paths.base_model`` among ``md5s`` (None in the base stage's own manifest, written inside
-    that folder). A local folder: ``local``; it is not hashed here, as it can hold tens of GB
-    and DVC does not track it.
+    A hub id: its pinned commit (an unpinned one is refused). A builtin GGUF base: the sha256
+    of its GGUF file, which the base stage checked before converting it. builtin:tiny: the DVC
+    md5 of ``paths.base_model`` among ``md5s`` (None in the base stage's own manifest, written
+    inside that folder). A local folder: ``local``; it is not hashed here, as it can hold tens
+    of GB and DVC does not track it.
     """
     revision = params.model.pinned_revision()
     if revision is not None:
         return revision
+    if (pinned := params.model.pinned_gguf) is not None:
+        return pinned.gguf_sha256
     if params.model.is_builtin:
         return md5s.get(params.paths.base_model.as_posix())
     return "local"
@@ -226,7 +229,8 @@ def manifest(stage: str, params: Params, inputs: dict[str, Path], **extra: Any) 
             name: {"path": str(p), "md5": deps.get(p.as_posix())} for name, p in inputs.items()
         },
     }
-    # Not in the base stage's own manifest for builtin:tiny: that folder is the model.
+    # Not in the base stage's own manifest for builtin:tiny: that folder is the model. A builtin
+    # GGUF base's is there: the sha256 of the file it was converted from.
     if uses_base_model(stage) and (revision := base_model_revision(params, deps)) is not None:
         record["base_model"] = {"base": params.model.base, "revision": revision}
     return record | extra
