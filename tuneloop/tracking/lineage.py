@@ -58,7 +58,7 @@ def _load_yaml(path: Path) -> dict[str, Any]:
 
 
 # dvc.yaml ships with the code: the stage definitions are the ones beside these modules.
-CODE_ROOT = Path(__file__).resolve().parents[1]
+CODE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def stage_param_groups(stage: str, repo: Path = CODE_ROOT) -> list[str]:
