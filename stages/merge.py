@@ -12,6 +12,7 @@ merged model's logits must match the adapter model's within
 that the stage fails and says by how much. The measured differences are in
 ``metrics/merge.json`` (and MLflow) either way. Merge and check run in float32
 (host memory: 4 bytes a parameter); the result is saved in ``merge.dtype``.
+The merge and its check are ``tuneloop.training.merge``'s.
 
 A full fine-tune leaves a whole model in ``paths.adapter`` (config and weights,
 no ``adapter_config.json``): there is nothing to merge, so it is copied through
@@ -20,156 +21,17 @@ and the metrics say ``skipped: full fine-tune``.
 
 from __future__ import annotations
 
-import copy
 import logging
-import shutil
-from pathlib import Path
-from typing import Any
-
-import torch
-from peft import PeftModel
-from transformers import PreTrainedModel
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from tuneloop.io import atomic_dir, write_json
-from tuneloop.judge import suites
-from tuneloop.models import DTYPES, load_causal_lm, load_tokenizer
-from tuneloop.params import Params, load_params
+from tuneloop.params import load_params
 from tuneloop.stage import setup_logging, write_metrics
-from tuneloop.tracking import init_from, lineage
+from tuneloop.tracking import lineage
 from tuneloop.tracking.runs import stage_run
+from tuneloop.training.merge import check, is_full_model, merge, pass_through
 
 STAGE = "merge"
-MAX_NEW_TOKENS = 32
-ADAPTER_CONFIG = "adapter_config.json"
-WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
-FULL_FINE_TUNE = "full fine-tune"
 log = logging.getLogger(__name__)
-
-Outputs = tuple[torch.Tensor, torch.Tensor]  # (logits on attended probe tokens, greedy tokens)
-
-
-class NotEquivalent(RuntimeError):
-    """The merged model differs from the adapter model past ``merge.max_abs_logit_diff``."""
-
-
-def is_full_model(folder: Path) -> bool:
-    """Whether ``folder`` holds a whole model (a full fine-tune) rather than a LoRA adapter."""
-    if (folder / ADAPTER_CONFIG).exists():
-        return False
-    has_weights = any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES)
-    return (folder / "config.json").exists() and has_weights
-
-
-def probe_questions(suites_root: Path, count: int) -> list[str]:
-    """``count`` suite questions spread evenly over every suite (not just the first items).
-
-    Spreading them reaches every suite and both answerable and refused items,
-    so a merge that breaks one kind of answer shows up.
-    """
-    items = [question for _, question in suites.questions(suites_root)]
-    if not items:
-        raise FileNotFoundError(
-            f"no eval suite items under {suites_root} (paths.eval_suites): the merge check "
-            "runs on suite questions; add a suite (see eval/README.md)"
-        )
-    count = min(count, len(items))
-    return [items[i * len(items) // count] for i in range(count)]
-
-
-def probe_batch(tokenizer: PreTrainedTokenizerBase, questions: list[str]) -> dict[str, Any]:
-    # A copy: padding settings stick to the fast tokenizer's backend, and the
-    # original is saved with the merged model.
-    tokenizer = copy.deepcopy(tokenizer)
-    tokenizer.padding_side = "left"  # generation appends on the right of every row
-    batch: Any = tokenizer.apply_chat_template(
-        [[{"role": "user", "content": q}] for q in questions],
-        add_generation_prompt=True,
-        padding=True,
-        return_tensors="pt",
-        return_dict=True,
-    )
-    return dict(batch)
-
-
-@torch.no_grad()
-def outputs(model: Any, batch: dict[str, Any], pad_token_id: int | None) -> Outputs:
-    """Logits on the probes (where attended) and greedy continuations."""
-    logits = model(**batch).logits.float()
-    logits = logits[batch["attention_mask"].bool()]
-    generated = model.generate(
-        **batch, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, pad_token_id=pad_token_id
-    )
-    return logits, generated[:, batch["input_ids"].shape[1] :]
-
-
-def compare(reference: Outputs, merged: Outputs) -> dict[str, float]:
-    diff = (reference[0] - merged[0]).abs()
-    same = (reference[1] == merged[1]).all(dim=1)
-    return {
-        "max_abs_logit_diff": float(diff.max()),
-        "mean_abs_logit_diff": float(diff.mean()),
-        "identical_generations": float(same.float().mean()),
-    }
-
-
-def load_adapter_model(params: Params) -> tuple[PeftModel, PreTrainedTokenizerBase]:
-    tokenizer = load_tokenizer(params.paths.adapter)
-    # float32 whatever merge.dtype says: a bf16 weight cannot hold a LoRA delta below
-    # its last bit, so a bf16 merge loses part of the update, and the check would
-    # measure that rounding (greedy choices flip on near-ties) instead of the merge.
-    base = load_causal_lm(init_from.model_ref(params), "float32")
-    model = PeftModel.from_pretrained(base, str(params.paths.adapter))
-    model.eval()
-    return model, tokenizer
-
-
-def merge(params: Params) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dict[str, Any]]:
-    """The merged model, its tokenizer, and how far its outputs are from the adapter model's."""
-    model, tokenizer = load_adapter_model(params)
-    questions = probe_questions(params.paths.eval_suites, params.merge.probes)
-    batch = probe_batch(tokenizer, questions)
-    # Before merging: merge_and_unload changes the base weights in place.
-    reference = outputs(model, batch, tokenizer.pad_token_id)
-    merged = model.merge_and_unload()
-    metrics: dict[str, Any] = compare(reference, outputs(merged, batch, tokenizer.pad_token_id))
-    metrics["probes"] = len(questions)
-    metrics["saved_dtype"] = params.merge.dtype
-    # Cast once, after the check: the saved checkpoint rounds like any bf16 checkpoint.
-    return merged.to(DTYPES[params.merge.dtype]), tokenizer, metrics
-
-
-def check(metrics: dict[str, Any], tolerance: float) -> None:
-    """Raise :class:`NotEquivalent`, saying by how much, when the merge changed the model."""
-    problems = []
-    worst = metrics["max_abs_logit_diff"]
-    if worst > tolerance:
-        problems.append(
-            f"logits differ by up to {worst:.3g} (mean {metrics['mean_abs_logit_diff']:.3g}), "
-            f"{worst / tolerance:.1f}x merge.max_abs_logit_diff={tolerance:g}"
-        )
-    if metrics["identical_generations"] < 1.0:
-        differ = round((1 - metrics["identical_generations"]) * metrics["probes"])
-        problems.append(f"{differ} of {metrics['probes']} greedy generations differ")
-    if problems:
-        raise NotEquivalent(
-            "merge: the merged model is not equivalent to the adapter model: "
-            + "; ".join(problems)
-            + ". Check that the adapter was trained on this base (model.base)"
-        )
-
-
-def pass_through(adapter: Path, out: Path) -> dict[str, Any]:
-    """Copy a full fine-tune's model folder (all but train's manifest) into ``out``."""
-    for item in adapter.iterdir():
-        if item.name == "manifest.json":
-            continue
-        if item.is_dir():
-            shutil.copytree(item, out / item.name)
-        else:
-            shutil.copy2(item, out / item.name)
-    load_tokenizer(out)  # the merged folder must carry the chat template, as after a merge
-    return {"skipped": FULL_FINE_TUNE, "probes": 0}
 
 
 def main() -> None:
@@ -188,14 +50,9 @@ def main() -> None:
             write_metrics(params, STAGE, metrics)
             return
         merged, tokenizer, metrics = merge(params)
-        tolerance = params.merge.max_abs_logit_diff
-        metrics["tolerance"] = tolerance
-        metrics["passed"] = (
-            metrics["max_abs_logit_diff"] <= tolerance and metrics["identical_generations"] == 1.0
-        )
         # Written before the check, so a failed merge leaves its numbers behind too.
         write_metrics(params, STAGE, metrics)
-        check(metrics, tolerance)
+        check(metrics, params.merge.max_abs_logit_diff)
         with atomic_dir(params.paths.merged) as out:
             merged.save_pretrained(out)
             tokenizer.save_pretrained(out)

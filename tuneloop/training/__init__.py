@@ -9,6 +9,8 @@ Modules, one concern each:
 - ``checkpoints``: which checkpoints belong to this run, the newest complete one,
   phase results kept for resume, the ``checkpoint-N`` names
 - ``stoploss``: wall-time, memory and loss-spike rules that end a run cleanly
+- ``merge``: stage ``merge``'s work: fold a LoRA adapter into its base and check that the
+  merged model answers as the adapter model did
 
 ``plan`` imports no torch at module level, so ``main()`` can decide to re-exec
 under torchrun quickly; the others import the training stack. This file imports
