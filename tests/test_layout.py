@@ -4,6 +4,9 @@
 ``stages/``, ``flows/`` and ``serving/`` packages sit on top of it. Only the CLI
 (``tuneloop/cli/``), the top of everything, may reach into them (to start a flow), and
 nothing else imports the CLI.
+
+And its sizes: at most 12 modules directly in ``tuneloop/``, a stage module of at most 200
+lines (its DVC entry), no product file over 700.
 """
 
 from __future__ import annotations
@@ -73,3 +76,41 @@ def test_no_test_module_imports_another() -> None:
     }
     offenders = {name: found for name, found in offenders.items() if found}
     assert not offenders, f"test modules import test modules: {offenders}"
+
+
+# How big the layout lets things grow: a few shared basics at the root of tuneloop/ (the rest
+# in a package by concern), a stage module that is its DVC entry only (the logic in
+# tuneloop/), and no product file a reader cannot hold in their head.
+MAX_ROOT_MODULES = 12
+MAX_STAGE_LINES = 200
+MAX_PRODUCT_LINES = 700
+PRODUCT = ("tuneloop", "stages", "flows", "serving")
+
+
+def lines_over(paths: list[Path], limit: int) -> dict[str, int]:
+    counts = {
+        str(path.relative_to(ROOT)): len(path.read_text(encoding="utf-8").splitlines())
+        for path in paths
+    }
+    return {name: count for name, count in counts.items() if count > limit}
+
+
+def test_few_modules_sit_directly_in_tuneloop() -> None:
+    root = sorted(path.name for path in (ROOT / "tuneloop").glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, (
+        f"{len(root)} modules directly in tuneloop/ (at most {MAX_ROOT_MODULES}): {root}; "
+        "move them into the package of their concern"
+    )
+
+
+def test_a_stage_module_is_its_entry_only() -> None:
+    over = lines_over(sorted((ROOT / "stages").glob("*.py")), MAX_STAGE_LINES)
+    assert not over, (
+        f"stage modules over {MAX_STAGE_LINES} lines: {over}; move the logic into tuneloop/"
+    )
+
+
+def test_no_product_file_is_over_700_lines() -> None:
+    paths = sorted(path for name in PRODUCT for path in (ROOT / name).rglob("*.py"))
+    over = lines_over(paths, MAX_PRODUCT_LINES)
+    assert not over, f"product files over {MAX_PRODUCT_LINES} lines: {over}; split them by role"
