@@ -1,8 +1,10 @@
 """What every stage's ``main()`` shares: logging set-up, writing its metrics, its MLflow run.
 
-The data stages (ingest, clean, pack, preflight) log their MLflow run after the work,
-through ``logged_after``: importing MLflow takes seconds, longer than a small month's work
-(and preflight's whole budget), so it is loaded only once there is something to log.
+The data stages (ingest, clean, pack, preflight, fixed_badcases) log their MLflow run after
+the work, through ``logged_after``: importing MLflow takes seconds, longer than a small
+month's work (and preflight's whole budget). Against an MLflow server (the one the flows and
+the demo start, ``tuneloop.tracking.server``) they log over its REST API and never import
+MLflow; with the SQLite store they load MLflow once there is something to log.
 """
 
 from __future__ import annotations
@@ -85,11 +87,43 @@ def logged_after(stage: str, params: Params) -> Iterator[Deferred]:
         yield deferred
     except BaseException:
         _pending = None
+        if _over_rest():
+            _log_over_rest(stage, params, deferred, time.monotonic() - start, failed=True)
+            raise
         with _run(stage, params, deferred, time.monotonic() - start):
             raise
     _pending = None
+    if _over_rest():
+        _log_over_rest(stage, params, deferred, time.monotonic() - start, failed=False)
+        return
     with _run(stage, params, deferred, time.monotonic() - start):
         pass
+
+
+def _over_rest() -> bool:
+    """Log through the server's REST API: there is a server, and no MLflow run in this process
+    (a notebook's or an in-process flow's) that the stage's run would be the child of."""
+    from tuneloop.tracking import rest, runs
+
+    mlflow = sys.modules.get("mlflow")
+    in_run = mlflow is not None and mlflow.active_run() is not None
+    return rest.is_server(runs.tracking_uri()) and not in_run
+
+
+def _log_over_rest(
+    stage: str, params: Params, deferred: Deferred, seconds: float, *, failed: bool
+) -> None:
+    from tuneloop.tracking import runs
+
+    runs.log_stage_over_rest(
+        stage,
+        params,
+        metrics=[*deferred.metrics, {"stage_seconds": round(seconds, 3)}],
+        dicts=deferred.dicts,
+        texts=deferred.texts,
+        tags=deferred.tags,
+        failed=failed,
+    )
 
 
 @contextlib.contextmanager

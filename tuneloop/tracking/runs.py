@@ -16,18 +16,20 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
-
-import mlflow
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Run, RunTag
-from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+from typing import TYPE_CHECKING, Any
 
 from tuneloop.params import Params
-from tuneloop.tracking import lineage
+from tuneloop.tracking import lineage, rest
+
+if TYPE_CHECKING:
+    from mlflow.entities import DatasetInput, Run
+
+# MLflow is imported where it is used, not here: importing it costs seconds, and the data
+# stages log to a server without it (``log_stage_over_rest``).
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +80,39 @@ def project_root() -> Path:
 
 
 def tracking_uri() -> str:
-    """``MLFLOW_TRACKING_URI`` as the user set it, else the project's own SQLite store."""
+    """``MLFLOW_TRACKING_URI`` as the user set it (or ``use_tracking_uri`` did), else the
+    project's own SQLite store."""
     return _USER_TRACKING_URI or f"sqlite:///{project_root() / 'mlflow.db'}"
+
+
+@contextlib.contextmanager
+def use_tracking_uri(uri: str) -> Iterator[str]:
+    """This process (``tracking_uri()``, MLflow if imported) and the processes it starts
+    (``MLFLOW_TRACKING_URI``) track to ``uri`` until the block ends."""
+    global _USER_TRACKING_URI
+    previous, previous_env = _USER_TRACKING_URI, os.environ.get("MLFLOW_TRACKING_URI")
+    _USER_TRACKING_URI = uri
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None:
+        mlflow.set_tracking_uri(uri)
+    try:
+        yield uri
+    finally:
+        _USER_TRACKING_URI = previous
+        if previous_env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = previous_env
+        if (mlflow := sys.modules.get("mlflow")) is not None:
+            mlflow.set_tracking_uri(tracking_uri())
 
 
 def setup(experiment: str) -> str:
     """Point MLflow at the project's store and return the experiment id (created if needed)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
     mlflow.set_tracking_uri(tracking_uri())
     client = MlflowClient()
     found = client.get_experiment_by_name(experiment)
@@ -133,8 +162,13 @@ def dvc_tags(md5s: lineage.StageMd5s) -> dict[str, str]:
 DVC_SOURCE_TYPE = "dvc"
 
 
-def dataset_inputs(stage: str, md5s: lineage.StageMd5s) -> list[DatasetInput]:
-    """The stage's data deps as MLflow dataset inputs: name = DVC path, digest = DVC md5.
+# MLflow's tag naming a dataset input's role (mlflow.utils.mlflow_tags.MLFLOW_DATASET_CONTEXT).
+DATASET_CONTEXT = "mlflow.data.context"
+
+
+def dataset_records(stage: str, md5s: lineage.StageMd5s) -> list[dict[str, Any]]:
+    """The stage's data deps as MLflow dataset inputs (REST form): name = DVC path, digest =
+    DVC md5.
 
     The source names the DVC path and the DVC remote that holds that version, so a reader
     can fetch it (``dvc get``/``dvc pull`` at the run's git commit); the data is not read.
@@ -142,9 +176,40 @@ def dataset_inputs(stage: str, md5s: lineage.StageMd5s) -> list[DatasetInput]:
     found = []
     for path, md5 in md5s.data_deps().items():
         source = {"path": path} | ({"remote": md5s.remote} if md5s.remote else {})
-        dataset = Dataset(path, md5, source_type=DVC_SOURCE_TYPE, source=json.dumps(source))
-        found.append(DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, stage)]))
+        dataset = {
+            "name": path,
+            "digest": md5,
+            "source_type": DVC_SOURCE_TYPE,
+            "source": json.dumps(source),
+        }
+        found.append({"dataset": dataset, "tags": [{"key": DATASET_CONTEXT, "value": stage}]})
     return found
+
+
+def dataset_inputs(stage: str, md5s: lineage.StageMd5s) -> list[DatasetInput]:
+    """``dataset_records`` as MLflow's entities."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    return [
+        DatasetInput(
+            Dataset(**record["dataset"]),
+            tags=[InputTag(t["key"], t["value"]) for t in record["tags"]],
+        )
+        for record in dataset_records(stage, md5s)
+    ]
+
+
+def lineage_record(
+    stage: str, params: Params, root: Path = Path()
+) -> tuple[dict[str, str], lineage.StageMd5s | None]:
+    """A stage's data versions, hashed now: DVC md5 tags and base model revision; the md5s."""
+    md5s = lineage.stage_md5s(stage, root)
+    tags = dvc_tags(md5s) if md5s else {}
+    if lineage.uses_base_model(stage):
+        revision = lineage.base_model_revision(params, {**md5s.deps, **md5s.outs} if md5s else {})
+        if revision is not None:
+            tags[TAG_BASE_REVISION] = revision
+    return tags, md5s
 
 
 def record_lineage(stage: str, params: Params, run_id: str, root: Path = Path()) -> None:
@@ -153,12 +218,10 @@ def record_lineage(stage: str, params: Params, run_id: str, root: Path = Path())
     Called once the stage's outs are written (the end of ``stage_run``, or by the flow for a
     stage DVC found up to date), so the md5s are the ones DVC records for this run.
     """
-    md5s = lineage.stage_md5s(stage, root)
-    tags = dvc_tags(md5s) if md5s else {}
-    if lineage.uses_base_model(stage):
-        revision = lineage.base_model_revision(params, {**md5s.deps, **md5s.outs} if md5s else {})
-        if revision is not None:
-            tags[TAG_BASE_REVISION] = revision
+    from mlflow.entities import RunTag
+    from mlflow.tracking import MlflowClient
+
+    tags, md5s = lineage_record(stage, params, root)
     client = MlflowClient()
     batch = [RunTag(key, value) for key, value in tags.items()]
     for start in range(0, len(batch), 100):  # MLflow's limit of tags per batch
@@ -184,6 +247,8 @@ def flat_params(params: Params, stage: str) -> dict[str, str]:
 @contextlib.contextmanager
 def stage_run(stage: str, params: Params) -> Iterator[Run]:
     """The MLflow run a stage logs into, with its lineage tags and params."""
+    import mlflow
+
     experiment_id = setup(params.tracking.experiment)
     # A flow task created this child run; resume it. Drop the variable once
     # used, or the transformers MLflow callback would try to start it again.
@@ -201,8 +266,8 @@ def stage_run(stage: str, params: Params) -> Iterator[Run]:
         record_lineage(stage, params, run.info.run_id)
 
 
-def log_metrics(metrics: Mapping[str, Any], prefix: str = "", run_id: str | None = None) -> None:
-    """Log every number of a nested dict as ``a.b.c``, to ``run_id`` or else the active run."""
+def flat_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """Every number of a nested dict as ``a.b.c``, named as MLflow allows."""
     flat: dict[str, float] = {}
 
     def walk(path: str, node: Any) -> None:
@@ -214,7 +279,16 @@ def log_metrics(metrics: Mapping[str, Any], prefix: str = "", run_id: str | None
 
     walk(prefix, metrics)
     # MLflow allows only [A-Za-z0-9_\-. :/] in names; keep the rest readable.
-    flat = {re.sub(r"[^\w\-. :/]", "_", key): value for key, value in flat.items()}
+    return {re.sub(r"[^\w\-. :/]", "_", key): value for key, value in flat.items()}
+
+
+def log_metrics(metrics: Mapping[str, Any], prefix: str = "", run_id: str | None = None) -> None:
+    """Log every number of a nested dict as ``a.b.c``, to ``run_id`` or else the active run."""
+    import mlflow
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    flat = flat_metrics(metrics, prefix)
     if flat and run_id is not None:
         now = int(time.time() * 1000)
         batch = [Metric(key, value, now, 0) for key, value in flat.items()]
@@ -223,3 +297,58 @@ def log_metrics(metrics: Mapping[str, Any], prefix: str = "", run_id: str | None
             client.log_batch(run_id, metrics=batch[start : start + 1000])
     elif flat:
         mlflow.log_metrics(flat)
+
+
+def log_stage_over_rest(
+    stage: str,
+    params: Params,
+    *,
+    metrics: list[Mapping[str, Any]],
+    dicts: Mapping[str, Any],
+    texts: Mapping[str, str],
+    tags: Mapping[str, str],
+    failed: bool,
+) -> str:
+    """A finished stage's whole run, logged to the MLflow server at ``tracking_uri()`` through
+    its REST API (``tuneloop.tracking.rest``), without importing MLflow; the run id.
+
+    The same run ``stage_run`` makes: the flow task's run (``MLFLOW_RUN_ID``) resumed, or a
+    new one (a child of its DVC experiment's run); lineage tags, params, metrics, artifacts
+    and, when the stage did not fail, its data versions.
+    """
+    client = rest.Client(tracking_uri())
+    experiment_id = client.experiment_id(params.tracking.experiment)
+    run_id = os.environ.pop("MLFLOW_RUN_ID", None)
+    system = {
+        "mlflow.source.name": f"stages.{stage}",
+        "mlflow.source.type": "LOCAL",
+        "mlflow.user": os.environ.get("USER", ""),
+    }
+    if run_id is None:
+        info = client.create_run(experiment_id, stage, system | experiment_parent())
+        run_id = str(info["run_id"])
+    else:
+        info = client.get_run(run_id)["info"]
+        client.set_status(run_id, "RUNNING")
+    try:
+        flat: dict[str, float] = {}
+        for entry in metrics:
+            flat |= flat_metrics(entry)
+        every_tag = lineage_tags(stage, params) | dict(tags)
+        md5s = None
+        if not failed:  # a stage that failed records no data versions
+            found, md5s = lineage_record(stage, params)
+            every_tag |= found
+        client.log_batch(run_id, metrics=flat, params=flat_params(params, stage), tags=every_tag)
+        if md5s and (inputs := dataset_records(stage, md5s)):
+            client.log_inputs(run_id, inputs)
+        for name, data in dicts.items():
+            text = json.dumps(data, indent=2, ensure_ascii=False, default=str)
+            client.log_artifact(str(info["artifact_uri"]), name, text.encode())
+        for name, text in texts.items():
+            client.log_artifact(str(info["artifact_uri"]), name, text.encode())
+    except BaseException:
+        client.set_status(run_id, "FAILED")
+        raise
+    client.set_status(run_id, "FAILED" if failed else "FINISHED")
+    return run_id
