@@ -8,48 +8,58 @@ Writes: ``paths.init``: ``init.json`` (base or champion, version, why, the pool 
         whatever ``train.init_from`` says: the ``fixed_badcases`` stage reads it).
 Params: ``train.init_from``, ``tracking.registered_model``, ``paths.init``.
 
-``always_changed`` in dvc.yaml: the alias can move without any file changing.
+``always_changed`` in dvc.yaml: the alias can move without any file changing. So the stage
+first reads the alias cheaply (``tuneloop.tracking.aliases``); when ``paths.init`` and the
+metrics already say what it would write, it ends there, with no MLflow run. Otherwise it
+resolves the start through the registry inside its MLflow run.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import json
+import logging
 
-from tuneloop.params import load_params
-from tuneloop.stage import setup_logging, write_metrics
-from tuneloop.tracking import init_from, registry
-from tuneloop.tracking.runs import stage_run
+from tuneloop.io import read_json
+from tuneloop.params import Params, load_params
+from tuneloop.stage import metrics_path, setup_logging, write_metrics
+from tuneloop.tracking import aliases, init_from
 
 STAGE = "init"
+log = logging.getLogger(__name__)
+
+
+def unchanged(params: Params) -> bool:
+    """What training starts from is what ``paths.init`` and the metrics already record."""
+    try:
+        serving = aliases.champion(params.tracking.registered_model)
+    except aliases.CannotTell as why:
+        log.info("init: reading the registry through MLflow (%s)", why)
+        return False
+    start = init_from.start_for(params, serving if params.train.init_from == "champion" else None)
+    path = metrics_path(params, STAGE)
+    recorded = read_json(path) if path.exists() else None
+    # Through JSON, as the file holds it (tuples read back as lists).
+    metrics = json.loads(json.dumps(init_from.stage_metrics(start, serving)))
+    return init_from.in_place(params.paths.init, start) and recorded == metrics
 
 
 def main() -> None:
     setup_logging()
     params = load_params()
+    if unchanged(params):
+        log.info("init: %s, as %s records it", init_from.recorded(params).describe(), STAGE)
+        return
+    from mlflow import MlflowClient
+
+    from tuneloop.tracking import registry
+    from tuneloop.tracking.runs import stage_run
+
     with stage_run(STAGE, params) as run:
         start = registry.resolve_start(params, params.paths.init)
-        # The model that serves, whatever training starts from: the fixed-badcase suite is
-        # built from the pool batches it trained on (stage fixed_badcases).
         serving = registry.find_alias(params.tracking.registered_model, registry.CHAMPION)
-        champion = None
-        if serving is not None:
-            champion = {
-                "version": str(serving.version),
-                "batches": list(registry.champion_batches(serving)),
-            }
-        from mlflow import MlflowClient
-
+        champion = None if serving is None else registry.as_champion(serving)
         MlflowClient().set_tag(run.info.run_id, init_from.TAG, start.describe())
-        write_metrics(
-            params,
-            STAGE,
-            asdict(start)
-            | {
-                "from_champion": int(start.source == "champion"),
-                "champion_version": int(start.version or 0),
-                "champion": champion,
-            },
-        )
+        write_metrics(params, STAGE, init_from.stage_metrics(start, champion))
 
 
 if __name__ == "__main__":

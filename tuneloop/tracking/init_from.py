@@ -7,11 +7,14 @@ weights, and ``merge`` folds it into those same weights; a full fine-tune contin
 With no champion yet (the first month) training starts from the base, and ``init.json`` says
 why. ``init_from: base`` always starts from the base (a retrain from scratch).
 
-Resolving the alias and fetching the champion is ``tuneloop.tracking.registry.resolve_start``; this
-module only records and reads the result, so training and merging import no registry code.
-The ``init`` stage is ``always_changed`` in dvc.yaml, since DVC cannot see an alias move: it
-resolves the alias on every ``dvc repro``, but its out changes (and so ``train`` reruns) only
-when the champion changed. ``init.json`` holds no timestamp for that reason.
+Fetching the champion is ``tuneloop.tracking.registry.resolve_start``; this module decides
+what the start is from the champion (``start_for``) and records and reads the result, so
+training and merging import no registry code. The ``init`` stage is ``always_changed`` in
+dvc.yaml, since DVC cannot see an alias move: it reads the alias on every ``dvc repro``
+(``tuneloop.tracking.aliases``, without importing MLflow), and only when the start differs
+from what ``paths.init`` holds does it fetch, write and log a run; its out changes (and so
+``train`` reruns) only when the champion changed. ``init.json`` holds no timestamp for that
+reason.
 
 Month over month, ``init.json`` also names the pool batches the start already trained on
 (the champion's ``tuneloop.data.batches`` tag; none for the base): ``clean`` replays only
@@ -21,8 +24,10 @@ Month over month, ``init.json`` also names the pool batches the start already tr
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from tuneloop.io import atomic_dir, read_json, write_json
 from tuneloop.params import Params
@@ -38,6 +43,8 @@ TAG = "tuneloop.init_from"
 TAG_BATCHES = "tuneloop.data.batches"
 TAG_NEW_BATCHES = "tuneloop.data.new_batches"
 TAG_REPLAY = "tuneloop.data.replay_fraction"
+# On the registered base model (the first champion): what it is; it trained on no pool batch.
+TAG_BASE_MODEL = "tuneloop.base_model"
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,70 @@ class Start:
 
     def describe(self) -> str:
         return describe(asdict(self))
+
+
+@dataclass(frozen=True)
+class Champion:
+    """The registry's champion, as far as where training starts is concerned."""
+
+    version: str
+    run_id: str | None
+    batches: tuple[str, ...]
+
+
+def trained_batches(tags: Mapping[str, str], label: str) -> tuple[str, ...]:
+    """The pool batches a registered version trained on, from its tags (``label`` names it).
+
+    The registered base trained on none. A version registered before the tag existed says
+    nothing: read as none, so ``clean`` trains on the whole pool in full rather than replay
+    a share of data the version may never have seen.
+    """
+    if TAG_BASE_MODEL in tags:
+        return ()
+    if TAG_BATCHES not in tags:
+        log.warning(
+            "%s has no %s tag: taken as having trained on no pool batch", label, TAG_BATCHES
+        )
+    return split_batches(tags.get(TAG_BATCHES))
+
+
+def start_for(params: Params, champion: Champion | None) -> Start:
+    """Where training starts, given ``train.init_from`` and the registry's champion."""
+    if params.train.init_from == "base":
+        return Start("base", "train.init_from is base")
+    name = params.tracking.registered_model
+    if champion is None:
+        return Start(
+            "base",
+            f"train.init_from is champion, but {name!r} has no 'champion' alias yet "
+            "(the first month): starting from the base",
+        )
+    return Start(
+        "champion",
+        f"train.init_from is champion: {name} v{champion.version}",
+        name,
+        champion.version,
+        champion.run_id,
+        champion.batches,
+    )
+
+
+def in_place(folder: Path, start: Start) -> bool:
+    """``folder`` holds ``start`` already: its record, and the champion's weights or none."""
+    return read(folder) == start and (folder / MODEL_DIR).is_dir() == (start.source == "champion")
+
+
+def stage_metrics(start: Start, serving: Champion | None) -> dict[str, Any]:
+    """``metrics/init.json``: the start, and the serving champion with its pool batches
+    whatever ``train.init_from`` says (the ``fixed_badcases`` stage builds from those)."""
+    champion = None
+    if serving is not None:
+        champion = {"version": serving.version, "batches": list(serving.batches)}
+    return asdict(start) | {
+        "from_champion": int(start.source == "champion"),
+        "champion_version": int(start.version or 0),
+        "champion": champion,
+    }
 
 
 def write_base(folder: Path, start: Start) -> None:

@@ -121,22 +121,12 @@ def download_folder(version: ModelVersion, artifact: str, dst: Path) -> Path:
 
 
 def champion_batches(version: ModelVersion) -> tuple[str, ...]:
-    """The pool batches a registered version trained on (its ``tuneloop.data.batches`` tag).
+    """The pool batches a registered version trained on (``init_from.trained_batches``)."""
+    return init_from.trained_batches(version.tags, f"{version.name} v{version.version}")
 
-    The registered base trained on none. A version registered before the tag existed says
-    nothing: read as none, so ``clean`` trains on the whole pool in full rather than replay
-    a share of data the version may never have seen.
-    """
-    if TAG_BASE in version.tags:
-        return ()
-    if init_from.TAG_BATCHES not in version.tags:
-        log.warning(
-            "%s v%s has no %s tag: taken as having trained on no pool batch",
-            version.name,
-            version.version,
-            init_from.TAG_BATCHES,
-        )
-    return init_from.split_batches(version.tags.get(init_from.TAG_BATCHES))
+
+def as_champion(version: ModelVersion) -> init_from.Champion:
+    return init_from.Champion(str(version.version), version.run_id, champion_batches(version))
 
 
 def resolve_start(params: Params, folder: Path) -> init_from.Start:
@@ -145,29 +135,15 @@ def resolve_start(params: Params, folder: Path) -> init_from.Start:
 
     A champion already fetched into ``folder`` is not downloaded again.
     """
-    if params.train.init_from == "base":
-        start = init_from.Start("base", "train.init_from is base")
+    champion = None
+    if params.train.init_from == "champion":
+        champion = find_alias(params.tracking.registered_model, CHAMPION)
+    start = init_from.start_for(params, None if champion is None else as_champion(champion))
+    if champion is None or start.source == "base":
+        if params.train.init_from == "champion":
+            log.warning("init: %s", start.reason)
         init_from.write_base(folder, start)
         return start
-    name = params.tracking.registered_model
-    champion = find_alias(name, CHAMPION)
-    if champion is None:
-        start = init_from.Start(
-            "base",
-            f"train.init_from is champion, but {name!r} has no 'champion' alias yet "
-            "(the first month): starting from the base",
-        )
-        log.warning("init: %s", start.reason)
-        init_from.write_base(folder, start)
-        return start
-    start = init_from.Start(
-        "champion",
-        f"train.init_from is champion: {name} v{champion.version}",
-        name,
-        str(champion.version),
-        champion.run_id,
-        champion_batches(champion),
-    )
     if init_from.read(folder) == start and (folder / init_from.MODEL_DIR).is_dir():
         log.info("init: %s already in %s", start.describe(), folder)
         return start
@@ -450,7 +426,7 @@ def _point_challenger(
 # --- the first champion ----------------------------------------------------------------------
 
 
-TAG_BASE = "tuneloop.base_model"
+TAG_BASE = init_from.TAG_BASE_MODEL
 
 
 class NoLocalBase(RuntimeError):
