@@ -23,7 +23,8 @@ passed as the flow's ``overrides`` parameter: the same code path as a real relea
 Flows orchestrate: this module starts services and calls the two flows; every decision is the
 flows' own. It needs a Prefect server that another terminal can reach (for ``tuneloop
 approve``): ``PREFECT_API_URL`` if set, else it starts ``prefect server start`` on
-127.0.0.1:4200 for the length of the demo.
+127.0.0.1:4200 for the length of the demo. Likewise an MLflow server over the project's store
+(``tuneloop.tracking.server``), which the stages log to without importing MLflow.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from tuneloop.demo import customers, domain
 from tuneloop.params import Params, load_params
 from tuneloop.release import approval
 from tuneloop.release.backends import Backend, start_transformers_serve, wait_healthy
-from tuneloop.tracking import registry, runs
+from tuneloop.tracking import registry, runs, server
 
 log = logging.getLogger("tuneloop.demo")
 
@@ -357,8 +358,13 @@ def run(repo: Path, months: int, approval_wait_s: float) -> list[dict[str, Any]]
     repo = repo.resolve()
     params = load_params(repo / "params.yaml")
     history: list[dict[str, Any]] = []
-    with prefect_server(repo / "logs") as api, contextlib.chdir(repo):
+    with (
+        prefect_server(repo / "logs") as api,
+        contextlib.chdir(repo),
+        server.local_server(repo, repo / "logs") as tracking,
+    ):
         print(f"Prefect API {api} (UI: http://127.0.0.1:{PREFECT_PORT})", flush=True)
+        print(f"MLflow {tracking}", flush=True)
         runs.setup(params.tracking.experiment)
         # The first champion is the base model, so build it first (a no-op when it is there).
         env = {
@@ -379,7 +385,7 @@ def run(repo: Path, months: int, approval_wait_s: float) -> list[dict[str, Any]]
             written = domain.seed_month(params.paths.incoming, params.demo, month)
             print(f"\n=== month {month} ({label}): {len(written)} export file(s) seeded ===")
             summary: dict[str, Any] = {"month": month, "label": label}
-            summary["retrain"] = retrain(repo=repo)
+            summary["retrain"] = retrain(repo=repo, params=params)
             registration = summary["retrain"]["registration"]
             if registration.get("registered") and registration.get("alias") == "challenger":
                 summary["release"] = release_month(repo, params, month, approval_wait_s)

@@ -46,7 +46,7 @@ from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 
 from tuneloop.params import Params, ParamsError, load_params, parse_params
-from tuneloop.tracking import lineage, recovery, runs
+from tuneloop.tracking import lineage, recovery, runs, server
 
 TAG_EXP_REV = "dvc.exp.rev"
 
@@ -253,7 +253,8 @@ def experiment(
             f"experiment name(s) {sorted(taken)} exist already for this commit: pass another "
             f"prefix, or `dvc exp remove {' '.join(sorted(taken))}`"
         )
-    with contextlib.chdir(repo):  # the project's MLflow store, as in the retrain flow
+    # The project's MLflow store, served for the stages as in the retrain flow.
+    with contextlib.chdir(repo), server.local_server(repo, repo / "logs"):
         experiment_id = runs.setup(params.tracking.experiment)
         for said in recovery.close_killed_runs(experiment_id, "experiment", str(flow_run.id or "")):
             logger.warning(said)

@@ -29,10 +29,10 @@ from prefect.runtime import flow_run
 
 from tuneloop.io import read_json
 from tuneloop.orchestration.dvcrun import DvcLockTimeout, run_dvc
-from tuneloop.params import load_params
+from tuneloop.params import Params, load_params
 from tuneloop.pipeline import stage_order
 from tuneloop.telemetry.actions import TAG_REASON as TAG_WATCHDOG_REASON
-from tuneloop.tracking import init_from, lineage, recovery, registry, results, runs
+from tuneloop.tracking import init_from, lineage, recovery, registry, results, runs, server
 
 # Every other stage is safe to run again after a failure: outputs are replaced atomically,
 # ingest deduplicates. Preflight and training are not retried: a refusal or a stop-loss
@@ -61,7 +61,9 @@ def failure_reason(tags: dict[str, str]) -> str | None:
 
 
 @task(task_run_name="{stage}", retries=0)
-def run_stage(stage: str, repo: Path, parent_run_id: str, experiment_id: str) -> dict[str, Any]:
+def run_stage(
+    stage: str, repo: Path, params: Params, parent_run_id: str, experiment_id: str
+) -> dict[str, Any]:
     """Run one DVC stage (or find it up to date) inside its own MLflow child run."""
     logger = get_run_logger()
     client = MlflowClient()
@@ -78,7 +80,7 @@ def run_stage(stage: str, repo: Path, parent_run_id: str, experiment_id: str) ->
         "TUNELOOP_FLOW_RUN_ID": str(flow_run.id or ""),
     }
     logger.info("dvc repro --single-item %s", stage)
-    wait_s = load_params(repo / "params.yaml").schedule.dvc_lock_wait_s
+    wait_s = params.schedule.dvc_lock_wait_s
     try:
         # Output is copied to this terminal as it comes, so training progress shows live.
         result = run_dvc(["repro", "--single-item", stage], repo, env, wait_s)
@@ -86,7 +88,6 @@ def run_stage(stage: str, repo: Path, parent_run_id: str, experiment_id: str) ->
         client.set_terminated(run.info.run_id, status="FAILED")
         raise
     run_id = run.info.run_id
-    params = load_params(repo / "params.yaml")
     cached = result.returncode == 0 and not client.get_run(run_id).data.metrics
     tags = {runs.TAG_CACHED: str(cached).lower(), runs.TAG_FLOW_RUN: str(flow_run.id)}
     if cached:
@@ -124,13 +125,12 @@ def announce_challenger(name: str, version: str, payload: dict[str, Any]) -> Non
 
 
 @task(task_run_name="register", retries=1)
-def register(repo: Path, run_id: str) -> dict[str, Any]:
+def register(params: Params, run_id: str) -> dict[str, Any]:
     """Register the candidate (alias challenger) if the evaluate gate passed; else say why not.
 
     Here rather than in the DVC stage: the registry is a side effect `dvc repro`
     must not repeat or skip (see tuneloop/tracking/registry.py). Idempotent, so it may retry.
     """
-    params = load_params(repo / "params.yaml")
     done = registry.register_candidate(params, run_id=run_id, flow_run_id=str(flow_run.id or ""))
     reasons = "\n".join(done.reasons)
     if done.created:
@@ -172,60 +172,70 @@ def summary(metrics: dict[str, dict[str, Any]], decision: dict[str, Any]) -> dic
 
 
 @flow(name="retrain", log_prints=True)
-def retrain(repo: Path = Path()) -> dict[str, Any]:
-    """Run the whole pipeline, ingest to evaluate, and return data counts, losses and scores."""
+def retrain(repo: Path = Path(), params: Params | None = None) -> dict[str, Any]:
+    """Run the whole pipeline, ingest to evaluate, and return data counts, losses and scores.
+
+    ``params``: ``repo``'s params.yaml as the caller loaded it (the demo), else read here once.
+    The stages read the file themselves, in their own processes.
+    """
     repo = repo.resolve()
-    params = load_params(repo / "params.yaml")
+    params = params or load_params(repo / "params.yaml")
     previous = Path.cwd()
     os.chdir(repo)  # MLflow's default store and lineage reads are relative to the project
     try:
-        experiment_id = runs.setup(params.tracking.experiment)
-        for said in recovery.close_killed_runs(experiment_id, "retrain", str(flow_run.id or "")):
-            get_run_logger().warning(said)
-        git = lineage.git_state(repo)
-        with mlflow.start_run(
-            run_name=f"retrain-{flow_run.name or 'local'}",
-            experiment_id=experiment_id,
-            tags={
-                runs.TAG_COMMIT: git.commit,
-                runs.TAG_DIRTY: str(git.dirty).lower(),
-                runs.TAG_FLOW_RUN: str(flow_run.id or ""),
-                runs.TAG_PIPELINE: "retrain",
-            },
-        ) as parent:
-            metrics: dict[str, dict[str, Any]] = {}
-            for stage in stage_order(repo):
-                retries = 0 if stage in NOT_RETRIED else 1
-                metrics[stage] = run_stage.with_options(retries=retries)(
-                    stage, repo, parent.info.run_id, experiment_id
-                )
-            decision = read_json(params.paths.metrics / "decision.json")
-            result = summary(metrics, decision)
-            # The pipeline's data versions on its own run: its stage runs' DVC tags (oldest
-            # first, so a retried stage's last attempt wins).
-            for child in MlflowClient().search_runs(
-                [experiment_id],
-                filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
-                order_by=["attributes.start_time ASC"],
-            ):
-                mlflow.set_tags(
-                    {k: v for k, v in child.data.tags.items() if k.startswith(LINEAGE_TAGS)}
-                )
-            runs.log_metrics({"data": result["data"], "train": result["train"]})
-            runs.log_metrics(result["eval"], prefix="eval")
-            mlflow.set_tag("gate.passed", str(decision["passed"]).lower())
-            # The flow ends with the verdict: a registered version, or the gate's reasons.
-            result["registration"] = register(repo, parent.info.run_id)
-            result["mlflow_run_id"] = parent.info.run_id
-            if params.schedule.commit_results:
-                done = results.commit_results(
-                    repo,
-                    [Path("dvc.lock"), params.paths.metrics],
-                    f"retrain {flow_run.name or 'local'}: gate "
-                    f"{'passed' if decision['passed'] else 'failed'}",
-                )
-                mlflow.set_tags({"results.commit": done.commit, "results.tag": done.tag})
-                result["results"] = {"commit": done.commit, "tag": done.tag, "branch": done.branch}
-            return result
+        with server.local_server(repo, repo / "logs"):
+            return _retrain(repo, params)
     finally:
         os.chdir(previous)
+
+
+def _retrain(repo: Path, params: Params) -> dict[str, Any]:
+    """The flow's body, with the project as the working directory and its tracking store."""
+    experiment_id = runs.setup(params.tracking.experiment)
+    for said in recovery.close_killed_runs(experiment_id, "retrain", str(flow_run.id or "")):
+        get_run_logger().warning(said)
+    git = lineage.git_state(repo)
+    with mlflow.start_run(
+        run_name=f"retrain-{flow_run.name or 'local'}",
+        experiment_id=experiment_id,
+        tags={
+            runs.TAG_COMMIT: git.commit,
+            runs.TAG_DIRTY: str(git.dirty).lower(),
+            runs.TAG_FLOW_RUN: str(flow_run.id or ""),
+            runs.TAG_PIPELINE: "retrain",
+        },
+    ) as parent:
+        metrics: dict[str, dict[str, Any]] = {}
+        for stage in stage_order(repo):
+            retries = 0 if stage in NOT_RETRIED else 1
+            metrics[stage] = run_stage.with_options(retries=retries)(
+                stage, repo, params, parent.info.run_id, experiment_id
+            )
+        decision = read_json(params.paths.metrics / "decision.json")
+        result = summary(metrics, decision)
+        # The pipeline's data versions on its own run: its stage runs' DVC tags (oldest
+        # first, so a retried stage's last attempt wins).
+        for child in MlflowClient().search_runs(
+            [experiment_id],
+            filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
+            order_by=["attributes.start_time ASC"],
+        ):
+            mlflow.set_tags(
+                {k: v for k, v in child.data.tags.items() if k.startswith(LINEAGE_TAGS)}
+            )
+        runs.log_metrics({"data": result["data"], "train": result["train"]})
+        runs.log_metrics(result["eval"], prefix="eval")
+        mlflow.set_tag("gate.passed", str(decision["passed"]).lower())
+        # The flow ends with the verdict: a registered version, or the gate's reasons.
+        result["registration"] = register(params, parent.info.run_id)
+        result["mlflow_run_id"] = parent.info.run_id
+        if params.schedule.commit_results:
+            done = results.commit_results(
+                repo,
+                [Path("dvc.lock"), params.paths.metrics],
+                f"retrain {flow_run.name or 'local'}: gate "
+                f"{'passed' if decision['passed'] else 'failed'}",
+            )
+            mlflow.set_tags({"results.commit": done.commit, "results.tag": done.tag})
+            result["results"] = {"commit": done.commit, "tag": done.tag, "branch": done.branch}
+        return result
