@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -143,6 +144,12 @@ def test_tally_counts_rates_slices_agreement_and_consistency() -> None:
     assert as_dict["overall"]["win"]["value"] == pytest.approx(0.375)
     assert as_dict["agreement"]["pairwise"] == pytest.approx(0.5)
     assert "| all | 8 | 38% [" in results.table()
+    metrics = results.metrics()
+    assert metrics["review.win"] == pytest.approx(0.375)
+    assert metrics["review.decisive_low"] == pytest.approx(wilson(3, 5)[0])
+    assert metrics["review.intent.refund.win"] == pytest.approx(0.25)
+    assert metrics["review.votes"] == 8 and metrics["review.consistency"] == 0.5
+    assert all(re.fullmatch(r"[A-Za-z0-9_\-. /]+", name) for name in metrics)
 
 
 def test_tally_keeps_or_leaves_out_revoked_reviewers() -> None:

@@ -49,6 +49,10 @@ def _create(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
+    # Only what was given: the defaults live in create_review.
+    counts = {
+        k: getattr(args, k) for k in ("controls", "control_gap") if getattr(args, k) is not None
+    }
     try:
         create_review(
             _store(args),
@@ -56,8 +60,7 @@ def _create(args: argparse.Namespace) -> int:
             items,
             champion=args.champion,
             candidate=args.candidate,
-            controls=args.controls,
-            control_gap=args.control_gap,
+            **counts,
         )
     except ReviewError as error:
         print(f"tuneloop review create: {error}", file=sys.stderr)
@@ -69,11 +72,13 @@ def _create(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from tuneloop.review.store import DEFAULT_PORT
     from tuneloop.review.web import create_review_app
 
     store = _store(args)
-    print(f"review page on http://{args.host}:{args.port}/ (store {store.engine.url!r})")
-    uvicorn.run(create_review_app(store), host=args.host, port=args.port, log_level="warning")
+    port = DEFAULT_PORT if args.port is None else args.port
+    print(f"review page on http://{args.host}:{port}/ (store {store.engine.url!r})", flush=True)
+    uvicorn.run(create_review_app(store), host=args.host, port=port, log_level="warning")
     return 0
 
 
@@ -137,15 +142,15 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     create.add_argument("--champion", required=True, help="the champion's name, e.g. its version")
     create.add_argument("--candidate", required=True, help="the candidate's name")
-    create.add_argument("--controls", type=int, default=3, help="control repeats per reviewer")
+    create.add_argument("--controls", type=int, help="control repeats per reviewer (3)")
     create.add_argument(
-        "--control-gap", type=int, default=3, help="items at least between an item and its repeat"
+        "--control-gap", type=int, help="other items at least between an item and its repeat (3)"
     )
     create.set_defaults(run=_create)
 
     serve = sub.add_parser("serve", help="serve the review page (every review in the store)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8765, help="port to listen on")
+    serve.add_argument("--port", type=int, help="port to listen on (8765)")
     serve.set_defaults(run=_serve)
 
     invite = sub.add_parser("invite", help="invite a reviewer: prints their link")

@@ -38,7 +38,11 @@ from sqlalchemy.engine import Connection, Engine
 
 DB_URL_ENV = "TUNELOOP_REVIEW_DB"
 DEFAULT_DB = "review.db"  # in the project, beside MLflow's mlflow.db
-DEFAULT_BASE_URL = "http://127.0.0.1:8765"
+DEFAULT_PORT = 8765  # of `tuneloop review serve`
+DEFAULT_BASE_URL = f"http://127.0.0.1:{DEFAULT_PORT}"
+# Control repeats per reviewer, and the other items at least between an item and its repeat.
+CONTROLS = 3
+CONTROL_GAP = 3
 # What a reviewer may answer, as the form sends it; "a" and "b" are positions on their page.
 CHOICES = ("a", "b", "tie", "both_wrong")
 # What a vote means once the store has undone the page's order.
@@ -203,7 +207,10 @@ class ReviewStore:
 
     def __init__(self, url: str | None = None) -> None:
         self.url = url or default_url()
-        self.engine: Engine = sa.create_engine(self.url)
+        # SQLite lets one writer in at a time: a vote waits for another's transaction (they are
+        # milliseconds) rather than failing with "database is locked" after pysqlite's 5 s.
+        options = {"connect_args": {"timeout": 30}} if self.url.startswith("sqlite") else {}
+        self.engine: Engine = sa.create_engine(self.url, **options)
         metadata.create_all(self.engine)
 
     def close(self) -> None:
@@ -239,8 +246,8 @@ def create_review(
     *,
     champion: str,
     candidate: str,
-    controls: int = 3,
-    control_gap: int = 3,
+    controls: int = CONTROLS,
+    control_gap: int = CONTROL_GAP,
 ) -> int:
     """Store a review of ``review_items``: its id. The names of the two models stay in the store.
 

@@ -25,6 +25,7 @@ tie, both wrong, after undoing the page's order) equals the one they gave the fi
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -186,6 +187,33 @@ class ReviewResults:
             "reviewers": [r.as_dict() for r in self.reviewers],
         }
 
+    def metrics(self, prefix: str = "review") -> dict[str, float]:
+        """Flat numbers for MLflow: each rate with its bounds, overall and by slice, plus
+        votes, agreement and the mean consistency (rates without votes are left out)."""
+        found: dict[str, float] = {
+            f"{prefix}.votes": float(self.votes),
+            f"{prefix}.items_voted": float(self.items_voted),
+        }
+        for s in (self.overall, *self.slices):
+            where = prefix if s.key == "all" else f"{prefix}.{_metric_name(s.key, s.value)}"
+            for name in ("win", "tie", "loss", "both_wrong", "decisive"):
+                r: Rate = getattr(s, name)
+                if r.value is not None:
+                    found |= {
+                        f"{where}.{name}": r.value,
+                        f"{where}.{name}_low": r.low,
+                        f"{where}.{name}_high": r.high,
+                    }
+        if self.agreement.pairwise is not None:
+            found[f"{prefix}.agreement"] = self.agreement.pairwise
+        if self.agreement.fleiss_kappa is not None:
+            found[f"{prefix}.fleiss_kappa"] = self.agreement.fleiss_kappa
+        checked = [r for r in self.reviewers if r.controls]
+        if checked:
+            same = sum(r.consistency.count for r in checked)
+            found[f"{prefix}.consistency"] = same / sum(r.controls for r in checked)
+        return found
+
     def table(self) -> str:
         """The results as markdown: rates by slice, then reviewers."""
         pct = round(self.confidence * 100)
@@ -314,6 +342,11 @@ def tally(
         ),
         reviewers=tuple(reviewers),
     )
+
+
+def _metric_name(key: str, value: str) -> str:
+    """``intent.refund``: MLflow takes letters, digits and ``_-. /`` in a metric's name."""
+    return re.sub(r"[^A-Za-z0-9_\-]", "_", key) + "." + re.sub(r"[^A-Za-z0-9_\-]", "_", value)
 
 
 def _slice_rank(key: str) -> int:
