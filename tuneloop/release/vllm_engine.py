@@ -81,7 +81,8 @@ def host_device() -> Device:
 
 def find_engine(venv: Path) -> Engine | None:
     """vLLM in ``venv`` once ``make serve-setup`` finished there (its stamp), else None."""
-    python = venv / "bin" / "python"
+    # Absolute, not resolved: the venv's python is a link its environment is found through.
+    python = venv.absolute() / "bin" / "python"
     if not (venv / ".installed").is_file() or not python.exists():
         return None
     site = sorted(venv.glob("lib/python3*/site-packages"))
