@@ -290,7 +290,8 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "wait", help="wait until each URL's /health answers (vLLM: once its model is loaded)"
     )
     wait.add_argument("urls", nargs="+", help="backend or router root URLs")
-    wait.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+    # vLLM on 2 busy CPU cores was healthy after 289 s.
+    wait.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600)")
     wait.set_defaults(run=_wait)
 
     traffic = commands.add_parser(
