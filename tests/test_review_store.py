@@ -4,7 +4,9 @@ refusal, a restart mid-review, revocation, and the ``tuneloop review`` commands.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -343,3 +345,25 @@ def test_the_review_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "no reviewer 'nobody'" in capsys.readouterr().err
     assert main(["review", "results", "--exclude-revoked", "--json", *db]) == 0
     assert json.loads(capsys.readouterr().out)["votes"] == 0
+
+
+def test_two_sends_of_one_form_at_once_record_one_vote(store: ReviewStore) -> None:
+    """A double click: the same form twice, concurrently; one vote, one 409, no error."""
+    reviewer = review_store.reviewer_of(store, create_invite(store, "alice").token)
+
+    def send(page: review_store.Page, choice: str, start: threading.Barrier) -> object:
+        start.wait()
+        try:
+            return review_store.record_vote(store, reviewer, page.key, page.nonce, choice, "")
+        except review_store.Refused as refused:
+            return refused.status
+
+    for _ in range(3):
+        page = review_store.next_page(store, reviewer)
+        assert page is not None
+        start = threading.Barrier(2)
+        with ThreadPoolExecutor(2) as pool:
+            outcomes = list(pool.map(send, [page, page], ["a", "b"], [start, start]))
+        assert outcomes.count(409) == 1, outcomes
+        assert {o for o in outcomes if o != 409} <= {"candidate", "champion"}
+    assert len(stored(store)) == 3
