@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -363,7 +364,9 @@ def postgres_url() -> Iterator[str]:
 
 def test_the_store_on_postgresql(postgres_url: str) -> None:
     store = ReviewStore(postgres_url)
-    create_review(store, "pg", review_items(6), champion=CHAMPION, candidate=CANDIDATE)
+    items = review_items(6)
+    items[0] = replace(items[0], candidate_answer="a model's NUL: \x00")
+    create_review(store, "pg", items, champion=CHAMPION, candidate=CANDIDATE)
     invites = {name: create_invite(store, name, base_url="http://t") for name in ("ann", "bo")}
 
     def reviewer(name: str, on: ReviewStore) -> TestClient:
@@ -376,6 +379,8 @@ def test_the_store_on_postgresql(postgres_url: str) -> None:
     form = {"item": page["item"], "nonce": page["nonce"], "choice": "a", "comment": "好"}
     assert ann.post("/review/vote", data=form, follow_redirects=False).status_code == 303
     assert ann.post("/review/vote", data=form).status_code == 409  # replayed
+    nul = ann.post("/review/vote", data=form | {"comment": "\x00"})
+    assert nul.status_code == 400 and "NUL" in nul.text
     again = ann.get("/review/next.json").json()
     stale = form | {"nonce": ann.get("/review/next.json").json()["nonce"]}
     assert again["item"] != form["item"] and stale["item"] == form["item"]
@@ -395,6 +400,9 @@ def test_the_store_on_postgresql(postgres_url: str) -> None:
     assert revoke(restarted, "bo") == 1
     rows = vote_rows(restarted)
     assert rows[0].comment == "好" and rows[0].slices["language"] in ("en", "zh")
+    with restarted.engine.connect() as conn:
+        answers = list(conn.scalars(sa.select(review_store.items.c.candidate_answer)))
+    assert "a model's NUL: \ufffd" in answers
     assert sum(r.reviewer == "ann" for r in rows) == 9
     results = compute_results(restarted, "pg")
     assert results.votes == 6 + 1 and results.revoked_votes == 1

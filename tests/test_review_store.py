@@ -119,6 +119,10 @@ def test_no_response_names_a_model(store: ReviewStore) -> None:
     alice.post({"item": first["item"], "nonce": first["nonce"], "choice": "b"})  # 409 replay
     bob.post({"item": first["item"], "nonce": first["nonce"], "choice": "a"})  # 403
     alice.post({"item": "x", "nonce": "y", "choice": "maybe"})  # 400
+    alice.post({"item": "x", "nonce": "y", "choice": "a", "comment": "\x00"})  # 400
+    alice.post({"item": "x", "nonce": "y", "choice": "a", "extra": "1"})  # 400
+    as_json = {"content-type": "application/json"}
+    alice.responses.append(alice.client.post("/review/vote", content=b"{}", headers=as_json))
     alice.post({"item": "x", "nonce": "y", "choice": "a", "comment": "x" * (MAX_COMMENT + 1)})
     alice.get("/r/not-a-token", follow_redirects=False)
     alice.get("/review", cookies={COOKIE: "forged"})
@@ -131,7 +135,7 @@ def test_no_response_names_a_model(store: ReviewStore) -> None:
     bob.get("/review")
     bob.get("/review/next.json")
     statuses = {r.status_code for r in alice.responses + bob.responses}
-    assert {200, 303, 400, 401, 403, 404, 409, 413} <= statuses
+    assert {200, 303, 400, 401, 403, 404, 409, 413, 415} <= statuses
     for response in alice.responses + bob.responses:
         seen = (str(response.url) + str(response.headers) + response.text).lower()
         for name in NAMES:

@@ -217,6 +217,12 @@ class ReviewStore:
         self.engine.dispose()
 
 
+def _storable(text: str) -> str:
+    """A model's text as both databases hold it: PostgreSQL's text type refuses NUL, which a
+    model may emit; it is shown as U+FFFD, the replacement character, instead."""
+    return text.replace("\x00", "\ufffd")
+
+
 def _inserted_id(result: sa.CursorResult[Any]) -> int:
     key = result.inserted_primary_key
     if key is None:
@@ -284,9 +290,9 @@ def create_review(
                     "review_id": review_id,
                     "position": index,
                     "ref": item.ref or str(index),
-                    "question": item.question,
-                    "champion_answer": item.champion_answer,
-                    "candidate_answer": item.candidate_answer,
+                    "question": _storable(item.question),
+                    "champion_answer": _storable(item.champion_answer),
+                    "candidate_answer": _storable(item.candidate_answer),
                     "slices": {str(k): str(v) for k, v in item.slices.items()},
                 }
                 for index, item in enumerate(review_items)

@@ -186,6 +186,8 @@ def create_review_app(
         comment = form.get("comment", "")
         if len(comment) > max_comment:
             raise Refused(413, f"the comment is over {max_comment} characters; shorten it")
+        if "\x00" in comment:  # PostgreSQL's text cannot hold it: refused, not a 500
+            raise Refused(400, "the comment holds a NUL character; remove it")
         await run_in_threadpool(
             record_vote, store, reviewer, form["item"], form["nonce"], form["choice"], comment
         )
