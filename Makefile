@@ -30,7 +30,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 export HF_HOME ?= $(CURDIR)/.hf
 
-.PHONY: setup serve-setup demo test lint typecheck clean
+.PHONY: setup serve-setup demo test test-fast lint typecheck clean
 
 setup: $(VENV)/.installed
 
@@ -78,6 +78,11 @@ demo: setup
 test: setup
 	$(IN_VENV) $(BIN)/python -c "import importlib as i, importlib.util as u; u.find_spec('deepspeed') and i.import_module('deepspeed.comm.torch').build_shm_op()"
 	$(IN_VENV) $(BIN)/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# The inner loop: unit and property tests, no pipeline, server or rank (tests/conftest.py
+# names the fast modules); at most 3 minutes. `make test` still runs everything.
+test-fast: setup
+	$(IN_VENV) $(BIN)/pytest -n $(TEST_WORKERS) -m fast $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
