@@ -151,6 +151,23 @@ def test_lora_targets_attention_and_mlp_with_alpha_from_the_rank() -> None:
     assert methods.lora_config(params(lora_alpha=8)).lora_alpha == 8
 
 
+def test_target_modules_must_name_layers_of_the_model() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
+    heads = {"num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 32}
+    model = LlamaForCausalLM(LlamaConfig(**shape, **heads))
+    methods.check_target_modules(model, params())  # the shipped list: every projection
+    # peft would adapt q_proj and skip qkv_proj without a word.
+    with pytest.raises(ValueError, match=r"\['qkv_proj'\] name no layer of LlamaForCausalLM.*"):
+        methods.check_target_modules(model, params(target_modules=["q_proj", "qkv_proj"]))
+    with pytest.raises(ValueError, match=r"'down_proj', 'gate_proj'.*\[all-linear\]"):
+        methods.check_target_modules(model, params(target_modules=["c_attn"]))
+    every_linear = params(target_modules=["all-linear"])
+    methods.check_target_modules(model, every_linear)
+    assert methods.lora_config(every_linear).target_modules == "all-linear"
+
+
 def test_trainer_arguments_follow_the_params() -> None:
     planned = resolve_plan(params(), CPU)
     args = methods.sft_args(params(), planned, Path("/tmp/tuneloop-args"), has_val=True)

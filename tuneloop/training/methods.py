@@ -34,17 +34,46 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _ADAPTER = "adapter_model.safetensors"
 _TRAINED_ADAPTER = "default"  # peft's name for the adapter a config or folder creates
 _REFERENCE_ADAPTER = "ref"  # TRL's name for DPO's frozen copy
+ALL_LINEAR = "all-linear"  # peft's name for every Linear layer but the output head
 
 
 def lora_config(params: Params) -> LoraConfig:
     """Attention and MLP projections by default (train.target_modules); alpha from the rank."""
+    modules = params.train.target_modules
     return LoraConfig(
         r=params.train.lora_r,
         lora_alpha=params.train.resolved_lora_alpha,
         lora_dropout=params.train.lora_dropout,
-        target_modules=list(params.train.target_modules),
+        target_modules=ALL_LINEAR if modules == (ALL_LINEAR,) else list(modules),
         task_type="CAUSAL_LM",
     )
+
+
+def check_target_modules(model: torch.nn.Module, params: Params) -> None:
+    """Refuse a ``train.target_modules`` name that is no layer of ``model``.
+
+    peft adapts the names it finds and skips the others without a word (it fails only when
+    none matches): a Qwen3 list on a model that names its projections otherwise would train
+    part of what was asked. The message lists the model's own Linear layer names.
+    """
+    modules = params.train.target_modules
+    if modules == (ALL_LINEAR,):
+        return
+    names = {name.rpartition(".")[2] for name, _ in model.named_modules()}
+    missing = [name for name in modules if name not in names]
+    if missing:
+        linear = sorted(
+            {
+                name.rpartition(".")[2]
+                for name, module in model.named_modules()
+                if isinstance(module, torch.nn.Linear)
+            }
+        )
+        raise ValueError(
+            f"train.target_modules {missing} name no layer of {type(model).__name__}; its "
+            f"Linear layers are {linear}: list those, or set train.target_modules: "
+            f"[{ALL_LINEAR}] (every Linear layer but the output head)"
+        )
 
 
 def _load_kwargs(plan: TrainPlan) -> dict[str, Any]:

@@ -164,7 +164,10 @@ def build_trainer(
         model = methods.load_model(base, plan, adapter=previous)
     else:
         model = methods.load_model(previous or base, plan)
-    peft_config = methods.lora_config(params) if plan.uses_lora and previous is None else None
+    peft_config = None
+    if plan.uses_lora and previous is None:
+        methods.check_target_modules(model, params)
+        peft_config = methods.lora_config(params)
 
     meter = StepMeter()
     stop = StopLossCallback(StopRules.from_params(params.train, phase), meter, started_at)
