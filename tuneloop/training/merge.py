@@ -11,6 +11,7 @@ folder is copied through (``pass_through``).
 from __future__ import annotations
 
 import copy
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ MAX_NEW_TOKENS = 32
 ADAPTER_CONFIG = "adapter_config.json"
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 FULL_FINE_TUNE = "full fine-tune"
+log = logging.getLogger(__name__)
 
 Outputs = tuple[torch.Tensor, torch.Tensor]  # (logits on attended probe tokens, greedy tokens)
 
@@ -88,11 +90,19 @@ def outputs(model: Any, batch: dict[str, Any], pad_token_id: int | None) -> Outp
 
 
 def compare(reference: Outputs, merged: Outputs) -> dict[str, float]:
+    """How far the merged model's outputs are from the adapter model's.
+
+    ``max_rel_logit_diff`` is the largest difference over the largest logit magnitude: float32
+    rounding grows with the logits' scale, so it reads the same on models of any size.
+    """
     diff = (reference[0] - merged[0]).abs()
     same = (reference[1] == merged[1]).all(dim=1)
+    largest = float(reference[0].abs().max())
     return {
         "max_abs_logit_diff": float(diff.max()),
         "mean_abs_logit_diff": float(diff.mean()),
+        "max_rel_logit_diff": float(diff.max()) / largest if largest > 0 else 0.0,
+        "max_abs_logit": largest,
         "identical_generations": float(same.float().mean()),
     }
 
@@ -125,6 +135,17 @@ def merge(params: Params) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dic
     metrics["passed"] = (
         metrics["max_abs_logit_diff"] <= tolerance and metrics["identical_generations"] == 1.0
     )
+    log.info(
+        "merge: logits differ by up to %.3g (mean %.3g; %.3g of the largest logit, %.3g) on %d "
+        "probes, tolerance %g; greedy generations identical: %.0f%%",
+        metrics["max_abs_logit_diff"],
+        metrics["mean_abs_logit_diff"],
+        metrics["max_rel_logit_diff"],
+        metrics["max_abs_logit"],
+        metrics["probes"],
+        tolerance,
+        100 * metrics["identical_generations"],
+    )
     # Cast once, after the check: the saved checkpoint rounds like any bf16 checkpoint.
     return merged.to(DTYPES[params.merge.dtype]), tokenizer, metrics
 
@@ -135,7 +156,8 @@ def check(metrics: dict[str, Any], tolerance: float) -> None:
     worst = metrics["max_abs_logit_diff"]
     if worst > tolerance:
         problems.append(
-            f"logits differ by up to {worst:.3g} (mean {metrics['mean_abs_logit_diff']:.3g}), "
+            f"logits differ by up to {worst:.3g} (mean {metrics['mean_abs_logit_diff']:.3g}, "
+            f"{metrics['max_rel_logit_diff']:.3g} of the largest logit), "
             f"{worst / tolerance:.1f}x merge.max_abs_logit_diff={tolerance:g}"
         )
     if metrics["identical_generations"] < 1.0:
