@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,7 @@ def reload_and_run(folder: Path, dtype: str) -> None:
 
 
 def export(params: Params, out: Path) -> dict[str, Any]:
+    started = time.perf_counter()
     # Loaded in the serving dtype: the layers FP8 leaves alone are stored in it.
     model = load_causal_lm(params.paths.merged, params.export.dtype)
     tokenizer = load_tokenizer(params.paths.merged)
@@ -140,6 +142,7 @@ def export(params: Params, out: Path) -> dict[str, Any]:
         "size_ratio_vs_merged": round(fp8_bytes / merged_bytes, 4),
         "reload_forward_ok": True,
         **tensors,
+        "seconds": round(time.perf_counter() - started, 1),  # load, quantize, save, check
     }
 
 

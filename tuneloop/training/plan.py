@@ -152,8 +152,8 @@ def _method_problems(method: str, env: Environment) -> list[str]:
     if not env.cuda:
         return [
             "train.method 'qlora' loads the base model in 4-bit with bitsandbytes, which needs a "
-            "CUDA GPU, and this machine has none. Use train.method: lora here (same adapter, "
-            "16-bit base), or run on a GPU host."
+            "CUDA GPU, and this machine has none. Use train.method: lora here (the same "
+            "adapter, on an unquantized base), or run on a GPU host."
         ]
     if not env.bitsandbytes:
         return [
