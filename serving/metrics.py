@@ -175,7 +175,7 @@ def render_prometheus(
         (
             "tuneloop_router_ttft_seconds",
             "ttft",
-            "Time to the first streamed chunk (streaming requests only).",
+            "Time to the first streamed token (streaming requests only).",
         ),
     ):
         family(name, "summary", help_text + " Quantiles over a recent window.")

@@ -34,6 +34,7 @@ from serving.samples import (
     Sample,
     ShadowPair,
     completion_text,
+    holds_token,
     prompt_text,
     stream_text,
 )
@@ -45,6 +46,8 @@ PROXIED = ("/v1/chat/completions", "/v1/completions")
 BACKEND_WARN_EVERY_S = 10.0
 # Bytes of a streamed champion answer kept to assemble its text: SSE costs ~50x the text.
 SSE_BYTES_PER_CHAR = 64
+# How much of a stream is read for its first token before TTFT is taken at its first bytes.
+TTFT_SCAN_BYTES = 16 * 1024
 
 router = APIRouter()
 
@@ -250,17 +253,22 @@ async def _relay(
     path: str,
     pair: ShadowPair | None,
 ) -> AsyncIterator[bytes]:
-    first = True
+    # TTFT is the time to the first chunk that holds a token, not to the first bytes: vLLM
+    # sends the assistant's role in a chunk of its own, with no text.
+    head: bytearray | None = bytearray()
     finished = False
     error_kind: ErrorKind | None = None
     kept = bytearray()
     keep = state.config.shadow.text_chars * SSE_BYTES_PER_CHAR if pair is not None else 0
     try:
         async for chunk in response.aiter_bytes():
-            if first:
-                sample.ttft_s = time.perf_counter() - start
-                stats.ttft.observe(sample.ttft_s)
-                first = False
+            if head is not None:
+                head += chunk
+                # A stream that is not SSE at all is timed at its first bytes past the limit.
+                if holds_token(bytes(head)) or len(head) > TTFT_SCAN_BYTES:
+                    sample.ttft_s = time.perf_counter() - start
+                    stats.ttft.observe(sample.ttft_s)
+                    head = None
             if len(kept) < keep:
                 kept += chunk
             yield chunk

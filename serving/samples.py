@@ -204,6 +204,29 @@ def stream_text(payload: bytes) -> str | None:
     return "".join(parts) if parts else None
 
 
+def holds_token(payload: bytes) -> bool:
+    """Whether a streamed (SSE) completion's complete events so far carry a generated token.
+
+    A chat chunk that only opens the assistant's turn (vLLM sends ``{"role": "assistant",
+    "content": ""}`` before any token) does not; a later delta does, even one whose token
+    decodes to no text yet. A completion's chunk holds its ``text``.
+    """
+    for line in payload.decode("utf-8", errors="replace").splitlines():
+        data = line.removeprefix("data:").strip() if line.startswith("data:") else ""
+        if not data or data == "[DONE]":
+            continue
+        try:
+            choice = json.loads(data)["choices"][0]
+            if "delta" not in choice:
+                return "text" in choice
+            delta = choice["delta"]
+            if delta.get("content") or ("content" in delta and "role" not in delta):
+                return True
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            continue
+    return False
+
+
 def prompt_text(body: dict[str, Any]) -> str:
     """The last user turn of a chat request, or a completion's prompt (what a suite asks)."""
     messages = body.get("messages")
