@@ -3,7 +3,9 @@
 The project's registered model (``tracking.registered_model``) holds one version
 per candidate that passed the evaluate gate. Each version is a logged pyfunc
 model whose artifacts are the merged folder (what ``mlflow.pyfunc.load_model``
-serves) and the FP8 folder (what vLLM serves); its tags carry the lineage (git
+serves) and the FP8 folder (what vLLM serves), and for a LoRA candidate its adapter
+folder too (MBs: what vLLM loads onto a running base, tagged with that base's name and
+revision); its tags carry the lineage (git
 commit, params hash, DVC md5s, Prefect flow run), its description the eval
 report, and both folders the model card as their ``README.md``. Aliases live here
 only: ``challenger`` is set when a candidate is registered; ``champion`` and
@@ -59,6 +61,10 @@ log = logging.getLogger(__name__)
 
 CHAMPION, CHALLENGER, PREVIOUS = "champion", "challenger", "previous-champion"
 MERGED, FP8 = "merged", "fp8"  # artifact names inside every logged model
+# A LoRA candidate's adapter folder (MBs), logged beside the merged one: what vLLM loads onto a
+# running base (``tuneloop.release.serve.load_version``). The base it was trained on is tagged.
+ADAPTER = "adapter"
+TAG_ADAPTER_BASE, TAG_ADAPTER_REVISION = "tuneloop.adapter.base", "tuneloop.adapter.base_revision"
 MODEL_NAME = "candidate"  # the logged model's name in its run
 TAG_CANDIDATE = "tuneloop.merged_manifest_sha256"
 TAG_GATE = "gate.passed"
@@ -118,6 +124,35 @@ def download_folder(version: ModelVersion, artifact: str, dst: Path) -> Path:
             f"{sorted(artifacts)}); it was not registered by tuneloop.tracking.registry"
         )
     return local / artifacts[artifact]["path"]
+
+
+def base_identity(params: Params) -> tuple[str, str]:
+    """The base model's name (``model.base``) and revision, as lineage records them.
+
+    What an adapter version is tagged with, and what a server of the base records
+    (``tuneloop serve base``): an adapter is loaded only onto the base it was trained on.
+    """
+    outs = {
+        path: md5 for md5s in lineage.dvc_lock_md5s().values() for path, md5 in md5s["outs"].items()
+    }
+    return params.model.base, lineage.base_model_revision(params, outs) or "unknown"
+
+
+def trained_on(params: Params) -> tuple[str, str]:
+    """The base the candidate's adapter was trained on: ``model.base`` (:func:`base_identity`),
+    or the champion version training continued from (``init_from``), named with its run."""
+    start = init_from.recorded(params)
+    if start.source == "champion":
+        return f"{start.model} v{start.version}", f"run {start.run_id}"
+    return base_identity(params)
+
+
+def adapter_base(version: ModelVersion) -> tuple[str, str] | None:
+    """(base name, revision) an adapter version was trained on; None for a version without one."""
+    base = version.tags.get(TAG_ADAPTER_BASE)
+    if base is None:
+        return None
+    return base, version.tags.get(TAG_ADAPTER_REVISION, "unknown")
 
 
 def champion_batches(version: ModelVersion) -> tuple[str, ...]:
@@ -381,12 +416,18 @@ def register_candidate(
     if missing := [str(path) for path in evaluation if not path.exists()]:
         raise StaleDecision(f"{missing} missing; run `dvc repro evaluate` before registering")
     folders = {MERGED: params.paths.merged, FP8: params.paths.fp8}
+    artifacts: dict[str, str] = {}
+    # A LoRA candidate keeps its adapter too (MBs beside the merged GBs), tagged with its base.
+    if (params.paths.adapter / "adapter_config.json").is_file():
+        artifacts[ADAPTER] = str(params.paths.adapter)
+        tags[TAG_ADAPTER_BASE], tags[TAG_ADAPTER_REVISION] = trained_on(params)
     # The model card travels inside both exported folders as their README.md.
     with _run(run_id, experiment_id) as run, cards.with_card(folders, card) as carded:
+        artifacts |= {MERGED: str(carded[MERGED]), FP8: str(carded[FP8])}
         info = mlflow.pyfunc.log_model(
             name=MODEL_NAME,
             python_model=CandidateModel(),
-            artifacts={MERGED: str(carded[MERGED]), FP8: str(carded[FP8])},
+            artifacts=artifacts,
             pip_requirements=_requirements(),
             tags=tags,
         )
