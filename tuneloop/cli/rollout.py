@@ -118,7 +118,8 @@ def _release(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from tuneloop.params import load_params
     from tuneloop.release.backends import LoraModule
-    from tuneloop.release.serve import NotServable, serve_main
+    from tuneloop.release.serve import NotServable, load_version, serve_base_main, serve_main
+    from tuneloop.release.vllm_engine import AdapterRefused
 
     adapters = []
     for given in args.adapter:
@@ -128,8 +129,25 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         adapters.append(LoraModule(name, Path(folder).resolve()))
     try:
-        serve_main(load_params(), args.alias, args.port, args.host, args.backend, adapters=adapters)
-    except NotServable as error:
+        params = load_params()
+        if args.alias == "base":
+            if adapters or args.on_base or args.backend == "transformers":
+                print(
+                    "tuneloop serve base: vLLM only, with no adapter at start (load them with "
+                    "`tuneloop serve champion --on-base`)",
+                    file=sys.stderr,
+                )
+                return 2
+            serve_base_main(params, args.port, args.host)
+        elif args.on_base:
+            served, took = load_version(params, args.alias)
+            print(
+                f"loaded {args.alias} onto {served.base_url} as {served.model} in {took:.2f} s; "
+                f"router arm: {json.dumps(served.arm())}"
+            )
+            return 0
+        serve_main(params, args.alias, args.port, args.host, args.backend, adapters=adapters)
+    except (NotServable, AdapterRefused) as error:
         print(f"tuneloop serve: {error}", file=sys.stderr)
         return 1
     return 0  # not reached: serve_main becomes the backend
@@ -266,7 +284,18 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="serve a registry alias with vLLM (its own environment: make serve-setup) or "
         "transformers serve, recorded in run/serve/ for the router",
     )
-    serve.add_argument("alias", choices=["champion", "challenger"])
+    serve.add_argument(
+        "alias",
+        choices=["champion", "challenger", "base"],
+        help="base: the base model on vLLM with LoRA enabled and no adapter, recorded in "
+        "run/serve/base.json, for --on-base",
+    )
+    serve.add_argument(
+        "--on-base",
+        action="store_true",
+        help="load the alias's adapter version from the registry onto the running `tuneloop "
+        "serve base` (no restart) and record it for the router, instead of starting a server",
+    )
     serve.add_argument("--port", type=int, default=8001, help="listen port (default 8001)")
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     serve.add_argument(

@@ -14,6 +14,15 @@ FP8 one where the version has it), and replaces this process with the backend
 
 ``serve.engine`` (auto | vllm | transformers) decides; auto is vLLM where its environment is.
 
+Adapters without redeploy (vLLM only): ``tuneloop serve base`` starts the base model with
+LoRA enabled and no adapter, recorded in ``run/serve/base.json`` with the base's name and
+revision; ``tuneloop serve champion --on-base`` (and challenger) then loads that alias's
+adapter version from the registry onto it at run time (:func:`load_version`, 0.1-0.2 s) as
+model ``<registered_model>-v<N>``, and records the alias as usual: both arms of the router
+then name one server, each with its own model name, and a release moves traffic between
+them without restarting anything. An adapter trained on another base (name or revision) is
+refused.
+
 Before it hands over, it records what it serves in ``run/serve/<alias>.json`` (URL, model
 name, version, engine and its version): a router config whose arm says ``alias: champion`` reads it
 (``serving.config``), so the router and the release flow see the version that actually
@@ -27,6 +36,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -42,6 +52,7 @@ log = logging.getLogger(__name__)
 
 SERVE_DIR = Path("run/serve")
 ALIASES = ("champion", "challenger")
+BASE = "base"  # the record of `tuneloop serve base`: the server adapters are loaded onto
 Kind = Literal["auto", "transformers", "vllm"]
 
 
@@ -222,3 +233,170 @@ def serve_main(
             flush=True,
         )
     os.execvpe(command[0], command, {**os.environ, **env})
+
+
+# --- adapters on one base ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BaseServer:
+    """What ``tuneloop serve base`` started: vLLM on the base folder, LoRA enabled."""
+
+    base_url: str
+    model: str
+    folder: str
+    base: str  # model.base, e.g. "builtin:smollm2-135m-instruct"
+    revision: str  # its revision as lineage records it
+    engine_version: str
+
+
+def read_base(serve_dir: Path = SERVE_DIR) -> BaseServer:
+    path = record_path(BASE, serve_dir)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return BaseServer(**{k: str(data[k]) for k in BaseServer.__dataclass_fields__})
+    except FileNotFoundError:
+        raise NotServable(
+            f"{path} does not exist: start the base first (`tuneloop serve base`)"
+        ) from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise NotServable(
+            f"{path} is not a base record ({error}); run `tuneloop serve base`"
+        ) from None
+
+
+def prepare_base(
+    params: Params, port: int, host: str = "127.0.0.1", serve_dir: Path = SERVE_DIR
+) -> tuple[list[str], dict[str, str], BaseServer]:
+    """vLLM on the base model folder with LoRA enabled and no adapter yet."""
+    from tuneloop.models import base_model_ref
+    from tuneloop.tracking import registry
+
+    engine = vllm_engine.find_engine(params.serve.venv)
+    if engine is None:
+        raise NotServable(
+            f"adapters are served by vLLM only and {params.serve.venv} holds none: run "
+            "`make serve-setup`"
+        )
+    folder = Path(base_model_ref(params)).resolve()
+    model = f"{params.tracking.registered_model}-base"
+    reach = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    try:
+        launch = vllm_engine.plan_launch(
+            engine, folder, model, port, params.serve, host=host, runtime_adapters=True
+        )
+    except vllm_engine.Refused as error:
+        raise NotServable(str(error)) from None
+    base, revision = registry.base_identity(params)
+    record = BaseServer(
+        f"http://{reach}:{port}", model, str(folder), base, revision, engine.version
+    )
+    return launch.command, launch.env, record
+
+
+def serve_base_main(params: Params, port: int, host: str, serve_dir: Path = SERVE_DIR) -> None:
+    """Record the base server and become it (``exec``)."""
+    command, env, record = prepare_base(params, port, host, serve_dir)
+    write_json(record_path(BASE, serve_dir), asdict(record))
+    print(
+        f"serving base {record.base} ({record.revision}) with {record.engine_version} at "
+        f"{record.base_url}, LoRA enabled; load an alias's adapter with "
+        "`tuneloop serve champion --on-base` once `tuneloop wait` says it is healthy",
+        flush=True,
+    )
+    os.execvpe(command[0], command, {**os.environ, **env})
+
+
+def check_base(claimed: tuple[str, str], server: BaseServer, what: str) -> None:
+    """Refuse an adapter version trained on another base (name or revision) than the served."""
+    if claimed != (server.base, server.revision):
+        raise vllm_engine.AdapterRefused(
+            f"{what} was trained on base {claimed[0]} (revision {claimed[1]}), but the server "
+            f"at {server.base_url} serves {server.base} (revision {server.revision}): start "
+            "that base (`tuneloop serve base` with its model.base), or serve the version's "
+            "merged folder"
+        )
+
+
+def place_adapter(adapter_dir: Path, server: BaseServer, target: Path) -> Path:
+    """A copy of the adapter naming the served base folder, for vLLM and ``check_adapter``.
+
+    Called once the registry's tags matched (:func:`check_base`): the path training wrote in
+    ``base_model_name_or_path`` belongs to another machine, or another checkout.
+    """
+    config_path = adapter_dir / "adapter_config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise vllm_engine.AdapterRefused(f"{config_path}: not a peft adapter ({error})") from None
+    with atomic_dir(target) as tmp:
+        for path in adapter_dir.iterdir():
+            if path.is_file() and path.name != "adapter_config.json":
+                shutil.copy2(path, tmp / path.name)
+        write_json(tmp / "adapter_config.json", config | {"base_model_name_or_path": server.folder})
+    return target.resolve()
+
+
+@dataclass(frozen=True)
+class AdapterVersion:
+    """A registered version's adapter, downloaded, and the base it was trained on."""
+
+    folder: Path
+    base: tuple[str, str]  # (name, revision)
+
+
+def fetch_adapter(
+    name: str, alias: str, serve_dir: Path = SERVE_DIR
+) -> tuple[str, AdapterVersion | None]:
+    """``name@alias``'s version and its adapter (downloaded once), None for a version without
+    one (a full fine-tune, or one registered before adapters were kept)."""
+    from mlflow.tracking import MlflowClient
+
+    from tuneloop.tracking import registry, runs
+
+    if alias not in ALIASES:
+        raise NotServable(f"alias must be one of {list(ALIASES)} (got {alias!r})")
+    version = registry.find_alias(name, alias, MlflowClient(runs.tracking_uri()))
+    if version is None:
+        raise _missing_alias(name, alias)
+    number, base = str(version.version), registry.adapter_base(version)
+    if base is None:
+        return number, None
+    target = serve_dir / f"v{number}-adapter"
+    if not (target / "adapter").is_dir():
+        with atomic_dir(target) as tmp:
+            found = registry.download_folder(version, registry.ADAPTER, tmp.resolve() / "download")
+            shutil.copytree(found, tmp / "adapter")
+            shutil.rmtree(tmp / "download")
+    return number, AdapterVersion((target / "adapter").resolve(), base)
+
+
+def load_version(params: Params, alias: str, serve_dir: Path = SERVE_DIR) -> tuple[Served, float]:
+    """Load ``alias``'s adapter version onto the running base; its record and seconds taken.
+
+    Refused before vLLM sees it: a version without an adapter, one trained on another base,
+    one vLLM would not serve (``vllm_engine.check_adapter``). Loading a version already
+    loaded costs nothing.
+    """
+    name = params.tracking.registered_model
+    server = read_base(serve_dir)
+    version, adapter = fetch_adapter(name, alias, serve_dir)
+    what = f"{name} v{version} ({alias})"
+    if adapter is None:
+        raise vllm_engine.AdapterRefused(
+            f"{what} has no adapter (a full fine-tune, or registered before adapters were "
+            "kept): serve its merged folder (`tuneloop serve <alias>` without --on-base)"
+        )
+    check_base(adapter.base, server, what)
+    model = f"{name}-v{version}"
+    placed = place_adapter(adapter.folder, server, serve_dir / f"v{version}-placed")
+    vllm_engine.check_adapter(placed, Path(server.folder), params.serve.max_lora_rank)
+    took = 0.0
+    if model not in vllm_engine.served_models(server.base_url):
+        took = vllm_engine.load_adapter(server.base_url, LoraModule(model, placed))
+    served = Served(
+        alias, version, server.base_url, model, "vllm", str(placed), server.engine_version
+    )
+    write_json(record_path(alias, serve_dir), asdict(served))
+    log.info("loaded %s onto %s as %s in %.2f s (%s)", alias, server.base_url, model, took, version)
+    return served, took
