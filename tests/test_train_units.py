@@ -154,9 +154,15 @@ def test_lora_targets_attention_and_mlp_with_alpha_from_the_rank() -> None:
 def test_target_modules_must_name_layers_of_the_model() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    shape = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
-    heads = {"num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 32}
-    model = LlamaForCausalLM(LlamaConfig(**shape, **heads))
+    config = LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
+    )
+    model = LlamaForCausalLM(config)
     methods.check_target_modules(model, params())  # the shipped list: every projection
     # peft would adapt q_proj and skip qkv_proj without a word.
     with pytest.raises(ValueError, match=r"\['qkv_proj'\] name no layer of LlamaForCausalLM.*"):
