@@ -17,6 +17,7 @@ from tests.helpers import (  # noqa: F401
     seed_demo_month,
     write_params,
 )
+from tests.vllm_helpers import vllm_shared, vllm_tiny  # noqa: F401
 
 if "PYTEST_XDIST_WORKER" in os.environ:
     # Workers keep every core busy: a second torch thread in a worker or in the stages it
@@ -40,6 +41,8 @@ def _drop_tracking_env() -> None:
 
 # Modules that share the session's trained tiny project: one xdist worker builds it for all.
 TINY_PROJECT_MODULES = {"test_flow", "test_stages"}
+# Modules that share the session's one vLLM server (tests/vllm_helpers.py): 2-5 minutes to start.
+VLLM_MODULES = {"test_release_vllm", "test_vllm_serving"}
 # The longest groups (whole months of the loop, the team stack, the tiny project's flows)
 # start first, so no worker is left with one of them while the other has gone idle.
 LONG_FIRST = ("tiny-project", "test_loop", "test_team_stack", "test_evaluate", "test_train_stage")
@@ -97,7 +100,6 @@ WHOLE_SUITE_MODULES = {
     "test_pool",  # ingest in child processes killed mid-commit
     "test_preflight_stage",  # torchrun ranks, dvc repro
     "test_pretrained",  # a real base fetched and converted
-    "test_real_lora",  # a real base converted, trained with LoRA, merged, exported
     "test_recovery",  # the Prefect test server
     "test_registry",  # dvc repro, the base stage
     "test_release",  # release on transformers serve backends
@@ -106,6 +108,7 @@ WHOLE_SUITE_MODULES = {
     "test_release_lease",  # routers and releases in subprocesses
     "test_release_replicas",  # router replicas, transformers serve
     "test_release_shadow",  # the Prefect test server, routers
+    "test_release_vllm",  # a vLLM server (shared with test_vllm_serving), routers
     "test_review_live",  # the review page on uvicorn, restarted; Chromium; PostgreSQL
     "test_router",  # routers on uvicorn
     "test_router_abuse",  # a running router, attacked
@@ -129,8 +132,11 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 
 def group_of(nodeid: str) -> str:
-    """The worker's unit of a test under ``pytest -n``: its module, or the tiny project's."""
+    """The worker's unit of a test under ``pytest -n``: its module, the tiny project's, or
+    the shared vLLM's."""
     module = Path(nodeid.split("::", 1)[0]).stem
+    if module in VLLM_MODULES:
+        return "vllm"
     return "tiny-project" if module in TINY_PROJECT_MODULES else module
 
 

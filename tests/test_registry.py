@@ -347,3 +347,35 @@ def test_a_decision_without_a_verdict_is_stale(project: Path) -> None:
             registry.register_candidate(params)
     finally:
         write_json(params.paths.metrics / "decision.json", decision)
+
+
+def test_a_lora_candidate_is_registered_with_its_adapter_and_its_base(
+    project: Path, tmp_path: Path
+) -> None:
+    """The adapter (kB here, MBs for a real model) beside the merged folder, with the base it
+    was trained on as tags; ``serve.fetch_adapter`` downloads it back to load onto vLLM."""
+    from tests.vllm_helpers import save_adapter
+    from tuneloop.release import serve
+
+    params = load_params()
+    store = client(project)
+    champion = str(store.get_model_version_by_alias(NAME, registry.CHAMPION).version)
+    save_adapter(params.paths.base_model, params.paths.adapter)
+    (params.paths.merged / "manifest.json").write_text('{"stage": "merge", "run": 3}')
+    write_evaluation(params, planted(0.80, champion=0.75), champion=champion)
+    done = registry.register_candidate(params)
+    assert done.created and done.alias == registry.CHALLENGER
+    version = store.get_model_version(NAME, str(done.version))
+    # Trained from the base (init_from: base), not from a champion: the base's name and revision.
+    assert registry.adapter_base(version) == registry.base_identity(params)
+    assert registry.trained_on(params) == registry.base_identity(params)
+    assert version.tags[registry.TAG_ADAPTER_BASE] == "builtin:tiny"
+    number, adapter = serve.fetch_adapter(NAME, registry.CHALLENGER, tmp_path / "serve")
+    assert adapter is not None and number == done.version
+    assert adapter.base == registry.base_identity(params)
+    assert (adapter.folder / "adapter_config.json").is_file()
+    size = sum(p.stat().st_size for p in adapter.folder.iterdir())
+    merged = sum(p.stat().st_size for p in params.paths.merged.iterdir())
+    assert size < merged / 10  # 36 kB against 2.8 MB on the tiny model
+    # A version without an adapter (the registered base) has none to load.
+    assert registry.adapter_base(store.get_model_version(NAME, champion)) is None

