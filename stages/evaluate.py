@@ -17,7 +17,12 @@ Params: ``evaluate``, ``gate``, ``model.base``, ``tracking.registered_model``, `
         for the cards ``train``, ``batch``, ``pack.seq_len``, ``export`` and two of ``clean``.
 
 Scoring runs through lm-eval (``tuneloop/judge/scoring.py``); the rules that judge the scores
-are ``tuneloop/judge/gate.py``; the cards are ``tuneloop/judge/cards.py``.
+are ``tuneloop/judge/gate.py``; the cards are ``tuneloop/judge/cards.py``. With
+``evaluate.backend`` vllm, the candidate and its FP8 export are scored through the engine that
+serves them: a vLLM server from ``serve.venv`` on each folder (its log in
+``reports/vllm-<folder>.log``), so the FP8 decision is about the model vLLM runs; the base and
+the champion stay on the hf backend. Which engine answered for each model is in the
+decision (``engines``), the model card and the run's tags (``evaluate.engine.<model>``).
 
 The champion is scored here, on today's suites, from its registered merged
 folder: numbers stored when it was registered may come from an older suite.
@@ -93,6 +98,7 @@ def main() -> None:
         scores: Scores = {}
         items: Items = {}
         directions: Directions = {}
+        engines: dict[str, str] = {}  # model -> what answered, with its version
         # The champion's folder is fetched for this evaluation only, not kept as an output.
         with tempfile.TemporaryDirectory(prefix="tuneloop-champion-") as tmp:
             models: dict[str, str | Path] = {BASE: base_model_ref(params)}
@@ -100,16 +106,19 @@ def main() -> None:
                 models[CHAMPION] = registry.download_folder(champion, registry.MERGED, Path(tmp))
             models |= {CANDIDATE: params.paths.merged, FP8: params.paths.fp8}
             for name, ref in models.items():
-                log.info("evaluate: scoring %s (%s) with %s", name, ref, kind)
+                # The served models through the server that serves them; the references on hf.
+                engine = kind if name in (CANDIDATE, FP8) else "hf"
+                log.info("evaluate: scoring %s (%s) with %s", name, ref, engine)
                 scored = scoring.score(
                     ref,
                     params,
                     tasks,
-                    kind,
+                    engine,
                     () if name == FP8 else general,
                     [fixed] if fixed and name in (CHAMPION, CANDIDATE) else [],
                 )
                 scores[name], items[name] = scored.scores, scored.items
+                engines[name] = scored.engine
                 directions |= scored.directions
                 could_not_run |= scored.not_judged
         # One folder for the run: no model's file is left over from an earlier evaluation.
@@ -129,6 +138,7 @@ def main() -> None:
         # Which merged folder was judged: registration refuses any other.
         decision["candidate_key"] = registry.candidate_key(params.paths.merged)
         decision["backend"] = kind
+        decision["engines"] = engines
         decision["higher_is_better"] = directions
         write_json(params.paths.metrics / "decision.json", decision)
         write_metrics(params, STAGE, scores)
@@ -150,6 +160,7 @@ def main() -> None:
         mlflow.log_artifacts(str(params.paths.metrics / "eval-items"), "eval-items")
         mlflow.set_tags({"gate.passed": str(decision["passed"]).lower()})
         mlflow.set_tag("gate.verdict", decision["verdict"])
+        mlflow.set_tags({f"evaluate.engine.{name}": engine for name, engine in engines.items()})
         if champion is not None:
             mlflow.set_tag("gate.champion_version", str(champion.version))
         log.info("evaluate:\n%s", text)

@@ -9,7 +9,6 @@ on so little data, the candidate forgets the base's skill, and the gate says so.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
@@ -41,6 +39,7 @@ from tuneloop.demo import domain, general
 from tuneloop.judge import gate, scoring
 from tuneloop.judge.gate import BASE, CANDIDATE, CHAMPION, FP8
 from tuneloop.params import load_params
+from tuneloop.release import vllm_engine
 from tuneloop.tracking import registry
 
 SUITE, GENERAL = "support_demo", "general_demo"
@@ -50,17 +49,13 @@ def failed_rules(decision: dict[str, Any]) -> set[tuple[str, str]]:
     return {(c["rule"], c["metric"]) for c in decision["checks"] if c["status"] == "fail"}
 
 
-def test_backend_auto_is_hf_without_vllm_and_a_gpu() -> None:
+def test_backend_auto_is_hf_without_a_vllm_built_for_a_gpu() -> None:
+    # The other cases, with vLLM's environment stood in for: tests/test_eval_engine.py.
     params = load_params(ROOT / "params.yaml")
     assert params.evaluate.backend == "auto"
-    if not (importlib.util.find_spec("vllm") and torch.cuda.is_available()):
+    engine = vllm_engine.find_engine(params.serve.venv)
+    if engine is None or engine.device == "cpu":
         assert scoring.backend(params) == "hf"
-    if importlib.util.find_spec("vllm") is None:
-        vllm = params.model_copy(
-            update={"evaluate": params.evaluate.model_copy(update={"backend": "vllm"})}
-        )
-        with pytest.raises(RuntimeError, match=r"evaluate.backend=vllm but vllm is not installed"):
-            scoring.backend(vllm)
 
 
 # --- the real path ----------------------------------------------------------------------------
@@ -134,6 +129,9 @@ def test_the_trained_candidate_beats_the_base(project: Path) -> None:
     assert decision["higher_is_better"][SUITE]["hallucination_rate"] is False
     assert read(project, "merge.json")["passed"] is True
     assert "| format_compliance ↑ |" in (project / "reports/eval.md").read_text()
+    # The default here is hf for every model, recorded with its version.
+    assert decision["backend"] == "hf"
+    assert decision["engines"] == dict.fromkeys((BASE, CANDIDATE, FP8), scoring.hf_engine())
 
 
 def test_the_base_has_a_general_skill_well_above_chance(project: Path) -> None:
@@ -201,6 +199,7 @@ def test_the_cards_describe_the_candidate_and_its_data(project: Path) -> None:
     assert "| 2026-10 |" in card
     assert "Verdict: **FAIL**" in card and "git commit:" in card
     assert "general_demo/accuracy" in card
+    assert f"Scored with {scoring.hf_engine()}: {BASE}, {CANDIDATE}, {FP8}." in card
     data = (project / "reports/dataset-card.md").read_text()
     front = yaml.safe_load(data.split("---\n")[1])
     assert front["task_categories"] == ["text-generation"] and "dpo" in front["tags"]

@@ -398,7 +398,7 @@ class EvaluateParams(_Group):
     batch_size: int = Field(ge=1)
     limit: int | None = Field(default=None, ge=1, description="null = every item")
     backend: Literal["auto", "hf", "vllm"] = Field(
-        description="lm-eval backend; auto = vllm where it is installed and a GPU is present"
+        description="vllm: candidate and FP8 through a vLLM server (serve.venv); auto: on a GPU"
     )
     general_suites: tuple[str, ...] = Field(
         description="general-capability lm-eval tasks or groups, for the forgetting budget",

