@@ -62,6 +62,7 @@ FAST_MODULES = {
     "test_clean_dpo",
     "test_doctor",
     "test_dvc_yaml",
+    "test_eval_engine",
     "test_experiment",
     "test_fixed_badcases",
     "test_gate",
@@ -90,6 +91,7 @@ WHOLE_SUITE_MODULES = {
     "test_approval",  # the Prefect test server
     "test_data_stages",  # the data stages imported in subprocesses; MLflow runs
     "test_dvcrun",  # dvc repro
+    "test_eval_vllm",  # a vLLM server of its own where .venv-serve is built, lm_eval
     "test_evaluate",  # the evaluate stage on trained models, lm_eval
     "test_flow",  # the retrain flow under dvc (the tiny project)
     "test_ingest_safety",  # the ingest stage on hostile files, nothing but stage runs
