@@ -102,6 +102,7 @@ WHOLE_SUITE_MODULES = {
     "test_pool",  # ingest in child processes killed mid-commit
     "test_preflight_stage",  # torchrun ranks, dvc repro
     "test_pretrained",  # a real base fetched and converted
+    "test_real_lora",  # a real base converted, trained with LoRA, merged, exported
     "test_recovery",  # the Prefect test server
     "test_registry",  # dvc repro, the base stage
     "test_release",  # release on transformers serve backends
