@@ -121,6 +121,7 @@ WHOLE_SUITE_MODULES = {
     "test_router_samples",  # routers on uvicorn
     "test_schedule",  # the Prefect test server
     "test_stages",  # the tiny project (the retrain flow)
+    "test_stage_overhead",  # a local MLflow server, stages as processes
     "test_team_stack",  # PostgreSQL, MLflow and Prefect servers
     "test_train_stage",  # training, torchrun ranks, dvc repro
     "test_vllm_serving",  # a vLLM server where .venv-serve is built
