@@ -75,7 +75,9 @@ demo: setup
 # Built here, before the workers start; torch caches it (~/.cache/torch_extensions), so after the
 # first time this is a check of a few seconds. Nothing to do where DeepSpeed is not installed.
 # Under the tests' PATH: with another ninja than theirs (the system's), the op is built again.
-test: setup
+# The whole suite serves and judges through vLLM too (tests/test_vllm_serving.py and the
+# others that start it), so it builds vLLM's environment first; a second time this is a no-op.
+test: setup serve-setup
 	$(IN_VENV) $(BIN)/python -c "import importlib as i, importlib.util as u; u.find_spec('deepspeed') and i.import_module('deepspeed.comm.torch').build_shm_op()"
 	$(IN_VENV) $(BIN)/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
