@@ -132,6 +132,15 @@ def test_the_trained_candidate_beats_the_base(project: Path) -> None:
     # The default here is hf for every model, recorded with its version.
     assert decision["backend"] == "hf"
     assert decision["engines"] == dict.fromkeys((BASE, CANDIDATE, FP8), scoring.hf_engine())
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    [run] = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        "attributes.run_name = 'evaluate'",
+        order_by=["attributes.start_time ASC"],
+        max_results=1,
+    )
+    assert run.data.tags[f"evaluate.engine.{CANDIDATE}"] == scoring.hf_engine()
+    assert run.data.tags[f"evaluate.engine.{FP8}"] == scoring.hf_engine()
 
 
 def test_the_base_has_a_general_skill_well_above_chance(project: Path) -> None:
