@@ -53,7 +53,7 @@ from tuneloop.tracking import init_from  # noqa: E402
 
 STAGES = ("ingest", "clean", "pack")
 # 1x: a month of the demo generator's lines at the size the goals were set on (fixed here, not
-# params.yaml's domain.n_support, which sizes the demo's own months).
+# params.yaml's demo.n_support, which sizes the demo's own months).
 SUPPORT_1X, BADCASES_1X = 16_000, 600
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 SECTION = "## data path"

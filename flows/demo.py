@@ -17,7 +17,7 @@
    ``demo-operator``, and the release records that name like any approver's.
 
 Before the first month the base model is registered as the first champion (the model a first
-release is compared with). The release runs with ``configs/domain.yaml``'s short intervals,
+release is compared with). The release runs with ``configs/demo.yaml``'s short intervals,
 passed as the flow's ``overrides`` parameter: the same code path as a real release.
 
 Flows orchestrate: this module starts services and calls the two flows; every decision is the
@@ -57,7 +57,7 @@ from tuneloop.tracking import registry, runs, server
 
 log = logging.getLogger("tuneloop.demo")
 
-DEMO_OVERRIDES = Path("configs/domain.yaml")
+DEMO_OVERRIDES = Path("configs/demo.yaml")
 DEMO_APPROVER = "demo-operator"
 PREFECT_PORT = 4200
 SECRET_ENV = "TUNELOOP_ROUTER_SECRET"
