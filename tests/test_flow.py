@@ -205,7 +205,12 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
         lock = yaml.safe_load(git(repo, "show", f"{run.data.tags['dvc.exp.rev']}:dvc.lock"))
         for stage, stage_run in stages.items():
             assert dvc_tags(stage_run) == lock_tags(lock["stages"][stage]), (name, stage)
-    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "experiment")}
+    # The sweep logged through the flow's local MLflow server, which keeps artifacts under
+    # mlartifacts/ and names them mlflow-artifacts:/... (only a server resolves that scheme).
+    uri = parent.info.artifact_uri
+    assert uri.startswith("mlflow-artifacts:/"), uri
+    logged = repo / "mlartifacts" / uri.removeprefix("mlflow-artifacts:/") / "experiment"
+    artifacts = {f"experiment/{path.name}" for path in logged.iterdir()}
     assert artifacts == {"experiment/comparison.md", "experiment/experiment-comparison.png"}
 
     # Names are the experiments' handles in DVC: a second sweep may not reuse them.
