@@ -185,3 +185,19 @@ def tokens_of(path: Path, cache: Path | None, tokenizer: Any) -> Any:
     from tuneloop.data import token_cache
 
     return token_cache.tokens_of_lines(token_cache.split_lines(path.read_bytes()), cache, tokenizer)
+
+
+# PostgreSQL for the team stack and the review store: Debian's binaries, as the postgres user.
+INITDB = ["-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"]
+
+
+def postgres_bin() -> Path | None:
+    """The PostgreSQL server binaries: on PATH, else Debian's versioned folder."""
+    found = shutil.which("pg_ctl")
+    if found:
+        return Path(found).resolve().parent
+    versions = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"),
+        key=lambda path: int(path.parts[-3]) if path.parts[-3].isdigit() else 0,
+    )
+    return versions[-1].parent if versions else None

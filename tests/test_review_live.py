@@ -29,7 +29,7 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-from tests.helpers import CHROMIUM, free_port
+from tests.helpers import CHROMIUM, INITDB, free_port, postgres_bin
 from tests.review_helpers import CANDIDATE, CHAMPION, NAMES, review_items
 from tuneloop.review import store as review_store
 from tuneloop.review.store import ReviewStore, create_invite, create_review, revoke, vote_rows
@@ -305,21 +305,6 @@ def test_a_hostile_answer_is_shown_and_never_run(
     source = browser.evaluate("document.documentElement.outerHTML").lower()
     for name in NAMES:
         assert name.lower() not in source
-
-
-# PostgreSQL, as tests/test_team_stack.py starts it: Debian's binaries, as the postgres user.
-INITDB = ["-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"]
-
-
-def postgres_bin() -> Path | None:
-    found = shutil.which("pg_ctl")
-    if found:
-        return Path(found).resolve().parent
-    versions = sorted(
-        Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"),
-        key=lambda path: int(path.parts[-3]) if path.parts[-3].isdigit() else 0,
-    )
-    return versions[-1].parent if versions else None
 
 
 @pytest.fixture(scope="module")

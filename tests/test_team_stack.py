@@ -38,7 +38,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.helpers import ROOT, copy_project, seed_demo_month, write_params
+from tests.helpers import INITDB, ROOT, copy_project, postgres_bin, seed_demo_month, write_params
 from tuneloop.pipeline import stage_order
 
 pytestmark = pytest.mark.slow
@@ -55,20 +55,7 @@ PASSING = {
     "gate": {"primary_metric": "format_compliance", "min_gain": 0.05, "max_forgetting": 1.0},
 }
 # Trust on loopback: a throwaway cluster with no password to leak.
-INITDB = ["-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"]
 STAGES = stage_order(ROOT)
-
-
-def postgres_bin() -> Path | None:
-    """The PostgreSQL server binaries: on PATH, else Debian's versioned folder."""
-    found = shutil.which("pg_ctl")
-    if found:
-        return Path(found).resolve().parent
-    versions = sorted(
-        Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"),
-        key=lambda path: int(path.parts[-3]) if path.parts[-3].isdigit() else 0,
-    )
-    return versions[-1].parent if versions else None
 
 
 def free_port() -> int:
