@@ -44,7 +44,13 @@ from tuneloop.release import vllm_engine
 from tuneloop.release.admin import RouterAdmin
 from tuneloop.release.analysis import analyse
 from tuneloop.release.readings import tally
-from tuneloop.release.serve import AdapterVersion, BaseServer, check_base, place_adapter
+from tuneloop.release.serve import (
+    AdapterVersion,
+    BaseServer,
+    BaseVersion,
+    check_base,
+    place_adapter,
+)
 from tuneloop.release.vllm_engine import AdapterRefused
 from tuneloop.tracking import registry
 
@@ -100,6 +106,30 @@ def test_load_version_refuses_another_base_before_vllm(
     with pytest.raises(AdapterRefused, match=r"v4 \(challenger\) has no adapter"):
         serving_cli.load_version(shipped(), "challenger", tmp_path)
     assert not (tmp_path / "challenger.json").exists()
+
+
+def test_the_registered_base_is_the_base_servers_own_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first champion is the base itself (``register-base``): nothing to load, its arm is
+    the base's model name on the base server; a registered base of another model is refused."""
+    server = base_server("http://127.0.0.1:9", tmp_path / "base")
+    write_json(tmp_path / "base.json", asdict(server))
+    found = {"champion": BaseVersion(BASE)}
+    monkeypatch.setattr(serving_cli, "fetch_adapter", lambda name, alias, d: ("1", found[alias]))
+    served, took = serving_cli.load_version(shipped(), "champion", tmp_path)
+    assert (served.base_url, served.model, served.version, took) == (
+        server.base_url,
+        BASE_NAME,
+        "1",
+        0,
+    )
+    assert serving_cli.read_record("champion", tmp_path) == served
+    found["champion"] = BaseVersion(("builtin:smollm2-135m-instruct", "sha"))
+    with pytest.raises(
+        AdapterRefused, match=r"v1 \(champion\) was trained on base builtin:smollm2"
+    ):
+        serving_cli.load_version(shipped(), "champion", tmp_path)
 
 
 # --- TTFT at the first token, not the first bytes ------------------------------------------------

@@ -46,7 +46,7 @@ from typing import Literal
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.params import Params, ServeParams
 from tuneloop.release import vllm_engine
-from tuneloop.release.backends import LoraModule
+from tuneloop.release.backends import Backend, LoraModule
 
 log = logging.getLogger(__name__)
 
@@ -307,6 +307,17 @@ def serve_base_main(params: Params, port: int, host: str, serve_dir: Path = SERV
     os.execvpe(command[0], command, {**os.environ, **env})
 
 
+def start_base(
+    params: Params, port: int, log_file: Path, serve_dir: Path = SERVE_DIR
+) -> tuple[Backend, BaseServer]:
+    """``tuneloop serve base`` as a child process of this one (the demo's release): recorded
+    and started, not yet healthy (``Backend.wait_healthy``: minutes on a CPU)."""
+    command, env, record = prepare_base(params, port, serve_dir=serve_dir)
+    write_json(record_path(BASE, serve_dir), asdict(record))
+    launch = vllm_engine.Launch(command, env)
+    return vllm_engine.start_vllm(launch, record.base_url, record.model, log_file), record
+
+
 def check_base(claimed: tuple[str, str], server: BaseServer, what: str) -> None:
     """Refuse an adapter version trained on another base (name or revision) than the served."""
     if claimed != (server.base, server.revision):
@@ -345,11 +356,20 @@ class AdapterVersion:
     base: tuple[str, str]  # (name, revision)
 
 
+@dataclass(frozen=True)
+class BaseVersion:
+    """A version that is the base model itself (``tuneloop register-base``, the first champion):
+    served by the base server as it is, under the base's model name."""
+
+    base: tuple[str, str]  # (name, revision)
+
+
 def fetch_adapter(
     name: str, alias: str, serve_dir: Path = SERVE_DIR
-) -> tuple[str, AdapterVersion | None]:
-    """``name@alias``'s version and its adapter (downloaded once), None for a version without
-    one (a full fine-tune, or one registered before adapters were kept)."""
+) -> tuple[str, AdapterVersion | BaseVersion | None]:
+    """``name@alias``'s version and its adapter (downloaded once); ``BaseVersion`` for the
+    registered base; None for a version without an adapter (a full fine-tune, or one
+    registered before adapters were kept)."""
     from mlflow.tracking import MlflowClient
 
     from tuneloop.tracking import registry, runs
@@ -361,7 +381,8 @@ def fetch_adapter(
         raise _missing_alias(name, alias)
     number, base = str(version.version), registry.adapter_base(version)
     if base is None:
-        return number, None
+        registered_base = registry.registered_base(version)
+        return number, None if registered_base is None else BaseVersion(registered_base)
     target = serve_dir / f"v{number}-adapter"
     if not (target / "adapter").is_dir():
         with atomic_dir(target) as tmp:
@@ -374,6 +395,7 @@ def fetch_adapter(
 def load_version(params: Params, alias: str, serve_dir: Path = SERVE_DIR) -> tuple[Served, float]:
     """Load ``alias``'s adapter version onto the running base; its record and seconds taken.
 
+    The registered base (the first champion) is the server's own model: nothing to load.
     Refused before vLLM sees it: a version without an adapter, one trained on another base,
     one vLLM would not serve (``vllm_engine.check_adapter``). Loading a version already
     loaded costs nothing.
@@ -382,6 +404,16 @@ def load_version(params: Params, alias: str, serve_dir: Path = SERVE_DIR) -> tup
     server = read_base(serve_dir)
     version, adapter = fetch_adapter(name, alias, serve_dir)
     what = f"{name} v{version} ({alias})"
+    if isinstance(adapter, BaseVersion):
+        # The base itself: no adapter to load, the server's own model name is the arm.
+        check_base(adapter.base, server, what)
+        served = Served(
+            alias, version, server.base_url, server.model, "vllm", server.folder,
+            server.engine_version,
+        )  # fmt: skip
+        write_json(record_path(alias, serve_dir), asdict(served))
+        log.info("%s is the base model: served as %s on %s", what, server.model, server.base_url)
+        return served, 0.0
     if adapter is None:
         raise vllm_engine.AdapterRefused(
             f"{what} has no adapter (a full fine-tune, or registered before adapters were "

@@ -155,6 +155,15 @@ def adapter_base(version: ModelVersion) -> tuple[str, str] | None:
     return base, version.tags.get(TAG_ADAPTER_REVISION, "unknown")
 
 
+def registered_base(version: ModelVersion) -> tuple[str, str] | None:
+    """(base name, revision) of a version that is the base model itself (:func:`register_base`),
+    None for any other. A base registered before its revision was tagged reads ``unknown``."""
+    base = version.tags.get(TAG_BASE)
+    if base is None:
+        return None
+    return base, version.tags.get(runs.TAG_BASE_REVISION, "unknown")
+
+
 def champion_batches(version: ModelVersion) -> tuple[str, ...]:
     """The pool batches a registered version trained on (``init_from.trained_batches``)."""
     return init_from.trained_batches(version.tags, f"{version.name} v{version.version}")
@@ -511,6 +520,8 @@ def register_base(params: Params) -> Registration:
     git = lineage.git_state()
     tags = {
         TAG_BASE: params.model.base,
+        # What a base server checks before serving this version as its own model.
+        runs.TAG_BASE_REVISION: base_identity(params)[1],
         runs.TAG_COMMIT: git.commit,
         runs.TAG_DIRTY: str(git.dirty).lower(),
         init_from.TAG_BATCHES: "",  # trained on none of the pool
