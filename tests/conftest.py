@@ -60,6 +60,7 @@ FAST_MODULES = {
     "test_chat",
     "test_clean_cache",
     "test_clean_dpo",
+    "test_demo_workspace",
     "test_doctor",
     "test_dvc_yaml",
     "test_eval_engine",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +76,24 @@ def _retrain(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from tuneloop.demo import workspace
+
+    model = workspace.MODELS[args.model]
+    months = args.months or model.months
+    if model.config is not None:
+        # Its own checkout, where its params.yaml is; the demo runs there as the tiny one runs
+        # here, on that checkout's code (python -m from its folder imports the checkout's).
+        repo = workspace.prepare(Path(args.repo), args.model)
+        print(f"The {args.model} demo runs in {repo}: {model.config} over params.yaml", flush=True)
+        command = [sys.executable, "-m", "tuneloop.cli", "demo", "--repo", "."]
+        command += ["--months", str(months), "--approval-wait", str(args.approval_wait)]
+        command += ["--release-overrides", str(model.config), *(["--json"] if args.json else [])]
+        return subprocess.run(command, cwd=repo, check=False).returncode
+
     from flows import demo
     from tuneloop.demo.report import format_loop
 
-    history = demo.run(Path(args.repo), args.months, args.approval_wait)
+    history = demo.run(Path(args.repo), months, args.approval_wait, Path(args.release_overrides))
     print(format_loop(history))
     if args.json:
         print(json.dumps(history, indent=2, ensure_ascii=False, default=str))
@@ -85,6 +101,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from tuneloop.demo.workspace import MODELS  # a table and yaml: light enough for --help
+
     seed = commands.add_parser(
         "seed-demo", help="write the demo month of support chats and badcases into incoming/"
     )
@@ -95,13 +113,33 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     demo = commands.add_parser(
         "demo",
-        help="the loop on the embedded model: N months of seed -> retrain -> release -> feedback",
+        help="the loop on a demo model: N months of seed -> retrain -> release -> feedback",
     )
     for command in (retrain, demo):
         command.add_argument("--repo", default=".", help="the tuneloop project folder")
         command.add_argument("--json", action="store_true", help="also print the full result")
     retrain.set_defaults(run=_retrain)
-    demo.add_argument("--months", type=int, default=2, help="monthly cycles to run (default 2)")
+    demo.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="tiny",
+        help="; ".join(f"{name}: {m.about}" for name, m in sorted(MODELS.items()))
+        + " (default tiny). Any but tiny runs in demos/<model>/ on its config file",
+    )
+    demo.add_argument(
+        "--months",
+        type=int,
+        default=None,
+        help="monthly cycles to run (default: "
+        + ", ".join(f"{name} {m.months}" for name, m in sorted(MODELS.items()))
+        + ")",
+    )
+    demo.add_argument(
+        "--release-overrides",
+        default="configs/demo.yaml",
+        help="the release's overrides of params.yaml (its `release` group), relative to --repo "
+        "(default configs/demo.yaml: a release in minutes)",
+    )
     demo.add_argument(
         "--approval-wait",
         type=float,

@@ -12,6 +12,7 @@ release on one machine (README, "Try a release on one machine").
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -63,6 +64,18 @@ def normalise_answer(text: str) -> str:
     return " ".join(text.split())
 
 
+def streamed_text(payload: str) -> str:
+    """The answer of a streamed chat completion (server-sent events of OpenAI's form)."""
+    parts: list[str] = []
+    for line in payload.splitlines():
+        data = line.removeprefix("data:").strip()
+        if not line.startswith("data:") or data == "[DONE]":
+            continue
+        for choice in json.loads(data).get("choices") or []:
+            parts.append(str((choice.get("delta") or {}).get("content") or ""))
+    return "".join(parts)
+
+
 def run(
     router_url: str,
     *,
@@ -76,10 +89,13 @@ def run(
     max_tokens: int = 48,
     timeout_s: float = 60.0,
     stop: threading.Event | None = None,
+    stream: bool = False,
 ) -> TrafficReport:
     """Send ``requests`` chat requests from ``users`` sticky demo users; flag wrong answers.
 
     Without ``feedback_token`` nothing is flagged (traffic only). ``stop`` ends it early.
+    ``stream``: the answers come streamed, as a chat window shows them, so the router times
+    each arm's first token (TTFT) for the release analysis.
     """
     rng = random.Random(f"traffic/{seed}/{month}")
     gen = domain.Generator(seed + 11, "train", month)
@@ -97,6 +113,8 @@ def run(
             return
         messages = [{"role": "user", "content": item.question}]
         body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+        if stream:
+            body["stream"] = True
         try:
             response = client.post(
                 f"{router_url}/v1/chat/completions", json=body, headers={USER_HEADER: user}
@@ -113,7 +131,10 @@ def run(
                 t.requests += 1
                 t.errors += 1
             return
-        said = str(response.json()["choices"][0]["message"]["content"] or "")
+        if stream:
+            said = streamed_text(response.text)
+        else:
+            said = str(response.json()["choices"][0]["message"]["content"] or "")
         wrong = normalise_answer(said) != normalise_answer(item.answer)
         flagged = False
         if wrong and feedback_token:

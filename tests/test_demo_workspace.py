@@ -1,0 +1,112 @@
+"""The demo on another model: its config file is an override of params.yaml, and it runs in a
+checkout of its own (``tuneloop/demo/workspace.py``).
+
+The shipped configs are loaded as the pipeline loads params (every key checked); a key
+params.yaml does not have is refused, naming it; ``prepare`` makes ``demos/<model>/`` a clean
+commit of the project's code with the merged params, the environment's folders shared with
+the project, and takes the project's newer commits on the next run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import ROOT, copy_project
+from tuneloop.demo import customers, workspace
+from tuneloop.params import parse_params
+
+
+def git(cwd: Path, *args: str) -> str:
+    done = subprocess.run(
+        ["git", *args], cwd=cwd, check=True, capture_output=True, text=True, encoding="utf-8"
+    )
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize("name", [n for n, m in workspace.MODELS.items() if m.config])
+def test_each_demo_config_merged_into_params_yaml_is_valid_params(name: str) -> None:
+    config = ROOT / str(workspace.MODELS[name].config)
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    merged = workspace.merged(params, yaml.safe_load(config.read_text()), config)
+    loaded = parse_params(merged, config)
+    assert loaded.model.base == "builtin:smollm2-135m-instruct"
+    assert loaded.train.method == "lora"
+    # Judged and released as served: the engine is named, not left to auto.
+    assert (loaded.evaluate.backend, loaded.serve.engine) == ("vllm", "vllm")
+    # Its adapter must fit the vLLM that serves it.
+    assert loaded.train.lora_r <= loaded.serve.max_lora_rank
+    # Keys it does not name keep params.yaml's values.
+    assert loaded.tracking == parse_params(params).tracking
+
+
+def test_a_key_params_yaml_does_not_have_is_refused_by_name() -> None:
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    with pytest.raises(workspace.BadConfig, match=r"x\.yaml: train\.lora_rank is not in params"):
+        workspace.merged(params, {"train": {"lora_rank": 8}}, Path("x.yaml"))
+    with pytest.raises(workspace.BadConfig, match=r"x\.yaml: trainer is not in params"):
+        workspace.merged(params, {"trainer": {}}, Path("x.yaml"))
+
+
+def test_prepare_makes_a_clean_checkout_with_the_merged_params(tmp_path: Path) -> None:
+    (tmp_path / "project").mkdir()
+    repo = copy_project(tmp_path / "project")
+    config = repo / "configs" / "demo-smollm2.yaml"
+    config.parent.mkdir()
+    shutil.copy(ROOT / "configs" / "demo-smollm2.yaml", config)
+    git(repo, "add", "configs")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qm", "config")
+
+    target = workspace.prepare(repo, "smollm2")
+
+    assert target == repo.resolve() / "demos" / "smollm2"
+    params = yaml.safe_load((target / "params.yaml").read_text())
+    assert params["model"]["base"] == "builtin:smollm2-135m-instruct"
+    assert params["train"]["method"] == "lora"
+    # The project's own params where the config says nothing (copy_project's tiny ones).
+    assert params["evaluate"]["limit"] == 12 and params["demo"]["replay_turns"] == 1
+    # The environment's folders are the project's: one wheel download, one vLLM build.
+    assert params["paths"]["downloads"] == str(repo.resolve() / ".hf" / "downloads")
+    assert params["serve"]["venv"] == str(repo.resolve() / ".venv-serve")
+    assert params["paths"]["pool"] == "data/pool"  # the pipeline's own stay the checkout's
+    # A clean commit on top of the project's: lineage names it and says not dirty.
+    assert git(target, "status", "--porcelain", "--untracked-files=no") == ""
+    assert git(target, "rev-parse", "HEAD~1") == git(repo, "rev-parse", "HEAD")
+
+    # A later commit of the project is taken up by the next run, the params written again.
+    (repo / "NOTES.md").write_text("a later commit\n")
+    git(repo, "add", "NOTES.md")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qm", "notes")
+    workspace.prepare(repo, "smollm2")
+    assert (target / "NOTES.md").exists()
+    assert git(target, "rev-parse", "HEAD~1") == git(repo, "rev-parse", "HEAD")
+    assert git(target, "status", "--porcelain", "--untracked-files=no") == ""
+    assert yaml.safe_load((target / "params.yaml").read_text())["train"]["method"] == "lora"
+
+
+def test_a_config_refused_by_the_checkouts_params_stops_before_any_stage(tmp_path: Path) -> None:
+    (tmp_path / "project").mkdir()
+    repo = copy_project(tmp_path / "project")
+    config = repo / "configs" / "demo-smollm2.yaml"
+    config.parent.mkdir()
+    config.write_text(yaml.safe_dump({"train": {"learning_rate": -1.0}}))
+    with pytest.raises(workspace.BadConfig, match=r"demo-smollm2\.yaml merged into params\.yaml"):
+        workspace.prepare(repo, "smollm2")
+
+
+def test_a_streamed_answer_is_read_from_its_events() -> None:
+    events = [
+        {"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"delta": {"content": "[warranty] The Orbit"}}]},
+        {"choices": [{"delta": {"content": " watch has a 24-month warranty."}}]},
+        {"choices": [], "usage": {"completion_tokens": 12}},
+    ]
+    payload = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
+    assert customers.streamed_text(payload + "data: [DONE]\n\n") == (
+        "[warranty] The Orbit watch has a 24-month warranty."
+    )
