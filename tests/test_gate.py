@@ -25,7 +25,9 @@ from tests.gate_helpers import (
 )
 from tuneloop.judge import gate, gate_report, scoring, stats
 from tuneloop.judge.gate import BASE, CANDIDATE, CHAMPION, FP8, GateError, SuiteItems, decide
-from tuneloop.params import GateParams
+from tuneloop.params import BlindReviewParams, GateParams
+from tuneloop.review.store import VoteRow
+from tuneloop.review.tally import tally
 
 
 def judge(
@@ -203,7 +205,7 @@ def test_forgetting_is_judged_against_the_champion_when_there_is_one() -> None:
     assert decision["verdict"] == "pass"
 
 
-def test_forgetting_that_cannot_be_settled_is_named_without_blocking() -> None:
+def _unsettled_forgetting(params: GateParams) -> dict:
     # 20 items, the candidate lost 2: the interval reaches past the budget, but nothing
     # shows that it lost more than the budget.
     ids = [str(i) for i in range(20)]
@@ -217,11 +219,92 @@ def test_forgetting_that_cannot_be_settled_is_named_without_blocking() -> None:
     }
     for name, found in few.items():
         items[name][GENERAL] = found
-    decision = decide(items, DIRECTIONS, GATE, [SUITE], [GENERAL])
-    assert decision["verdict"] == "pass"
+    return decide(items, DIRECTIONS, params, [SUITE], [GENERAL])
+
+
+def test_an_unsettled_forgetting_check_blocks_by_default() -> None:
+    assert GATE.on_inconclusive == "block"
+    decision = _unsettled_forgetting(GATE)
+    assert decision["verdict"] == "inconclusive" and decision["passed"] is False
+    [check] = [c for c in decision["checks"] if c["rule"] == "forgetting"]
+    assert check["status"] == "inconclusive" and check["blocking"]
+    assert check["more_items"] > 0 and decision["inconclusive"] == [check["reason"]]
+    assert decision["more_items"] == {GENERAL: check["more_items"]}
+    [listed] = decision["unsettled"]
+    assert listed["rule"] == "forgetting" and listed["more_items"] == check["more_items"]
+
+
+def test_with_warn_an_unsettled_rule_lets_the_candidate_through_and_is_listed() -> None:
+    decision = _unsettled_forgetting(GATE.model_copy(update={"on_inconclusive": "warn"}))
+    assert decision["verdict"] == "pass" and decision["passed"] is True
+    assert decision["on_inconclusive"] == "warn" and not decision["inconclusive"]
     [check] = [c for c in decision["checks"] if c["rule"] == "forgetting"]
     assert check["status"] == "inconclusive" and not check["blocking"]
-    assert check["more_items"] > 0 and check["reason"] in decision["reasons"]
+    [listed] = decision["unsettled"]
+    assert listed == {
+        "rule": "forgetting",
+        "suite": GENERAL,
+        "metric": "accuracy",
+        "slice": None,
+        "more_items": check["more_items"],
+        "blocking": False,
+        "reason": check["reason"],
+        "line": "forgetting general_demo/accuracy: inconclusive, about "
+        f"{check['more_items']} more items would settle it",
+    }
+    assert "about" in listed["reason"] and str(check["more_items"]) in listed["reason"]
+    assert any("gate.on_inconclusive: warn" in r for r in decision["reasons"])
+
+
+def test_warn_never_lets_a_failure_through() -> None:
+    warn = GATE.model_copy(update={"on_inconclusive": "warn"})
+    decision = judge({BASE: BASE_40, CANDIDATE: BASE_40, FP8: BASE_40}, warn)
+    assert decision["verdict"] == "fail" and decision["passed"] is False
+
+
+# --- the blind review's rule -------------------------------------------------------------------
+
+
+def _review(wins: int, losses: int, ties: int = 0) -> dict:
+    """Three reviewers' first-showing votes: ``wins`` for the candidate, ``losses`` for the
+    champion, ``ties`` neither; each on an item of its own."""
+    prefs = ["candidate"] * wins + ["champion"] * losses + ["tie"] * ties
+    rows = [
+        VoteRow(f"reviewer-{i % 3}", i, False, p, {"language": "en"}, False)
+        for i, p in enumerate(prefs)
+    ]
+    info = {"name": "m1", "champion": "v1", "candidate": "v2", "items": len(rows), "reviewers": {}}
+    return tally(rows, review=info).as_dict()
+
+
+REVIEWED = GATE.model_copy(update={"blind_review": BlindReviewParams(min_votes=30, margin=0.1)})
+
+
+def test_the_review_blocks_without_enough_votes_whatever_on_inconclusive_says() -> None:
+    for mode in ("block", "warn"):
+        params = REVIEWED.model_copy(update={"on_inconclusive": mode})
+        check = gate.review_check(_review(wins=20, losses=0), params)
+        assert check["status"] == "inconclusive" and check["blocking"]
+        assert check["more_items"] == 10 and "10 more votes needed" in check["reason"]
+
+
+def test_the_review_passes_a_clear_win_and_fails_a_clear_loss() -> None:
+    won = gate.review_check(_review(wins=40, losses=8, ties=12), REVIEWED)
+    assert won["status"] == "pass" and won["low"] >= 0.4 and not won["blocking"]
+    lost = gate.review_check(_review(wins=6, losses=44, ties=10), REVIEWED)
+    assert lost["status"] == "fail" and lost["high"] < 0.4 and lost["blocking"]
+    assert lost["reason"].endswith("FAIL")
+
+
+def test_a_review_too_close_to_call_says_how_many_more_votes_settle_it() -> None:
+    # 22 of 40 decisive votes: the interval straddles 0.4.
+    close = gate.review_check(_review(wins=22, losses=18), REVIEWED)
+    assert close["status"] == "inconclusive" and close["blocking"]
+    assert close["low"] < 0.4 < close["high"] and close["more_items"] > 0
+    warn = REVIEWED.model_copy(update={"on_inconclusive": "warn"})
+    assert not gate.review_check(_review(wins=22, losses=18), warn)["blocking"]
+    with pytest.raises(GateError, match="blind_review is not set"):
+        gate.review_check(_review(wins=22, losses=18), GATE)
 
 
 def test_a_general_suite_that_could_not_run_is_named_not_dropped() -> None:

@@ -28,13 +28,18 @@ The rules (params ``gate``), each a threshold on such a difference:
   correction from a month the champion trained on yet) is a note, not a check.
 
 A check *passes* when its whole interval clears the threshold, *fails* when none of it
-does, and is otherwise *inconclusive*. The verdict is ``fail`` when any check fails,
-else ``inconclusive`` when a check on the primary metric of a business suite is, else
-``pass``. An inconclusive check says about how many more eval items would settle it.
-Inconclusive checks on other metrics and on the general suites (a forgetting budget
-refuses a candidate shown to lose more than it; a small general suite cannot always show
-that it did not) are named in the reasons without blocking, and so are regressed slices
-unless ``max_slice_regression`` is set.
+does, and is otherwise *inconclusive*. An inconclusive check says about how many more eval
+items would settle it. What an unsettled rule does is ``gate.on_inconclusive``'s: with
+``block`` (the default) every inconclusive check blocks, so the verdict is ``fail`` when any
+check fails, else ``inconclusive`` when any check is, else ``pass``; the gate never passes
+what it could not settle. With ``warn`` an inconclusive check does not block (the verdict is
+``fail`` or ``pass``), and the decision's ``unsettled`` list names every one with the items
+that would settle it: the approval form lists them and refuses an approval without a tick
+that they were read (``tuneloop.release.approval``). Regressed slices are reported unless
+``max_slice_regression`` is set.
+
+``review_check`` is the blind review's rule (``gate.blind_review``), judged the same way on
+the people's votes when the release asks for it (the review runs after registration).
 
 The verdict and every check's status are the shared vocabulary of ``tuneloop.judge.verdict``;
 the checks stay JSON-shaped dicts, as ``metrics/decision.json`` holds them. ``decide`` returns
@@ -335,6 +340,8 @@ def decide(
     slices: list[dict[str, Any]] = []
     counts: dict[str, int] = {}
     conf = gate.confidence
+    # Whether a rule the data could not settle stops the candidate (gate.on_inconclusive).
+    blocks = gate.on_inconclusive == "block"
 
     for suite in suites:
         models = [m for m in (BASE, CHAMPION, CANDIDATE, FP8) if m in items]
@@ -349,12 +356,11 @@ def decide(
         counts[suite] = boot.n
         for metric in sorted(candidate.values):
             higher = _direction(directions, suite, metric)
-            is_primary = metric == primary
             vs_base = boot.compare(CANDIDATE, BASE, metric, higher)
             fp8 = boot.compare(FP8, CANDIDATE, metric, higher)
             comparisons += [vs_base, fp8]
-            if is_primary:
-                checks.append(_check("beats_base", vs_base, gate.min_gain, True, boot.n, conf))
+            if metric == primary:
+                checks.append(_check("beats_base", vs_base, gate.min_gain, blocks, boot.n, conf))
             if CHAMPION in items:
                 vs_champion = boot.compare(CANDIDATE, CHAMPION, metric, higher)
                 comparisons.append(vs_champion)
@@ -363,12 +369,12 @@ def decide(
                         "no_regression",
                         vs_champion,
                         -gate.max_regression,
-                        is_primary,
+                        blocks,
                         boot.n,
                         conf,
                     )
                 )
-            checks.append(_check("fp8_within", fp8, -gate.fp8_max_drop, is_primary, boot.n, conf))
+            checks.append(_check("fp8_within", fp8, -gate.fp8_max_drop, blocks, boot.n, conf))
             for where in boot.labels:
                 part = boot.compare(CANDIDATE, reference, metric, higher, where)
                 if part["items"] == 0:
@@ -383,7 +389,7 @@ def decide(
                             "slice_regression",
                             part,
                             -gate.max_slice_regression,
-                            False,
+                            blocks,
                             boot.n,
                             conf,
                         )
@@ -401,7 +407,7 @@ def decide(
             comparisons.append(kept)
             if general_reference != BASE:
                 comparisons.append(boot.compare(CANDIDATE, BASE, metric, higher))
-            checks.append(_check("forgetting", kept, -gate.max_forgetting, False, boot.n, conf))
+            checks.append(_check("forgetting", kept, -gate.max_forgetting, blocks, boot.n, conf))
 
     fixed = None
     if fixed_badcases is not None:
@@ -486,6 +492,110 @@ def _fixed_badcases(items: Items, suite: str, gate: GateParams) -> dict[str, Any
     }
 
 
+# --- the blind review's rule --------------------------------------------------------------------
+
+
+def review_check(results: Mapping[str, Any], gate: GateParams) -> dict[str, Any]:
+    """The blind review as a check of the gate (``gate.blind_review`` must be set), on its
+    results as ``tuneloop.review.tally.ReviewResults.as_dict()`` gives them.
+
+    Non-inferiority on the people's votes: of the decisive votes (the candidate's wins over
+    wins + losses; 0.5 when neither answer is preferred), the lower bound of the Wilson
+    interval must reach ``0.5 - margin``. Fewer than ``min_votes`` first-showing votes: the
+    review has not happened yet, so the check is inconclusive and blocks whatever
+    ``on_inconclusive`` says. Otherwise it passes when the interval's low end clears the
+    threshold, fails when its high end is below it, and is else inconclusive, blocking as
+    ``on_inconclusive`` says, with about how many more votes would settle it.
+    """
+    rule = gate.blind_review
+    if rule is None:
+        raise GateError("gate.blind_review is not set: the review is reported, not judged")
+    threshold = 0.5 - rule.margin
+    decisive = results["overall"]["decisive"]
+    value: float | None = decisive["value"]
+    low, high, n = float(decisive["low"]), float(decisive["high"]), int(decisive["n"])
+    votes, confidence = int(results["votes"]), float(results["confidence"])
+    shown = (
+        "no decisive vote"
+        if value is None
+        else f"{value:.3f} [{low:.3f}, {high:.3f}] ({confidence:.0%} Wilson, {n} decisive votes)"
+    )
+    head = (
+        f"blind review {results['review']}: {votes} votes, candidate's win rate of the "
+        f"decisive votes {shown}, needs at least {threshold:.3f} (margin {rule.margin:g})"
+    )
+    status: Outcome
+    more: int | None = None
+    blocking = gate.on_inconclusive == "block"
+    if votes < rule.min_votes:
+        status, blocking = INCONCLUSIVE, True
+        more = rule.min_votes - votes
+        reason = f"{head}: INCONCLUSIVE: {more} more votes needed (min_votes {rule.min_votes})"
+    elif value is not None and low >= threshold - EPS:
+        status, reason = PASS, f"{head}: PASS"
+    elif value is not None and high < threshold - EPS:
+        status, reason = FAIL, f"{head}: FAIL"
+    else:
+        status = INCONCLUSIVE
+        if value is not None:
+            se = math.sqrt(max(value * (1 - value), 1e-12) / n)
+            found = stats.Interval(value, low, high, se)
+            needed = stats.items_to_settle(found, threshold, n, confidence)
+            if needed is not None:
+                # In votes of any kind: ties and "both wrong" do not count toward decisive ones.
+                more = math.ceil((needed - n) * votes / n)
+        reason = f"{head}: INCONCLUSIVE" + (
+            f": about {more} more votes would settle it (if the preference holds)"
+            if more is not None
+            else ": no number of votes settles it"
+        )
+    return {
+        "suite": f"review:{results['review']}",
+        "metric": "decisive_win_rate",
+        "slice": None,
+        "model": CANDIDATE,
+        "reference": CHAMPION,
+        "value": _round(value),
+        "low": _round(low if value is not None else None),
+        "high": _round(high if value is not None else None),
+        "items": votes,
+        "rule": "blind_review",
+        "threshold": round(threshold, 6),
+        "status": status,
+        "passed": status == PASS,
+        "blocking": status == FAIL or (status == INCONCLUSIVE and blocking),
+        "more_items": more,
+        "reason": reason,
+    }
+
+
+def unsettled_rule(check: Mapping[str, Any]) -> dict[str, Any]:
+    """An inconclusive check as the approval form and ``tuneloop status`` list it."""
+    entry = {
+        "rule": check["rule"],
+        "suite": check["suite"],
+        "metric": check["metric"],
+        "slice": check.get("slice"),
+        "more_items": check.get("more_items"),
+        "blocking": check["blocking"],
+        "reason": check["reason"],
+    }
+    return entry | {"line": unsettled_line(entry)}
+
+
+def unsettled_line(entry: Mapping[str, Any]) -> str:
+    """One unsettled rule in a line: the rule, where, and what would settle it."""
+    where = f"{entry['suite']}/{entry['metric']}" + (
+        f" [{entry['slice']}]" if entry.get("slice") else ""
+    )
+    more = entry.get("more_items")
+    unit = "votes" if entry["rule"] == "blind_review" else "items"
+    settle = (
+        f"about {more} more {unit} would settle it" if more else "no number of items settles it"
+    )
+    return f"{entry['rule']} {where}: inconclusive, {settle}"
+
+
 def _aligned(items: Items, suite: str, models: list[str]) -> dict[str, SuiteItems]:
     for model in models:
         if suite not in items[model]:
@@ -529,6 +639,12 @@ def _verdict(
         if gate.max_slice_regression is None
     ]
     others = [c for c in checks if c["status"] == INCONCLUSIVE and not c["blocking"]]
+    if others:
+        notes.insert(
+            0,
+            f"{len(others)} rule(s) unsettled and let through (gate.on_inconclusive: warn): "
+            "the approval needs a person's acknowledgement of each",
+        )
     passes = [c for c in checks if c["status"] == PASS]
     return {
         "verdict": verdict,
@@ -554,6 +670,9 @@ def _verdict(
         + notes,
         "failed": [c["reason"] for c in failed],
         "inconclusive": [c["reason"] for c in unsettled],
+        "on_inconclusive": gate.on_inconclusive,
+        # Every rule the data could not settle, blocking or not: what a person must read.
+        "unsettled": [unsettled_rule(c) for c in checks if c["status"] == INCONCLUSIVE],
         "more_items": more,
         "regressed_slices": [f"{s['suite']}/{s['metric']} [{s['slice']}]" for s in regressed],
         "reference": reference,

@@ -405,6 +405,18 @@ class EvaluateParams(_Group):
         return self
 
 
+class BlindReviewParams(_Group):
+    """The blind review as a rule of the gate (``tuneloop.judge.gate.review_check``)."""
+
+    min_votes: int = Field(ge=1, description="first-showing votes before the review can settle")
+    margin: float = Field(
+        ge=0,
+        lt=0.5,
+        description="non-inferiority margin: the lower bound of the candidate's win rate of the "
+        "decisive votes must reach 0.5 - margin",
+    )
+
+
 class GateParams(_Group):
     """Promotion gate; every threshold is in the metric's own units (a rate: 0.02 = 2 points)."""
 
@@ -430,6 +442,16 @@ class GateParams(_Group):
     confidence: float = Field(gt=0.5, lt=1, description="of every paired interval")
     bootstrap_samples: int = Field(ge=100, description="paired bootstrap resamples")
     seed: int = Field(description="of the bootstrap: the same scores give the same intervals")
+    on_inconclusive: Literal["block", "warn"] = Field(
+        default="block",
+        description="block: a rule the data could not settle blocks registration; warn: the "
+        "candidate registers and every unsettled rule needs a person's acknowledgement",
+    )
+    blind_review: BlindReviewParams | None = Field(
+        default=None,
+        description="the release waits for the blind review before the first traffic; null: "
+        "the review is reported and does not block",
+    )
 
 
 class TrackingParams(_Group):
