@@ -210,3 +210,49 @@ def test_a_rollback_needs_a_reason_and_reachable_routers(
     assert "needs a --reason" in capsys.readouterr().err
     assert cli(["rollback", "--reason", "incident"]) == 1
     assert "ROLLBACK DID NOT LAND" in capsys.readouterr().err
+
+
+UNSETTLED = (
+    "forgetting general_demo/accuracy: inconclusive, about 312 more items would settle it",
+)
+
+
+def test_an_approval_without_the_acknowledgement_of_unsettled_rules_is_refused() -> None:
+    answer = {"decision": "approve", "approver": "lin", "next_percent": 50}
+    with pytest.raises(approval.InvalidAnswer, match="tick acknowledge_inconclusive") as refused:
+        approval.validate_answer(answer, 10, UNSETTLED)
+    assert "about 312 more items would settle it" in str(refused.value)
+    ticked = approval.validate_answer({**answer, "acknowledge_inconclusive": True}, 10, UNSETTLED)
+    assert ticked.acknowledge_inconclusive and ticked.next_percent == 50
+    # Nothing unsettled: no tick needed; a rejection never needs one.
+    assert approval.validate_answer(answer, 10).decision == "approve"
+    rejected = {"decision": "reject", "approver": "lin", "next_percent": 50, "comment": "no"}
+    assert approval.validate_answer(rejected, 10, UNSETTLED).decision == "reject"
+
+
+def test_the_form_asks_for_the_tick_and_the_cli_sends_it() -> None:
+    form = approval.approval_form(10, 50, "figures")
+    field = form.model_json_schema()["properties"]["acknowledge_inconclusive"]
+    assert field["default"] is False and field["type"] == "boolean"
+    args = build_parser().parse_args(
+        ["approve", "run-1", "--approver", "lin", "--acknowledge-inconclusive"]
+    )
+    assert args.acknowledge_inconclusive is True
+
+
+def test_status_lists_the_challengers_unsettled_rules_and_review() -> None:
+    shown = approval.format_status(
+        {
+            "aliases": {"champion": "1", "challenger": "2"},
+            "challenger_tags": {
+                "gate.on_inconclusive": "warn",
+                "gate.unsettled": "\n".join(UNSETTLED),
+                "review.result": "blind review m1: 60 votes by 3 reviewers: PASS",
+            },
+            "waiting_for_approval": [],
+        }
+    )
+    assert "registry  champion v1, challenger v2" in shown
+    assert "review: blind review m1: 60 votes by 3 reviewers: PASS" in shown
+    assert "unsettled: 1 rule(s) let through" in shown and "--acknowledge-inconclusive" in shown
+    assert f"- {UNSETTLED[0]}" in shown

@@ -379,3 +379,21 @@ def test_a_lora_candidate_is_registered_with_its_adapter_and_its_base(
     assert size < merged / 10  # 36 kB against 2.8 MB on the tiny model
     # A version without an adapter (the registered base) has none to load.
     assert registry.adapter_base(store.get_model_version(NAME, champion)) is None
+
+
+def test_rules_let_through_unsettled_become_the_versions_tags() -> None:
+    entry = {"line": "forgetting general_demo/accuracy: inconclusive, about 40 more items"}
+    decision = {
+        "on_inconclusive": "warn",
+        "unsettled": [{**entry, "blocking": False}, {"line": "blocks", "blocking": True}],
+    }
+    assert registry.unsettled_tags(decision) == {
+        registry.TAG_ON_INCONCLUSIVE: "warn",
+        registry.TAG_UNSETTLED: entry["line"],
+    }
+    many = {"unsettled": [{"line": f"{i:03d} " + "x" * 96, "blocking": False} for i in range(80)]}
+    tags = registry.unsettled_tags(many)
+    assert tags[registry.TAG_ON_INCONCLUSIVE] == "block"
+    kept = tags[registry.TAG_UNSETTLED].splitlines()
+    assert len(tags[registry.TAG_UNSETTLED]) <= registry.MAX_TAG
+    assert kept[-1] == f"... and {80 - len(kept) + 1} more in metrics/decision.json"

@@ -58,7 +58,9 @@ def _approve(args: argparse.Namespace) -> int:
 
     try:
         run = _the_waiting_release(args.flow_run, args.wait)
-        done = approval.approve(run, args.approver, args.percent, args.comment)
+        done = approval.approve(
+            run, args.approver, args.percent, args.comment, args.acknowledge_inconclusive
+        )
     except approval.ApprovalError as error:
         print(f"tuneloop approve: {error}", file=sys.stderr)
         return 1
@@ -239,6 +241,12 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--percent", type=int, help="challenger percent to move to (default: the planned step)"
     )
     approve.add_argument("--comment", default="", help="why, kept with the release")
+    approve.add_argument(
+        "--acknowledge-inconclusive",
+        action="store_true",
+        help="I have read the rules the gate could not settle (`tuneloop status` lists them); "
+        "required when there are any (gate.on_inconclusive: warn)",
+    )
     approve.set_defaults(run=_approve)
 
     reject = commands.add_parser(

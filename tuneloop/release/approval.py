@@ -30,7 +30,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -74,14 +74,23 @@ class Approval(BaseModel):
     approver: str = Field(min_length=1, max_length=100, description="who decided (your name)")
     next_percent: int = Field(ge=1, le=100, description="challenger percent to move to")
     comment: str = Field(default="", max_length=2000, description="why; kept with the release")
+    acknowledge_inconclusive: bool = Field(
+        default=False,
+        description="I have read every rule the gate could not settle (listed above); an "
+        "approval without this tick is refused when there are any",
+    )
 
 
-def validate_answer(answer: Mapping[str, Any], current: int) -> Approval:
+def validate_answer(
+    answer: Mapping[str, Any], current: int, unsettled: Sequence[str] = ()
+) -> Approval:
     """The answer as an ``Approval``, checked again here.
 
     Prefect checks a form against the schema it saved, but a form class made
     with ``RunInput.with_initial_data`` loses its bounds, and an approval may
     come through the REST API as well: the flow trusts only this check.
+    ``unsettled``: the rules the gate let through unsettled (``gate.on_inconclusive:
+    warn``); an approval must acknowledge them.
     """
     try:
         approval = Approval.model_validate(dict(answer))
@@ -96,6 +105,13 @@ def validate_answer(answer: Mapping[str, Any], current: int) -> Approval:
         raise InvalidAnswer(
             f"approval form invalid: next_percent {approval.next_percent} is not above the "
             f"current {current} %; to lower traffic, reject (which rolls back)"
+        )
+    if approval.decision == "approve" and unsettled and not approval.acknowledge_inconclusive:
+        raise InvalidAnswer(
+            f"approval refused: the gate could not settle {len(unsettled)} rule(s) and let the "
+            "candidate through (gate.on_inconclusive: warn); read them on the form, then tick "
+            "acknowledge_inconclusive (`tuneloop approve ... --acknowledge-inconclusive`): "
+            + "; ".join(unsettled)
         )
     return approval
 
@@ -208,16 +224,34 @@ def pending_form(run: FlowRun) -> dict[str, Any]:
 
 
 def _answer(
-    ref: str, decision: str, approver: str, percent: int | None, comment: str
+    ref: str,
+    decision: str,
+    approver: str,
+    percent: int | None,
+    comment: str,
+    acknowledge: bool = False,
 ) -> dict[str, Any]:
     from prefect.exceptions import FlowPauseTimeout
     from prefect.flow_runs import resume_flow_run
 
     run = find_flow_run(ref)
     schema = pending_form(run)
+    if "decision" not in schema.get("properties", {}):
+        # The release waits for its blind review: "the reviewers are done, judge it again".
+        if decision != "approve":
+            raise ApprovalError(
+                f"flow run {run.name} waits for its blind review, not for an approval: answer "
+                "`tuneloop approve` when the reviewers are done (a review that fails blocks it)"
+            )
+        from prefect.flow_runs import resume_flow_run
+
+        resume_flow_run(run.id, run_input={"approver": approver, "comment": comment})
+        return {"flow_run_id": str(run.id), "flow_run": run.name, "decision": "review done"}
     field = schema.get("properties", {}).get("next_percent", {})
     planned, lowest = field.get("default"), field.get("minimum", 1)
     run_input: dict[str, Any] = {"decision": decision, "approver": approver, "comment": comment}
+    if acknowledge:
+        run_input["acknowledge_inconclusive"] = True
     if percent is not None:
         if not lowest <= percent <= 100:
             raise ApprovalError(
@@ -248,10 +282,15 @@ def _answer(
 
 
 def approve(
-    ref: str, approver: str, percent: int | None = None, comment: str = ""
+    ref: str,
+    approver: str,
+    percent: int | None = None,
+    comment: str = "",
+    acknowledge_inconclusive: bool = False,
 ) -> dict[str, Any]:
-    """Approve the next step of a paused release (``percent``: another step than planned)."""
-    return _answer(ref, "approve", approver, percent, comment)
+    """Approve the next step of a paused release (``percent``: another step than planned;
+    ``acknowledge_inconclusive``: the tick the form needs when the gate left rules unsettled)."""
+    return _answer(ref, "approve", approver, percent, comment, acknowledge_inconclusive)
 
 
 def reject(ref: str, approver: str, comment: str) -> dict[str, Any]:
@@ -416,6 +455,11 @@ def status(params: Params) -> dict[str, Any]:
     except (AdminError, ValueError) as error:
         result["routers_error"] = str(error)
     result["aliases"] = registry_aliases(params.tracking.registered_model)
+    aliases = result["aliases"]
+    if isinstance(aliases, dict) and "challenger" in aliases:
+        result["challenger_tags"] = version_tags(
+            params.tracking.registered_model, aliases["challenger"]
+        )
     try:
         result["waiting_for_approval"] = waiting_releases()
     except ApprovalError as error:
@@ -467,6 +511,59 @@ def registry_aliases(name: str) -> dict[str, str] | str:
     except MlflowException as error:
         return f"registered model {name!r}: {error.message}"
     return {alias: str(v) for alias, v in model.aliases.items()}
+
+
+# The version tags `tuneloop status` shows (tuneloop.tracking.registry, tuneloop.release.signoff).
+STATUS_TAGS = ("gate.on_inconclusive", "gate.unsettled", "review.result")
+
+
+def version_tags(name: str, version: str) -> dict[str, str] | str:
+    """The ``STATUS_TAGS`` of ``name`` v``version``, read as ``registry_aliases`` reads aliases."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    scheme = urlparse(uri).scheme
+    if scheme == "sqlite":
+        path = Path(unquote(uri.removeprefix("sqlite:///")))
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+                rows = db.execute(
+                    "SELECT key, value FROM model_version_tags WHERE name = ? AND version = ?",
+                    (name, int(version)),
+                ).fetchall()
+        except (sqlite3.Error, ValueError) as error:
+            return f"{name} v{version}: cannot read its tags from {path}: {error}"
+        found = {str(k): str(v) for k, v in rows}
+    elif scheme in ("http", "https"):
+        try:
+            reply = httpx.get(
+                f"{uri.rstrip('/')}/api/2.0/mlflow/model-versions/get",
+                params={"name": name, "version": version},
+                timeout=10,
+            )
+        except httpx.HTTPError as error:
+            return f"{name} v{version}: {uri}: {error}"
+        if reply.status_code != 200:
+            return f"{name} v{version}: {uri} answered {reply.status_code}"
+        tags = reply.json().get("model_version", {}).get("tags", [])
+        found = {str(t["key"]): str(t["value"]) for t in tags}
+    else:
+        from mlflow.tracking import MlflowClient
+
+        found = dict(MlflowClient(uri).get_model_version(name, version).tags)
+    return {k: v for k, v in found.items() if k in STATUS_TAGS}
+
+
+def _challenger_lines(tags: dict[str, str] | str) -> list[str]:
+    if isinstance(tags, str):
+        return [f"          {tags}"]
+    lines = [f"          review: {tags.get('review.result', 'none yet')}"]
+    unsettled = [line for line in tags.get("gate.unsettled", "").splitlines() if line.strip()]
+    if unsettled:
+        lines.append(
+            f"          unsettled: {len(unsettled)} rule(s) let through "
+            "(gate.on_inconclusive: warn); approve with --acknowledge-inconclusive:"
+        )
+        lines += [f"            - {line}" for line in unsettled]
+    return lines
 
 
 def _cell(value: float | None, spec: str, unit: str = "") -> str:
@@ -526,6 +623,8 @@ def format_status(result: dict[str, Any]) -> str:
     if isinstance(aliases, dict):
         shown = ", ".join(f"{a} v{aliases[a]}" for a in ALIASES if a in aliases) or "none"
         lines.append(f"registry  {shown}")
+        if "challenger_tags" in result:
+            lines += _challenger_lines(result["challenger_tags"])
     else:
         lines.append(f"registry  {aliases}")
     waiting = result.get("waiting_for_approval")

@@ -68,6 +68,11 @@ TAG_ADAPTER_BASE, TAG_ADAPTER_REVISION = "tuneloop.adapter.base", "tuneloop.adap
 MODEL_NAME = "candidate"  # the logged model's name in its run
 TAG_CANDIDATE = "tuneloop.merged_manifest_sha256"
 TAG_GATE = "gate.passed"
+# What a person must acknowledge before approving (gate.on_inconclusive: warn): one line per
+# rule the gate could not settle, as the approval form and `tuneloop status` show them.
+TAG_ON_INCONCLUSIVE, TAG_UNSETTLED = "gate.on_inconclusive", "gate.unsettled"
+REVIEW_ITEMS = "review-items.jsonl"  # in paths.metrics, and in the run's evaluation/
+MAX_TAG = 5000  # characters MLflow keeps in a tag's value
 # The registry stores descriptions in a 5000-character column.
 MAX_DESCRIPTION = 5000
 # What loading a version back needs (besides this package, whose class it pickles).
@@ -412,6 +417,7 @@ def register_candidate(
 
     tags = lineage_tags(params, flow_run_id or os.environ.get("TUNELOOP_FLOW_RUN_ID"))
     tags[TAG_GATE] = "true"
+    tags |= unsettled_tags(decision)
     report = params.paths.reports / "eval.md"
     card = params.paths.reports / "model-card.md"
     evaluation = [
@@ -422,6 +428,9 @@ def register_candidate(
         params.paths.metrics / "decision.json",
         params.paths.metrics / "evaluate.json",
     ]
+    # The blind review's items (both answers per business item), from an evaluate that wrote
+    # them: the release creates its review from this artifact (tuneloop.release.signoff).
+    review_items = params.paths.metrics / REVIEW_ITEMS
     if missing := [str(path) for path in evaluation if not path.exists()]:
         raise StaleDecision(f"{missing} missing; run `dvc repro evaluate` before registering")
     folders = {MERGED: params.paths.merged, FP8: params.paths.fp8}
@@ -440,7 +449,7 @@ def register_candidate(
             pip_requirements=_requirements(),
             tags=tags,
         )
-        for path in evaluation:
+        for path in evaluation + ([review_items] if review_items.is_file() else []):
             mlflow.log_artifact(str(path), artifact_path="evaluation")
         registered = mlflow.register_model(info.model_uri, name, tags=tags)
         version = str(registered.version)
@@ -461,6 +470,28 @@ def register_candidate(
             + decision["reasons"],
             created=True,
         )
+
+
+def unsettled_tags(decision: dict[str, Any]) -> dict[str, str]:
+    """The version's tags for the rules its gate let through unsettled (none: no such tag)."""
+    tags = {TAG_ON_INCONCLUSIVE: str(decision.get("on_inconclusive", "block"))}
+    lines = [entry["line"] for entry in decision.get("unsettled", []) if not entry["blocking"]]
+    if lines:
+        kept: list[str] = []
+        for number, line in enumerate(lines):
+            rest = f"... and {len(lines) - number} more in metrics/decision.json"
+            if sum(len(k) + 1 for k in kept) + len(line) + len(rest) + 1 > MAX_TAG:
+                kept.append(rest)
+                break
+            kept.append(line)
+        tags[TAG_UNSETTLED] = "\n".join(kept)
+    return tags
+
+
+def unsettled_of(version: ModelVersion) -> list[str]:
+    """The unsettled rules a person must acknowledge before approving ``version``'s release."""
+    text = (version.tags or {}).get(TAG_UNSETTLED, "")
+    return [line for line in text.splitlines() if line.strip()]
 
 
 def _point_challenger(
