@@ -12,7 +12,8 @@ Writes: ``metrics/evaluate.json`` (model -> suite -> metric), ``metrics/eval-ite
         (every item's metric values and slice labels), ``metrics/decision.json`` (the
         verdict, pass, fail or inconclusive, every check with its interval, and a reason
         for each), ``reports/eval.md``, ``reports/eval.png``, ``reports/model-card.md`` and
-        ``reports/dataset-card.md``.
+        ``reports/dataset-card.md``, ``metrics/review-items.jsonl`` (each business item's
+        question with the champion's and the candidate's answers, for the blind review).
 Params: ``evaluate``, ``gate``, ``model.base``, ``tracking.registered_model``, ``paths``;
         for the cards ``train``, ``batch``, ``pack.seq_len``, ``export`` and two of ``clean``.
 
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import mlflow
 
-from tuneloop.io import atomic_dir, read_json, write_json, write_text
+from tuneloop.io import atomic_dir, read_json, write_json, write_jsonl, write_text
 from tuneloop.judge import cards, scoring
 from tuneloop.judge.gate import (
     BASE,
@@ -96,6 +97,7 @@ def main() -> None:
         could_not_run = scoring.unavailable(params.evaluate.general_suites, tasks)
         general = [s for s in params.evaluate.general_suites if s not in could_not_run]
         scores: Scores = {}
+        scored_by: dict[str, scoring.Scored] = {}
         items: Items = {}
         directions: Directions = {}
         engines: dict[str, str] = {}  # model -> what answered, with its version
@@ -118,6 +120,7 @@ def main() -> None:
                     [fixed] if fixed and name in (CHAMPION, CANDIDATE) else [],
                 )
                 scores[name], items[name] = scored.scores, scored.items
+                scored_by[name] = scored
                 engines[name] = scored.engine
                 directions |= scored.directions
                 could_not_run |= scored.not_judged
@@ -125,6 +128,14 @@ def main() -> None:
         with atomic_dir(params.paths.metrics / "eval-items") as folder:
             for name, found in items.items():
                 scoring.write_items(folder / f"{name}.jsonl", found)
+        # What people review blind, champion beside candidate (none before a champion exists).
+        business = params.evaluate.suites
+        review = (
+            scoring.review_records(scored_by[CHAMPION], scored_by[CANDIDATE], business)
+            if CHAMPION in scored_by
+            else iter(())
+        )
+        write_jsonl(params.paths.metrics / "review-items.jsonl", review)
         decision = decide(
             items,
             directions,

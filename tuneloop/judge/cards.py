@@ -306,6 +306,11 @@ def model_card(params: Params, facts: Facts, decision: dict[str, Any]) -> str:
         "",
         *(f"- {reason}" for reason in decision["reasons"]),
         "",
+        *_unsettled_lines(decision),
+        REVIEW_HEADING,
+        "",
+        "Not reviewed yet: the release adds the people's blind review here (`tuneloop review`).",
+        "",
         "## Compute",
         "",
         *_compute_lines(facts),
@@ -316,6 +321,45 @@ def model_card(params: Params, facts: Facts, decision: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+REVIEW_HEADING = "## Blind review"
+
+
+def _unsettled_lines(decision: dict[str, Any]) -> list[str]:
+    """The rules the gate could not settle and let through (gate.on_inconclusive: warn)."""
+    let_through = [u for u in decision.get("unsettled", []) if not u["blocking"]]
+    if not let_through:
+        return []
+    return [
+        f"Let through unsettled ({len(let_through)}, gate.on_inconclusive: warn); a person "
+        "acknowledges each before approving the release:",
+        "",
+        *(f"- {u['reason']}" for u in let_through),
+        "",
+    ]
+
+
+def review_section(table: str, summary: str) -> str:
+    """The card's blind-review section: the summary line and the results table."""
+    return f"{REVIEW_HEADING}\n\n{summary}.\n\n{table}\n"
+
+
+def with_review_section(card: str, section: str) -> str:
+    """``card`` with its blind-review section replaced by ``section`` (added before Compute,
+    or at the end, in a card without one)."""
+    lines = card.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == REVIEW_HEADING), None)
+    if start is None:
+        start = next(
+            (i for i, line in enumerate(lines) if line.rstrip() == "## Compute"), len(lines)
+        )
+        end = start
+    else:
+        end = next(
+            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
+        )
+    return "".join(lines[:start]) + section + "\n" + "".join(lines[end:])
 
 
 def _size_category(n: int) -> str:

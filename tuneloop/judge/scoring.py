@@ -167,6 +167,7 @@ class Scored:
     not_judged: dict[str, str] = field(default_factory=dict)  # "suite/metric" -> why
     engine: str = ""  # what answered: hf_engine(), or vLLM's version
     answers: dict[str, tuple[str, ...]] = field(default_factory=dict)  # suite -> in items' order
+    questions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # likewise
 
 
 def task_index(include_path: Path, suites: Iterable[str]) -> TaskManager:
@@ -310,6 +311,7 @@ def _read_suite(
         raise RuntimeError(f"evaluate: lm-eval logged no items for suite {suite!r}")
     ids: list[str] = []
     answers: list[str] = []
+    questions: list[str] = []
     values: dict[str, list[float]] = {}
     weights: dict[str, list[float]] = {}
     labels: dict[str, list[str]] = {f: [] for f in slice_fields}
@@ -324,6 +326,7 @@ def _read_suite(
         prefix = f"{leaf}/" if len(leaves) > 1 else ""
         ids += [prefix + _item_id(s) for s in first]
         answers += [_answer(s) for s in first]
+        questions += [_question(s) for s in first]
         for f in slice_fields:
             labels[f] += [str(s["doc"].get(f, MISSING_LABEL)) for s in first]
         for flt in filters:
@@ -371,6 +374,7 @@ def _read_suite(
     )
     out.items[suite] = found
     out.answers[suite] = tuple(answers)
+    out.questions[suite] = tuple(questions)
     out.directions[suite] = {m: directions[m] for m in values if m in directions}
     figures = results["results"].get(suite, {})
     out.scores[suite] = {}
@@ -389,6 +393,43 @@ def _answer(sample: dict[str, Any]) -> str:
     responses = sample.get("filtered_resps") or sample.get("resps") or [""]
     first = responses[0]
     return first if isinstance(first, str) else repr(first)
+
+
+def _question(sample: dict[str, Any]) -> str:
+    """What the item asked, for the people who review answers: its ``question`` field (the
+    business suites' own), else the prompt lm-eval built."""
+    doc = sample["doc"] if isinstance(sample["doc"], dict) else {}
+    if isinstance(doc.get("question"), str):
+        return str(doc["question"])
+    arguments = sample.get("arguments")
+    first = arguments[0] if isinstance(arguments, list | tuple) and arguments else arguments
+    if isinstance(first, dict):  # lm-eval's {"gen_args_0": {"arg_0": prompt, ...}}
+        first = next(iter(first.values()), "")
+    if isinstance(first, list | tuple) and first:
+        first = first[0]
+    if isinstance(first, dict):
+        first = first.get("arg_0", "")
+    return str(first)
+
+
+def review_records(
+    champion: Scored, candidate: Scored, suites: Sequence[str]
+) -> Iterator[dict[str, Any]]:
+    """The business suites' items as a blind review takes them (``tuneloop review create``'s
+    JSON lines): the question, both answers, the item's slices and ``suite/id``."""
+    for suite in suites:
+        found = candidate.items[suite]
+        theirs = champion.items[suite].ids
+        if theirs != found.ids:
+            raise GateError(f"{suite}: champion and candidate answered other items")
+        for i, item in enumerate(found.ids):
+            yield {
+                "question": candidate.questions[suite][i],
+                "champion_answer": champion.answers[suite][i],
+                "candidate_answer": candidate.answers[suite][i],
+                "slices": {f: labels[i] for f, labels in found.slices.items()},
+                "ref": f"{suite}/{item}",
+            }
 
 
 def _item_id(sample: dict[str, Any]) -> str:
