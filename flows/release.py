@@ -8,6 +8,13 @@ Reads the registry's ``challenger`` and ``champion`` versions of
    send the challenger nothing yet, sign their request ids (or no badcase
    reaches the analysis) and hold no other release's lease; otherwise nothing
    moves.
+   **The people's sign-off** (``tuneloop/release/signoff.py``): the candidate's blind review
+   (``<registered_model>-v<N>`` in the review store) is judged and recorded on its run, card
+   and version. With ``gate.blind_review`` set the flow creates it if needed and pauses
+   until it is settled (``await_review``): a failed review, or none settled within
+   ``approval_timeout``, blocks the release; unset, the review is only reported. The rules
+   the gate let through unsettled (``gate.on_inconclusive: warn``) are listed on every
+   approval form, and an approval without ``acknowledge_inconclusive`` is refused.
 2. **Load test** before the first traffic: candidate and champion backends,
    called directly at the same concurrency and a fixed answer length, on median
    TTFT and time per output token (``release.loadtest``, ``tuneloop/release/loadtest.py``);
@@ -90,10 +97,14 @@ from prefect.cache_policies import NONE
 from prefect.client.schemas.objects import FlowRun
 from prefect.exceptions import FlowPauseTimeout
 from prefect.flow_runs import pause_flow_run, resume_flow_run
+from prefect.input import RunInput
 from prefect.states import Failed, State
+from pydantic import BaseModel, Field
 
+from tuneloop.judge.verdict import FAIL, PASS
 from tuneloop.params import Params, load_params, with_overrides
 from tuneloop.release import shadow as suite_judges
+from tuneloop.release import signoff
 from tuneloop.release.admin import AdminError, LeaseKeeper, RouterAdmin
 from tuneloop.release.analysis import Verdict
 from tuneloop.release.approval import (
@@ -105,6 +116,7 @@ from tuneloop.release.approval import (
 )
 from tuneloop.release.controller import Logger, Release, ReleaseLog, next_step
 from tuneloop.release.loadtest import compare_load, load_test
+from tuneloop.review.store import ReviewError, ReviewStore
 from tuneloop.tracking import runs
 from tuneloop.tracking.registry import CHALLENGER, CHAMPION, PREVIOUS, find_alias, promote
 
@@ -263,7 +275,12 @@ def hold_and_analyse_shadow(release: Release) -> Verdict:
 
 
 def _describe_step(
-    release: Release, name: str, versions: tuple[str, str], current: int, proposed: int
+    release: Release,
+    name: str,
+    versions: tuple[str, str],
+    current: int,
+    proposed: int,
+    people: str = "",
 ) -> str:
     last = next((e for e in reversed(release.log.events) if e["kind"] == "analysis"), None)
     figures = last["message"] if last else "no analysis yet"
@@ -271,7 +288,8 @@ def _describe_step(
     return (
         f"**{name} v{versions[0]}** (champion v{versions[1]}) serves **{current} %** of users.\n\n"
         f"Last analysis: {figures}\n\n"
-        f"Approve to move to **{proposed} %** (or set another percent above {current}), or "
+        + (f"{people}\n\n" if people else "")
+        + f"Approve to move to **{proposed} %** (or set another percent above {current}), or "
         f"reject to roll back to 0 % at once. No answer within {timeout} s rolls back.\n\n"
         f"CLI: `tuneloop approve {release.flow_run_id} --approver NAME [--percent N]` or "
         f"`tuneloop reject {release.flow_run_id} --approver NAME --comment WHY`; "
@@ -311,11 +329,16 @@ def _answer_for_the_person(release: Release, reason: str) -> None:
 
 
 def await_approval(
-    release: Release, current: int, proposed: int, description: str
+    release: Release,
+    current: int,
+    proposed: int,
+    description: str,
+    unsettled: tuple[str, ...] = (),
 ) -> Approval | None:
     """The person's valid answer, or None when none came within ``approval_timeout``.
 
-    An invalid answer is logged and the flow pauses again for the time left.
+    An invalid answer (an approval without the acknowledgement ``unsettled`` rules need
+    among them) is logged and the flow pauses again for the time left.
     """
     params = release.params
     form = approval_form(current, proposed, description)
@@ -341,7 +364,7 @@ def await_approval(
             except FlowPauseTimeout:
                 return None
             try:
-                return validate_answer(answer.model_dump(), current)
+                return validate_answer(answer.model_dump(), current, unsettled)
             except InvalidAnswer as error:
                 release.log.record(
                     "approval_invalid", str(error), warn=True, answer=answer.model_dump()
@@ -349,6 +372,88 @@ def await_approval(
     finally:
         stop.set()
         watcher.join()
+
+
+# --- the people's sign-off before traffic ------------------------------------------------------
+
+
+class ReviewDone(BaseModel):
+    """What a person answers when the blind review has had its votes: look again."""
+
+    approver: str = Field(min_length=1, max_length=100, description="who says so (your name)")
+    comment: str = Field(default="", max_length=2000, description="kept with the release")
+
+
+def await_review(
+    release: Release,
+    params: Params,
+    client: MlflowClient,
+    candidate: ModelVersion,
+    champion: ModelVersion,
+) -> tuple[signoff.ReviewJudgement | None, str | None]:
+    """The candidate's blind review, recorded on its run, and why it blocks (None: it does not).
+
+    Without ``gate.blind_review`` an existing review is reported and never blocks. With it,
+    the review is created if needed (from the candidate's evaluated answers) and judged; while
+    it is unsettled and blocking (too few votes, or inconclusive under ``on_inconclusive:
+    block``) the flow pauses for a person to say the reviewers are done, then judges again,
+    until ``approval_timeout``. A failed review blocks the release.
+    """
+    store = ReviewStore()
+    rule = params.gate.blind_review
+    name = signoff.review_name(candidate.name, str(candidate.version))
+    try:
+        if rule is not None:
+            name = signoff.ensure_review(store, client, candidate, champion)
+        judged = signoff.judge_review(store, name, params.gate)
+    except signoff.ReviewUnavailable as error:
+        release.log.record("review", f"BLOCKED: {error}", warn=True)
+        return None, f"blind review: {error}"
+    except ReviewError:  # no review of this candidate, and none is required
+        release.log.record("review", f"no blind review {name!r} in {store.engine.url!r}")
+        return None, None
+    finally:
+        store.close()
+    deadline = time.monotonic() + release.params.approval_timeout
+    poll = approval_poll_seconds(release.params.approval_timeout)
+    while True:
+        signoff.record_review(client, release.log.run_id, judged, candidate)
+        check = judged.check
+        settled_ok = check is None or check["status"] == PASS or not check["blocking"]
+        release.log.record(
+            "review",
+            judged.summary() if check is None else check["reason"],
+            warn=not settled_ok,
+            check=check,
+        )
+        if check is None or settled_ok:
+            return judged, None
+        if check["status"] == FAIL:
+            return judged, check["reason"]
+        left = int(deadline - time.monotonic())
+        if left < 1:
+            return judged, f"no settled blind review within {release.params.approval_timeout} s"
+        description = (
+            f"The release of **{candidate.name} v{candidate.version}** waits for its blind "
+            f"review ({check['reason']}). Invite reviewers with `tuneloop review invite NAME "
+            f"--review {name}` and serve the page with `tuneloop review serve`; when they have "
+            "voted, submit this form (or `tuneloop approve "
+            f"{release.flow_run_id} --approver NAME`) and the review is judged again."
+        )
+        form = RunInput.subclass_from_base_model_type(ReviewDone)
+        try:
+            pause_flow_run(
+                wait_for_input=form.with_initial_data(description=description),
+                timeout=left,
+                poll_interval=poll,
+            )
+        except FlowPauseTimeout:
+            return judged, f"no settled blind review within {release.params.approval_timeout} s"
+        store = ReviewStore()
+        try:
+            judged = signoff.judge_review(store, name, params.gate)
+        finally:
+            store.close()
 
 
 # --- the flow ----------------------------------------------------------------------------------
@@ -402,6 +507,7 @@ def _end(
         "failures": release.failures,
         "rollback_seconds": release.rollback_seconds,
         "history": release.history,
+        "approval_form": release.people,  # what every approval form said of the review
         **extra,
     }
     release.log.tag(status=outcome, reason=reason)
@@ -487,6 +593,20 @@ def release(
                 champion=pv,
                 steps=list(rp.steps),
             )
+            judged, blocked = await_review(run, params, client, candidate, champion)
+            if blocked is not None:
+                return _end(run, "blocked", blocked)
+            unsettled = signoff.unsettled_rules(candidate, judged)
+            if unsettled:
+                log.record(
+                    "unsettled",
+                    f"{len(unsettled)} rule(s) the gate could not settle; every approval needs "
+                    "their acknowledgement: " + "; ".join(unsettled),
+                    warn=True,
+                    rules=list(unsettled),
+                )
+            run.people = signoff.form_section(judged, list(unsettled))
+            run.unsettled = unsettled
             gate = loadtest_gate(run, arms)
             if not gate.passed:
                 return _end(run, "blocked", "load test: " + "; ".join(gate.reasons))
@@ -545,8 +665,8 @@ def _ramp(run: Release, name: str, versions: tuple[str, str], client: MlflowClie
                 previous=versions[1],
             )
             return _end(run, "promoted", f"v{versions[0]} promoted at 100 %")
-        description = _describe_step(run, name, versions, percent, proposed)
-        answer = await_approval(run, percent, proposed, description)
+        description = _describe_step(run, name, versions, percent, proposed, run.people)
+        answer = await_approval(run, percent, proposed, description, run.unsettled)
         if run.rolled_back is not None:  # the analysis thread rolled back during the pause
             return _end(run, "rolled_back", run.rolled_back)
         if answer is None:

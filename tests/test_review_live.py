@@ -30,7 +30,10 @@ import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
 from tests.helpers import CHROMIUM, INITDB, free_port, postgres_bin
+from tests.registry_helpers import register_versions
 from tests.review_helpers import CANDIDATE, CHAMPION, NAMES, review_items
+from tuneloop.params import BlindReviewParams, load_params
+from tuneloop.release import approval, signoff
 from tuneloop.review import store as review_store
 from tuneloop.review.store import ReviewStore, create_invite, create_review, revoke, vote_rows
 from tuneloop.review.tally import compute_results
@@ -240,7 +243,7 @@ def at_item(number: int, total: int) -> str:
 
 @needs_chromium
 def test_a_reviewer_votes_by_mouse_and_by_keyboard(
-    served: tuple[ReviewStore, str], browser: Browser
+    served: tuple[ReviewStore, str], browser: Browser, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     store, base = served
     invite = create_invite(store, "lin", review="browser", base_url=base)
@@ -279,6 +282,52 @@ def test_a_reviewer_votes_by_mouse_and_by_keyboard(
     assert cast[2][1] == "很好, clear"
     results = compute_results(store, "browser")
     assert results.votes == 4 and [r.controls for r in results.reviewers] == [1]
+    reaches_mlflow_the_card_and_status(store, tmp_path_factory.mktemp("review-mlflow"))
+
+
+def reaches_mlflow_the_card_and_status(store: ReviewStore, folder: Path) -> None:
+    """The browser's votes, judged by the gate's review rule, on the candidate's MLflow run
+    (metrics, table, plot), in its model card and in `tuneloop status`."""
+    client = register_versions(folder, "support", [{}, {}])
+    candidate = client.get_model_version("support", "2")
+    run_id = str(candidate.run_id)
+    card = folder / "model-card.md"
+    card.write_text("# support: candidate\n\n## Blind review\n\nNot reviewed yet.\n\n"
+                    "## Compute\n\n2 CPU cores\n", encoding="utf-8")  # fmt: skip
+    client.log_artifact(run_id, str(card), "evaluation")
+    gate = load_params(ROOT / "params.yaml").gate.model_copy(
+        update={"blind_review": BlindReviewParams(min_votes=10, margin=0.1)}
+    )
+    judged = signoff.judge_review(store, "browser", gate)
+    assert judged.check is not None and judged.check["status"] == "inconclusive"
+    assert "6 more votes needed" in judged.check["reason"]
+    signoff.record_review(client, run_id, judged, candidate)
+
+    run = client.get_run(run_id)
+    assert run.data.metrics["review.votes"] == 4.0
+    assert run.data.metrics["review.win"] == judged.results.overall.win.value
+    assert run.data.tags["review.status"] == "inconclusive"
+    listed = {a.path for a in client.list_artifacts(run_id, "review")}
+    assert listed == {"review/results.md", "review/results.json", "review/results.png"}
+    local = Path(client.download_artifacts(run_id, "", str(folder / "got")))
+    assert (local / "review/results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| all | 4 |" in (local / "review/results.md").read_text(encoding="utf-8")
+    carded = (local / "evaluation/model-card.md").read_text(encoding="utf-8")
+    assert carded.count("## Blind review") == 1 and "Not reviewed yet" not in carded
+    assert "blind review browser: 4 votes by 1 reviewers" in carded
+    assert carded.index("## Blind review") < carded.index("## Compute")
+    tags = client.get_model_version("support", "2").tags
+    assert tags[signoff.TAG_REVIEW] == judged.summary()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{folder / 'mlflow.db'}")
+        shown = approval.format_status(
+            {
+                "aliases": {"champion": "1", "challenger": "2"},
+                "challenger_tags": approval.version_tags("support", "2"),
+                "waiting_for_approval": [],
+            }
+        )
+    assert f"review: {judged.summary()}" in shown
 
 
 @needs_chromium

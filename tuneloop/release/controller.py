@@ -110,6 +110,10 @@ class Release:
     dropped: int = 0
     # The champion's requests of the last interval it served: what 100 % is judged against.
     champion_reference: ArmSamples | None = None
+    # For the approval form: the blind review's result and the rules the gate let through
+    # unsettled (gate.on_inconclusive: warn), which every approval must acknowledge.
+    people: str = ""
+    unsettled: tuple[str, ...] = ()
     samples: Cursor = field(init=False)
     pairs: Cursor = field(init=False)
 
