@@ -106,9 +106,15 @@ def test_dvc_is_up_to_date_after_the_flow(flow_result: tuple[Path, dict[str, Any
     # `init` looks at the registry on every repro (DVC cannot see an alias move); it finds the
     # same champion, so its out is unchanged and nothing after it runs.
     assert only_init_runs_again(dvc(repo, "status"))
+    store = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in store.search_experiments()]
+    before = len(store.search_runs(experiments, max_results=10_000))
     out = dvc(repo, "repro")
     assert re.findall(r"Running stage '(\w+)'", out) == ["init"]
     assert "didn't change, skipping" in out
+    # The no-op is a registry lookup: init finds what it recorded and logs no MLflow run.
+    assert "as init records it" in out
+    assert len(store.search_runs(experiments, max_results=10_000)) == before
 
 
 def test_a_second_run_finds_every_stage_cached(
