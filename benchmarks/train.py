@@ -87,24 +87,29 @@ def config(params: Params, output_dir: Path) -> Any:
     return args, planned
 
 
-def timed(trainer: Any) -> tuple[float, int]:
-    started = time.perf_counter()
+def timed(trainer: Any) -> tuple[float, float, int]:
+    """Wall seconds, this process's CPU seconds, and TRL's token count of ``trainer.train()``.
+
+    CPU seconds: on a shared host the wall time of a run is mostly waiting for a core; the CPU
+    time each side spent is what it costs, and is steadier from run to run.
+    """
+    started, started_cpu = time.perf_counter(), time.process_time()
     trainer.train()
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - started_cpu
     tokens = [e["num_tokens"] for e in trainer.state.log_history if "num_tokens" in e]
-    return seconds, int(tokens[-1])
+    return seconds, cpu, int(tokens[-1])
 
 
-def run_stage(params: Params, output_dir: Path) -> tuple[float, int]:
+def run_stage(params: Params, output_dir: Path) -> tuple[float, float, int]:
     args, planned = config(params, output_dir)
     built = run.build_trainer("sft", args, params, planned, None, 0, time.time())
-    seconds, tokens = timed(built.trainer)
+    seconds, cpu, tokens = timed(built.trainer)
     if built.meter.tokens() != tokens:  # the stage's own count must agree with TRL's
         raise RuntimeError(f"stage counted {built.meter.tokens()} tokens, TRL {tokens}")
-    return seconds, tokens
+    return seconds, cpu, tokens
 
 
-def run_bare(params: Params, output_dir: Path) -> tuple[float, int]:
+def run_bare(params: Params, output_dir: Path) -> tuple[float, float, int]:
     args, planned = config(params, output_dir)
     ref = base_model_ref(params)
     val = methods.val_set(params.paths.packed)  # None or the shard, as the stage decides
@@ -174,16 +179,22 @@ def main() -> None:
         for name, run in sides.items():  # warm-up: first-use costs land on neither side
             run(params, Path(scratch) / f"warmup-{name}")
         results: dict[str, list[float]] = {name: [] for name in sides}
+        per_cpu: dict[str, list[float]] = {name: [] for name in sides}
         for i in range(args.rounds):
             order = list(sides) if i % 2 == 0 else list(reversed(sides))
             for name in order:
-                seconds, tokens = sides[name](params, Path(scratch) / f"run-{i}-{name}")
+                seconds, cpu, tokens = sides[name](params, Path(scratch) / f"run-{i}-{name}")
                 results[name].append(tokens / seconds)
-                rate = tokens / seconds
-                print(f"round {i} {name:9s} {tokens} tokens in {seconds:.2f} s = {rate:.0f}/s")
+                per_cpu[name].append(tokens / cpu)
+                print(
+                    f"round {i} {name:9s} {tokens} tokens in {seconds:.2f} s = "
+                    f"{tokens / seconds:.1f}/s; {cpu:.2f} CPU s = {tokens / cpu:.1f}/CPU s",
+                    flush=True,
+                )
 
     load_after = os.getloadavg()
     median = {name: statistics.median(values) for name, values in results.items()}
+    median_cpu = {name: statistics.median(values) for name, values in per_cpu.items()}
     loads = " / ".join(f"{v:.2f}" for v in load_before) + " before, "
     loads += " / ".join(f"{v:.2f}" for v in load_after) + " after"
     print(
@@ -191,11 +202,16 @@ def main() -> None:
         f"{params.pack.seq_len}, torch threads {torch.get_num_threads()}; load average "
         f"(1 / 5 / 15 min) {loads}\n"
     )
-    print("| trainer | tokens/s (median) | runs |")
-    print("|---|---|---|")
+    print("| trainer | tokens/s (median) | runs | tokens per CPU second (median) | runs |")
+    print("|---|---|---|---|---|")
     for name, values in results.items():
-        print(f"| {name} | {median[name]:.0f} | {', '.join(f'{v:.0f}' for v in values)} |")
-    print(f"\nratio stage / bare: {median['stage'] / median['bare trl']:.3f}")
+        runs = ", ".join(f"{v:.1f}" for v in values)
+        runs_cpu = ", ".join(f"{v:.1f}" for v in per_cpu[name])
+        print(f"| {name} | {median[name]:.1f} | {runs} | {median_cpu[name]:.1f} | {runs_cpu} |")
+    print(
+        f"\nratio stage / bare: {median['stage'] / median['bare trl']:.3f} (wall), "
+        f"{median_cpu['stage'] / median_cpu['bare trl']:.3f} (CPU)"
+    )
 
 
 if __name__ == "__main__":
