@@ -49,10 +49,11 @@ import httpx
 import yaml
 from mlflow.tracking import MlflowClient
 
-from tuneloop.demo import customers, domain
+from tuneloop.demo import customers, domain, panel
 from tuneloop.params import Params, load_params
-from tuneloop.release import approval
+from tuneloop.release import approval, signoff
 from tuneloop.release.backends import Backend, start_transformers_serve, wait_healthy
+from tuneloop.review.store import ReviewStore
 from tuneloop.tracking import registry, runs, server
 
 log = logging.getLogger("tuneloop.demo")
@@ -396,6 +397,60 @@ def release_month(
     return outcome
 
 
+# The month whose candidate a simulated panel reviews blind before its release.
+REVIEWED_MONTH = 1
+
+
+def review_month(repo: Path, params: Params, logs: Path) -> dict[str, Any]:
+    """The challenger's blind review by the demo's panel, through ``tuneloop review serve``.
+
+    The review is made from the candidate's evaluated answers (``signoff.ensure_review``, as
+    the release would), served on a port of its own, voted on by ``tuneloop.demo.panel`` over
+    HTTP; its results are what the release's approval form and the summary show.
+    """
+    client = MlflowClient(runs.tracking_uri())
+    name = params.tracking.registered_model
+    candidate = registry.find_alias(name, registry.CHALLENGER, client)
+    champion = registry.find_alias(name, registry.CHAMPION, client)
+    if candidate is None or champion is None:
+        raise RuntimeError(f"{name} has no challenger and champion to review")
+    store = ReviewStore()
+    try:
+        review = signoff.ensure_review(store, client, candidate, champion)
+        base_url = f"http://127.0.0.1:{_free_port()}"
+        logs.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "tuneloop.cli", "review", "serve"]
+        command += ["--port", base_url.rsplit(":", 1)[1]]
+        with (logs / "review-server.log").open("wb") as out:
+            page = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while not _healthy(f"{base_url}/healthz"):
+                if page.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the review page did not start; see {out.name}")
+                time.sleep(0.5)
+            refs = panel.references(params.paths.eval_suites / "support_demo" / "test.jsonl")
+            cast = panel.run_panel(store, review, base_url, refs, params.demo.seed)
+        finally:
+            page.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                page.wait(timeout=20)
+            if page.poll() is None:
+                page.kill()
+        judged = signoff.judge_review(store, review, params.gate)
+    finally:
+        store.close()
+    print(f"review {judged.summary()}", flush=True)
+    return {
+        "review": review,
+        "votes_by_reviewer": cast,
+        "summary": judged.summary(),
+        "table": judged.results.table(),
+        "results": judged.results.as_dict(),
+        "check": judged.check,
+    }
+
+
 def run(
     repo: Path, months: int, approval_wait_s: float, overrides_file: Path = DEMO_OVERRIDES
 ) -> list[dict[str, Any]]:
@@ -436,6 +491,8 @@ def run(
             summary["retrain"] = retrain(repo=repo, params=params)
             registration = summary["retrain"]["registration"]
             if registration.get("registered") and registration.get("alias") == "challenger":
+                if month == REVIEWED_MONTH:
+                    summary["review"] = review_month(repo, params, repo / "logs")
                 summary["release"] = release_month(
                     repo, params, month, approval_wait_s, overrides_file
                 )

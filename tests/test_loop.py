@@ -23,6 +23,7 @@ from mlflow.entities.model_registry import ModelVersion
 from mlflow.tracking import MlflowClient
 
 from tests.helpers import CHROMIUM, chromium, copy_project, mlflow_server, write_params
+from tuneloop.demo.report import format_loop
 from tuneloop.params import load_params
 from tuneloop.tracking import init_from, registry
 
@@ -191,6 +192,35 @@ def test_both_releases_ran_as_flows_with_their_approver_recorded(
         assert (alias(repo, "champion"), alias(repo, "previous-champion")) == (3, 2)
     else:
         assert alias(repo, "champion") == 2
+
+
+def test_month_one_was_reviewed_blind_by_the_panel_and_its_release_showed_it(
+    loop: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    repo, history = loop
+    review = history[0]["review"]
+    assert review["review"] == f"{MODEL}-v2" and "review" not in history[1]
+    # Three reviewers, each through the page's HTTP API: every item, plus their controls.
+    items = review["results"]["items"]
+    assert set(review["votes_by_reviewer"]) == {"ana", "bo", "chen"}
+    assert all(cast > items for cast in review["votes_by_reviewer"].values()), review
+    assert review["results"]["votes"] == 3 * items
+    assert review["check"] is None  # gate.blind_review unset: reported, never blocking
+    form = history[0]["release"]["approval_form"]
+    assert f"Blind review: {review['summary']}" in form and "| slice | votes |" in form
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    candidate = versions(repo)[2]
+    run = client.get_run(str(candidate.run_id))
+    assert run.data.metrics["review.votes"] == 3 * items
+    assert candidate.tags["review.result"] == review["summary"]
+    # Where the demo's MLflow server stored the run's artifacts (a SQLite client cannot list them).
+    [folder] = (repo / "mlartifacts").glob(f"*/{candidate.run_id}/artifacts")
+    assert (folder / "review" / "results.png").is_file()
+    assert "| all |" in (folder / "review" / "results.md").read_text(encoding="utf-8")
+    card = (folder / "evaluation" / "model-card.md").read_text(encoding="utf-8")
+    assert f"{review['summary']}." in card
+    summary = format_loop(history)
+    assert f"  review   {review['summary']}" in summary
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium")

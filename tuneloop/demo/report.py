@@ -1,8 +1,9 @@
 """The month-by-month summary ``tuneloop demo`` prints at the end of the loop.
 
 What a person wants to see after N monthly cycles: the data each month brought (by source),
-how each candidate scored against the base and the champion, what its release did (the
-split, the analyses, who approved, the outcome), and where to look next.
+how each candidate scored against the base and the champion, what the people's blind review
+said (month 1: the demo's panel), what its release did (the split, the analyses, who
+approved, the outcome), and where to look next.
 """
 
 from __future__ import annotations
@@ -84,7 +85,11 @@ def format_loop(history: list[dict[str, Any]], model: str = "tuneloop-support") 
         for name in ("base", "champion", "candidate"):
             if name in evaluation:
                 out.append(f"  eval     {name:<10} {_scores(evaluation, name)}")
-        out.append(f"  gate     {'PASS' if decision['passed'] else 'FAIL'}")
+        verdict = "PASS" if decision["passed"] else str(decision["verdict"]).upper()
+        let_through = [u for u in decision.get("unsettled", []) if not u["blocking"]]
+        if let_through:
+            verdict += f", {len(let_through)} rule(s) unsettled (gate.on_inconclusive: warn)"
+        out.append(f"  gate     {verdict}")
         out.extend(f"           {reason}" for reason in decision.get("reasons", []))
         registration = retrain.get("registration") or {}
         if registration.get("registered"):
@@ -92,6 +97,10 @@ def format_loop(history: list[dict[str, Any]], model: str = "tuneloop-support") 
                 f"  registry {registration['name']} v{registration['version']} "
                 f"({registration['alias']})"
             )
+        review = month.get("review")
+        if review:
+            out.append(f"  review   {review['summary']}")
+            out.extend(f"           {line}" for line in review["table"].splitlines() if line)
         out.extend(_release_lines(month.get("release") or {}))
     out.append(WHERE_TO_LOOK.format(model=model))
     return "\n".join(out)
