@@ -69,7 +69,7 @@ def test_prepare_makes_a_clean_checkout_with_the_merged_params(tmp_path: Path) -
     assert params["model"]["base"] == "builtin:smollm2-135m-instruct"
     assert params["train"]["method"] == "lora"
     # The project's own params where the config says nothing (copy_project's tiny ones).
-    assert params["evaluate"]["limit"] == 12 and params["demo"]["replay_turns"] == 1
+    assert params["gate"]["min_gain"] == 0.0 and params["demo"]["replay_turns"] == 1
     # The environment's folders are the project's: one wheel download, one vLLM build.
     assert params["paths"]["downloads"] == str(repo.resolve() / ".hf" / "downloads")
     assert params["serve"]["venv"] == str(repo.resolve() / ".venv-serve")
