@@ -35,7 +35,8 @@ def only_init_runs_again(status: str) -> bool:
     return changed == ["init:"] and "always changed" in status
 
 
-def dvc(repo: Path, *args: str) -> str:
+def dvc(repo: Path, *args: str, stderr: bool = False) -> str:
+    """DVC's output; with ``stderr``, the stages' log lines (on stderr) after it."""
     # dvc.yaml runs `python -m stages.<name>`: this environment's python must come first.
     env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     result = subprocess.run(
@@ -46,7 +47,7 @@ def dvc(repo: Path, *args: str) -> str:
         check=True,
         env=env,
     )
-    return result.stdout
+    return result.stdout + (result.stderr if stderr else "")
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,7 @@ def test_dvc_is_up_to_date_after_the_flow(flow_result: tuple[Path, dict[str, Any
     store = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     experiments = [e.experiment_id for e in store.search_experiments()]
     before = len(store.search_runs(experiments, max_results=10_000))
-    out = dvc(repo, "repro")
+    out = dvc(repo, "repro", stderr=True)
     assert re.findall(r"Running stage '(\w+)'", out) == ["init"]
     assert "didn't change, skipping" in out
     # The no-op is a registry lookup: init finds what it recorded and logs no MLflow run.
