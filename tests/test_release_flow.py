@@ -396,7 +396,9 @@ def test_canary_ramps_with_cli_approvals_and_promotes(
     # Everything is on the candidate's run.
     recorded = events(repo, aliases, approved[0])
     kinds = [e["kind"] for e in recorded]
-    assert kinds[:2] == ["start", "loadtest"]
+    # The blind review's place comes before the first traffic: here there is none, and the
+    # release says so ("no blind review ..."), then load-tests.
+    assert kinds[:3] == ["start", "review", "loadtest"]
     assert kinds.count("approval") == 2 and kinds[-1] == "promote"
     run = aliases.get_run(str(aliases.get_model_version(MODEL, "2").run_id))
     assert run.data.tags["release.status"] == "promoted"
