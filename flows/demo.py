@@ -108,6 +108,15 @@ def _use_api(url: str) -> Iterator[str]:
             os.environ["PREFECT_API_URL"] = previous
 
 
+def _stop(process: subprocess.Popen[Any]) -> None:
+    """Terminate a child the demo started, then kill it if 20 s were not enough."""
+    process.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=20)
+    if process.poll() is None:
+        process.kill()
+
+
 def _send_queued_logs() -> None:
     """Flow-run logs still queued for the API, sent before the server stops (else they fail
     at exit, as 'Error logging to API', after the summary)."""
@@ -153,11 +162,7 @@ def prefect_server(logs: Path) -> Iterator[str]:
             finally:
                 _send_queued_logs()
     finally:
-        process.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=20)
-        if process.poll() is None:
-            process.kill()
+        _stop(process)
 
 
 @dataclass
@@ -432,11 +437,7 @@ def review_month(repo: Path, params: Params, logs: Path) -> dict[str, Any]:
             refs = panel.references(params.paths.eval_suites / "support_demo" / "test.jsonl")
             cast = panel.run_panel(store, review, base_url, refs, params.demo.seed)
         finally:
-            page.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                page.wait(timeout=20)
-            if page.poll() is None:
-                page.kill()
+            _stop(page)
         judged = signoff.judge_review(store, review, params.gate)
     finally:
         store.close()

@@ -33,15 +33,7 @@ def _create(args: argparse.Namespace) -> int:
             continue
         try:
             record = json.loads(line)
-            items.append(
-                ReviewItem(
-                    question=record["question"],
-                    champion_answer=record["champion_answer"],
-                    candidate_answer=record["candidate_answer"],
-                    slices=record.get("slices", {}),
-                    ref=str(record.get("ref", "")),
-                )
-            )
+            items.append(ReviewItem.from_record(record))
         except (ValueError, KeyError, TypeError) as error:
             print(
                 f"tuneloop review create: {path}:{number}: {error!r}; each line is a JSON "

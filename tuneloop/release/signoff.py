@@ -82,16 +82,7 @@ def ensure_review(
             f"{REVIEW_ITEMS_ARTIFACT} of {candidate.name} v{candidate.version} is empty (no "
             "champion was scored beside it): nothing to compare blind"
         )
-    items = [
-        ReviewItem(
-            question=r["question"],
-            champion_answer=r["champion_answer"],
-            candidate_answer=r["candidate_answer"],
-            slices=r.get("slices", {}),
-            ref=str(r.get("ref", "")),
-        )
-        for r in records
-    ]
+    items = [ReviewItem.from_record(r) for r in records]
     create_review(
         store,
         name,

@@ -146,6 +146,18 @@ class ReviewItem:
     slices: Mapping[str, str] = field(default_factory=dict)  # e.g. intent, language
     ref: str = ""  # where it came from: a suite item's id, a badcase's id
 
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> ReviewItem:
+        """An item from its JSON record (evaluate's ``review-items.jsonl``, an items file);
+        a missing question or answer raises KeyError."""
+        return cls(
+            question=record["question"],
+            champion_answer=record["champion_answer"],
+            candidate_answer=record["candidate_answer"],
+            slices=record.get("slices", {}),
+            ref=str(record.get("ref", "")),
+        )
+
 
 @dataclass(frozen=True)
 class Invite:
