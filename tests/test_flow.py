@@ -7,6 +7,9 @@ import os
 import re
 import subprocess
 import sys
+import time
+import urllib.parse
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -118,6 +121,41 @@ def test_dvc_is_up_to_date_after_the_flow(flow_result: tuple[Path, dict[str, Any
     assert len(store.search_runs(experiments, max_results=10_000)) == before
 
 
+def test_dvc_repro_after_the_flow_logs_to_the_store_without_its_server(
+    flow_result: tuple[Path, dict[str, Any]],
+) -> None:
+    # The flow tracked through its own local MLflow server, now stopped. A plain `dvc repro`
+    # afterwards (a changed param, no server) opens the same store directly: the experiment
+    # the server created must not name its artifacts by a scheme only a server resolves.
+    repo, _ = flow_result
+    changed = ["params.yaml", "dvc.lock", "reports/preflight.json", "reports/preflight.md"]
+    changed.append("metrics/preflight.json")
+    saved = {name: (repo / name).read_bytes() for name in changed}
+    data = yaml.safe_load(saved["params.yaml"])
+    data["preflight"]["roundtrip_samples"] = data["preflight"]["roundtrip_samples"] // 2
+    (repo / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    started = int(time.time() * 1000)
+    try:
+        out = dvc(repo, "repro", "preflight", stderr=True)
+    finally:
+        for name, content in saved.items():  # the session's project is shared
+            (repo / name).write_bytes(content)
+    assert re.findall(r"Running stage '(\w+)'", out) == ["init", "preflight"], out
+    store = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    experiment = store.get_experiment_by_name("tuneloop")
+    assert experiment is not None
+    (run,) = store.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.`tuneloop.stage` = 'preflight' and attributes.start_time >= {started}",
+    )
+    assert run.info.status == "FINISHED"
+    assert run.info.artifact_uri.startswith("file:"), run.info.artifact_uri
+    logged = {a.path for a in store.list_artifacts(run.info.run_id, "preflight")}
+    assert logged == {"preflight/preflight.md"}
+    assert only_init_runs_again(dvc(repo, "status"))
+
+
 def test_a_second_run_finds_every_stage_cached(
     flow_result: tuple[Path, dict[str, Any]],
 ) -> None:
@@ -214,11 +252,12 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
         lock = yaml.safe_load(git(repo, "show", f"{run.data.tags['dvc.exp.rev']}:dvc.lock"))
         for stage, stage_run in stages.items():
             assert dvc_tags(stage_run) == lock_tags(lock["stages"][stage]), (name, stage)
-    # The sweep logged through the flow's local MLflow server, which keeps artifacts under
-    # mlartifacts/ and names them mlflow-artifacts:/... (only a server resolves that scheme).
+    # The sweep logged through the flow's local MLflow server, whose artifacts are plain files
+    # under mlartifacts/ (not mlflow-artifacts:/..., which only a server resolves), so the
+    # store still works without the server.
     uri = parent.info.artifact_uri
-    assert uri.startswith("mlflow-artifacts:/"), uri
-    logged = repo / "mlartifacts" / uri.removeprefix("mlflow-artifacts:/") / "experiment"
+    assert uri.startswith((repo / "mlartifacts").resolve().as_uri() + "/"), uri
+    logged = Path(urllib.request.url2pathname(urllib.parse.urlsplit(uri).path)) / "experiment"
     artifacts = {f"experiment/{path.name}" for path in logged.iterdir()}
     assert artifacts == {"experiment/comparison.md", "experiment/experiment-comparison.png"}
 

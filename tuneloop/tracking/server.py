@@ -5,8 +5,14 @@ A stage that opens the SQLite store itself pays for MLflow's import and its SQLA
 REST without importing MLflow (``tuneloop.tracking.rest``). So the flows and the demo start
 one, as they start Prefect's: ``mlflow server`` on a free loopback port with the project's
 ``mlflow.db`` and ``mlartifacts/``, one worker, no job runner (ready in about 9 s, against
-30 s and seven job processes by default). The store is the same file: runs logged through the
-server and without it sit side by side. A user's own ``MLFLOW_TRACKING_URI`` is used as it is.
+30 s and seven job processes by default). A user's own ``MLFLOW_TRACKING_URI`` is used as it is.
+
+The store is the same file, and stays usable without the server: a plain ``dvc repro`` after
+the demo opens it directly. So this server does not proxy artifacts. With ``--serve-artifacts``
+(MLflow's default) every experiment it creates would record its artifact root as
+``mlflow-artifacts:/...``, a URI only a server resolves, and the next stage run without one
+fails. Here the root is the plain folder ``mlartifacts/``, which every process on this machine
+reads and writes directly, as it does without the server.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ def local_server(root: Path, logs: Path) -> Iterator[str]:
         "server",
         *("--host", "127.0.0.1", "--port", str(port), "--workers", "1"),
         *("--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}"),
-        *("--artifacts-destination", str(root / "mlartifacts")),
+        *("--no-serve-artifacts", "--default-artifact-root", (root / "mlartifacts").as_uri()),
     ]
     env = os.environ | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     with (logs / "mlflow-server.log").open("ab") as out:
