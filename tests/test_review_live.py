@@ -38,6 +38,7 @@ from tuneloop.review import store as review_store
 from tuneloop.review.store import ReviewStore, create_invite, create_review, revoke, vote_rows
 from tuneloop.review.tally import compute_results
 from tuneloop.review.web import COOKIE, create_review_app
+from tuneloop.tracking import runs
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium")
@@ -318,8 +319,7 @@ def reaches_mlflow_the_card_and_status(store: ReviewStore, folder: Path) -> None
     assert carded.index("## Blind review") < carded.index("## Compute")
     tags = client.get_model_version("support", "2").tags
     assert tags[signoff.TAG_REVIEW] == judged.summary()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{folder / 'mlflow.db'}")
+    with runs.use_tracking_uri(f"sqlite:///{folder / 'mlflow.db'}"):
         shown = approval.format_status(
             {
                 "aliases": {"champion": "1", "challenger": "2"},

@@ -77,6 +77,13 @@ def test_the_champion_read_without_mlflow_is_the_registrys(project: MlflowClient
         assert aliases.champion(NAME) == the_champion(project)
     project.set_registered_model_alias(NAME, registry.CHAMPION, trained)
     assert aliases.champion(NAME) == init_from.Champion(trained, run.info.run_id, ("b1", "b2"))
+    # What `tuneloop status` shows, read the same way.
+    project.set_registered_model_alias(NAME, "challenger", untagged)
+    assert aliases.aliases(NAME) == {"champion": trained, "challenger": untagged}
+    assert aliases.aliases("no-such-model") == {}
+    assert aliases.version_tags(NAME, trained) == project.get_model_version(NAME, trained).tags
+    with pytest.raises(ValueError, match="a model version is a number"):
+        aliases.version_tags(NAME, "1 OR 1=1")
 
 
 def mlflow_runs(folder: Path) -> int:
@@ -150,4 +157,12 @@ def test_a_data_stage_logs_its_run_over_rest(tmp_path: Path) -> None:
         version = register(local, {init_from.TAG_BATCHES: "b1"}, run.info.run_id)
         local.set_registered_model_alias(NAME, registry.CHAMPION, version)
         assert aliases.champion(NAME) == init_from.Champion(version, run.info.run_id, ("b1",))
+        assert aliases.aliases(NAME) == {"champion": version}
+        assert aliases.aliases("no-such-model") == {}
+        assert aliases.version_tags(NAME, version) == local.get_model_version(NAME, version).tags
     assert runs.tracking_uri() != url  # the block's end stopped the server and restored the URI
+    # The server kept the artifacts as plain files, so the store alone serves them now (a plain
+    # `dvc repro` after the demo tracks without the server).
+    assert run.info.artifact_uri.startswith((tmp_path / "mlartifacts").as_uri())
+    after = MlflowClient(store).download_artifacts(run.info.run_id, "pack/report.md", str(tmp_path))
+    assert Path(after).read_text() == "| ok |"

@@ -24,17 +24,13 @@ its name (``tuneloop status`` lists the waiting ones).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import sqlite3
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import unquote, urlparse
 from uuid import UUID
 
 import httpx
@@ -43,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from tuneloop.params import Params
 from tuneloop.release.admin import AdminError, RouterAdmin
 from tuneloop.release.readings import merge, parse_stats
+from tuneloop.tracking import aliases, rest, runs
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
@@ -471,46 +468,17 @@ def registry_aliases(name: str) -> dict[str, str] | str:
     """``{alias: version}`` of registered model ``name``, or why they cannot be read.
 
     The store is ``tuneloop.tracking.runs.tracking_uri()``'s: ``$MLFLOW_TRACKING_URI``, else the
-    project's ``mlflow.db``. A SQLite store is read from its ``registered_model_aliases``
-    table, an MLflow server through its REST API; any other store through ``MlflowClient``.
+    project's ``mlflow.db``, read without MLflow where it can be (``tuneloop.tracking.aliases``).
     """
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-    scheme = urlparse(uri).scheme
-    if scheme == "sqlite":
-        path = Path(unquote(uri.removeprefix("sqlite:///")))
-        if not path.is_file():
-            return f"registered model {name!r}: no MLflow store at {path} (nothing registered)"
-        try:
-            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-                rows = db.execute(
-                    "SELECT alias, version FROM registered_model_aliases WHERE name = ?", (name,)
-                ).fetchall()
-        except sqlite3.Error as error:
-            return f"registered model {name!r}: cannot read {path}: {error}"
-        return {str(alias): str(version) for alias, version in rows} or (
-            f"registered model {name!r}: no aliases in {path}"
-        )
-    if scheme in ("http", "https"):
-        try:
-            reply = httpx.get(
-                f"{uri.rstrip('/')}/api/2.0/mlflow/registered-models/get",
-                params={"name": name},
-                timeout=10,
-            )
-        except httpx.HTTPError as error:
-            return f"registered model {name!r}: {uri}: {error}"
-        if reply.status_code != 200:
-            return f"registered model {name!r}: {uri} answered {reply.status_code}"
-        found = reply.json().get("registered_model", {}).get("aliases", [])
-        return {str(a["alias"]): str(a["version"]) for a in found}
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
     try:
-        model = MlflowClient(uri).get_registered_model(name)
-    except MlflowException as error:
-        return f"registered model {name!r}: {error.message}"
-    return {alias: str(v) for alias, v in model.aliases.items()}
+        found = _read_registry(
+            lambda: aliases.aliases(name), lambda c: c.get_registered_model(name).aliases
+        )
+    except (aliases.CannotTell, rest.RestError, OSError) as error:
+        return f"registered model {name!r}: {error}"
+    return {alias: str(version) for alias, version in found.items()} or (
+        f"registered model {name!r}: no aliases"
+    )
 
 
 # The version tags `tuneloop status` shows (tuneloop.tracking.registry, tuneloop.release.signoff).
@@ -518,38 +486,34 @@ STATUS_TAGS = ("gate.on_inconclusive", "gate.unsettled", "review.result")
 
 
 def version_tags(name: str, version: str) -> dict[str, str] | str:
-    """The ``STATUS_TAGS`` of ``name`` v``version``, read as ``registry_aliases`` reads aliases."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-    scheme = urlparse(uri).scheme
-    if scheme == "sqlite":
-        path = Path(unquote(uri.removeprefix("sqlite:///")))
-        try:
-            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-                rows = db.execute(
-                    "SELECT key, value FROM model_version_tags WHERE name = ? AND version = ?",
-                    (name, int(version)),
-                ).fetchall()
-        except (sqlite3.Error, ValueError) as error:
-            return f"{name} v{version}: cannot read its tags from {path}: {error}"
-        found = {str(k): str(v) for k, v in rows}
-    elif scheme in ("http", "https"):
-        try:
-            reply = httpx.get(
-                f"{uri.rstrip('/')}/api/2.0/mlflow/model-versions/get",
-                params={"name": name, "version": version},
-                timeout=10,
-            )
-        except httpx.HTTPError as error:
-            return f"{name} v{version}: {uri}: {error}"
-        if reply.status_code != 200:
-            return f"{name} v{version}: {uri} answered {reply.status_code}"
-        tags = reply.json().get("model_version", {}).get("tags", [])
-        found = {str(t["key"]): str(t["value"]) for t in tags}
-    else:
+    """The ``STATUS_TAGS`` of ``name`` v``version``, or why they cannot be read."""
+    try:
+        found = _read_registry(
+            lambda: aliases.version_tags(name, version),
+            lambda c: c.get_model_version(name, version).tags,
+        )
+    except (aliases.CannotTell, rest.RestError, OSError, ValueError) as error:
+        return f"{name} v{version}: cannot read its tags: {error}"
+    return {k: str(v) for k, v in found.items() if k in STATUS_TAGS}
+
+
+def _read_registry(
+    directly: Callable[[], dict[str, str]], through_mlflow: Callable[[Any], Mapping[str, Any]]
+) -> Mapping[str, Any]:
+    """``directly`` (SQLite or REST, no MLflow import), else through ``MlflowClient`` for a
+    store only MLflow reads (another database); a store that does not exist yet stays so."""
+    try:
+        return directly()
+    except aliases.NoStore:
+        raise
+    except aliases.CannotTell:
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
-        found = dict(MlflowClient(uri).get_model_version(name, version).tags)
-    return {k: v for k, v in found.items() if k in STATUS_TAGS}
+        try:
+            return through_mlflow(MlflowClient(runs.tracking_uri()))
+        except MlflowException as error:
+            raise aliases.CannotTell(error.message) from error
 
 
 def _challenger_lines(tags: dict[str, str] | str) -> list[str]:

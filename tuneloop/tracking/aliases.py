@@ -1,4 +1,7 @@
-"""The registry's champion, read without importing MLflow: the ``init`` stage's no-op check.
+"""The registry's aliases and version tags, read without importing MLflow.
+
+The ``init`` stage's no-op check (``champion``) and ``tuneloop status`` (``aliases``,
+``version_tags``) read them here.
 
 ``dvc repro`` runs ``init`` every time (DVC cannot see an alias move). Asking MLflow would
 cost the stage its import and its SQLite store (about 7 s of CPU on 2 cores) only to find,
@@ -10,6 +13,7 @@ library. A store this cannot read (another database, a schema it does not know) 
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import urllib.parse
 from pathlib import Path
@@ -19,6 +23,11 @@ from tuneloop.tracking import init_from, rest, runs
 
 class CannotTell(RuntimeError):
     """This store cannot be read without MLflow; ask MLflow."""
+
+
+class NoStore(CannotTell):
+    """The project's SQLite store does not exist yet: nothing is registered. (Asking MLflow
+    would create it.)"""
 
 
 def champion(name: str, alias: str = "champion") -> init_from.Champion | None:
@@ -31,17 +40,76 @@ def champion(name: str, alias: str = "champion") -> init_from.Champion | None:
         label = f"{name} v{found['version']}"
         batches = init_from.trained_batches(found["tags"], label)
         return init_from.Champion(found["version"], found["run_id"], batches)
-    if uri.startswith("sqlite:///"):
-        return _from_sqlite(Path(urllib.parse.unquote(uri.removeprefix("sqlite:///"))), name, alias)
-    raise CannotTell(f"tracking store {uri!r} is read through MLflow")
+    return _from_sqlite(_sqlite_path(uri), name, alias)
+
+
+def aliases(name: str) -> dict[str, str]:
+    """``{alias: version}`` of registered model ``name`` (empty: no such model, no alias)."""
+    uri = runs.tracking_uri()
+    if rest.is_server(uri):
+        try:
+            found = rest.Client(uri).call("GET", "registered-models/get", {"name": name})
+        except rest.RestError as error:
+            if error.code == "RESOURCE_DOES_NOT_EXIST":
+                return {}
+            raise
+        listed = found.get("registered_model", {}).get("aliases", [])
+        return {str(a["alias"]): str(a["version"]) for a in listed}
+    path = _sqlite_path(uri)
+    rows = _query(
+        path,
+        "SELECT alias, version, workspace FROM registered_model_aliases WHERE name = ?",
+        (name,),
+    )
+    if len({workspace for _, _, workspace in rows}) > 1:
+        raise CannotTell(f"registered model {name!r} is in several workspaces of {path}")
+    return {str(alias): str(version) for alias, version, _ in rows}
+
+
+def version_tags(name: str, version: str) -> dict[str, str]:
+    """The tags of ``name`` v``version``."""
+    uri = runs.tracking_uri()
+    if rest.is_server(uri):
+        found = rest.Client(uri).call(
+            "GET", "model-versions/get", {"name": name, "version": version}
+        )
+        tags = found.get("model_version", {}).get("tags", [])
+        return {str(t["key"]): str(t["value"]) for t in tags}
+    path = _sqlite_path(uri)
+    if not version.isdigit():
+        raise ValueError(f"{name} v{version!r}: a model version is a number")
+    rows = _query(
+        path,
+        "SELECT key, value, workspace FROM model_version_tags WHERE name = ? AND version = ?",
+        (name, int(version)),
+    )
+    if len({workspace for _, _, workspace in rows}) > 1:
+        raise CannotTell(f"{name} v{version} is in several workspaces of {path}")
+    return {str(key): str(value) for key, value, _ in rows}
+
+
+def _sqlite_path(uri: str) -> Path:
+    """The file of a ``sqlite:///`` store (``sqlite:////abs`` -> ``/abs``); ``NoStore`` when it
+    does not exist yet, ``CannotTell`` for any other kind of store."""
+    if not uri.startswith("sqlite:///"):
+        raise CannotTell(f"tracking store {uri!r} is read through MLflow")
+    path = Path(urllib.parse.unquote(uri.removeprefix("sqlite:///")))
+    if not path.is_file():
+        raise NoStore(f"no MLflow store at {path} yet (nothing registered)")
+    return path
+
+
+def _query(path: Path, sql: str, args: tuple[object, ...]) -> list[tuple[object, ...]]:
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            return db.execute(sql, args).fetchall()
+    except sqlite3.Error as error:  # a schema this MLflow version does not have
+        raise CannotTell(f"{path}: {error}") from error
 
 
 def _from_sqlite(path: Path, name: str, alias: str) -> init_from.Champion | None:
-    # sqlite:////abs/path -> "/abs/path"; sqlite:///rel/path -> "rel/path".
-    if not path.is_file():
-        raise CannotTell(f"{path} does not exist yet")
     try:
-        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
             rows = db.execute(
                 "SELECT version, workspace FROM registered_model_aliases "
                 "WHERE name = ? AND alias = ?",
