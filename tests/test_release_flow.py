@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import httpx
 import mlflow
@@ -42,8 +43,10 @@ from tests.router_helpers import (
     serve,
 )
 from tuneloop.cli import main as cli
-from tuneloop.release import approval
+from tuneloop.release import approval, signoff
 from tuneloop.release.backends import Backend, start_transformers_serve
+from tuneloop.review import store as review_store
+from tuneloop.review.store import ReviewItem, ReviewStore, create_invite, create_review
 
 logger = logging.getLogger(__name__)
 
@@ -273,10 +276,13 @@ def release_outcome(state: State[Any]) -> dict[str, Any]:
     return outcome(state)
 
 
-def start_release(repo: Path, router_url: str, **release: Any) -> FlowThread:
+def start_release(
+    repo: Path, router_url: str, gate: dict[str, Any] | None = None, **release: Any
+) -> FlowThread:
     from flows.release import release as release_flow
 
-    write_params(repo, {"release": {**RELEASE, "routers": [router_url], **release}})
+    overrides = {"release": {**RELEASE, "routers": [router_url], **release}}
+    write_params(repo, overrides | ({"gate": gate} if gate else {}))
     out: dict[str, Any] = {}
 
     def run() -> None:
@@ -524,3 +530,92 @@ def test_a_canary_that_fails_while_waiting_for_approval_rolls_back(
         "champion": "1",
         "challenger": "2",
     }
+
+
+def test_with_blind_review_set_no_traffic_moves_until_the_review_is_settled(
+    prefect_harness: None,
+    backends: dict[str, Backend],
+    repo: Path,
+    aliases: MlflowClient,
+    token: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A review of v2 against v1 in its own store, as `tuneloop review create` makes one.
+    monkeypatch.setenv("TUNELOOP_REVIEW_DB", f"sqlite:///{tmp_path / 'review.db'}")
+    store = ReviewStore()
+    name = signoff.review_name(MODEL, "2")
+    items = [
+        ReviewItem(f"question {i}?", f"champion answer {i}", f"candidate answer {i}")
+        for i in range(4)
+    ]
+    create_review(store, name, items, champion=f"{MODEL} v1", candidate=f"{MODEL} v2", controls=0)
+    gate = {"blind_review": {"min_votes": 4, "margin": 0.1}}
+    with router(backends, tmp_path / "feedback") as url, Traffic(url).running() as traffic:
+        flow = start_release(repo, url, gate=gate)
+        run_id = wait_paused(flow)
+        # Paused for the review, before the load test and the lease: no challenger traffic.
+        assert router_status(url)["challenger_percent"] == 0
+        assert router_status(url).get("lease") is None
+        # Not a step to approve or reject: the run waits for its reviewers.
+        assert cli(["reject", run_id, "--approver", "dana", "--comment", "no"]) == 1
+        assert "waits for its blind review" in capsys.readouterr().err
+        # "Done" too early: judged again, still too few votes, and it pauses again.
+        paused = paused_state(run_id)
+        assert cli(["approve", run_id, "--approver", "dana"]) == 0
+        assert "its blind review is judged again" in capsys.readouterr().out
+        wait_paused_again(flow, run_id, paused)
+        assert router_status(url)["challenger_percent"] == 0
+        # One reviewer prefers the candidate on every item: 4 of 4, a clear win.
+        reviewer = review_store.reviewer_of(store, create_invite(store, "rita", review=name).token)
+        while (page := review_store.next_page(store, reviewer)) is not None:
+            choice = "a" if page.answer_a.startswith("candidate") else "b"
+            review_store.record_vote(store, reviewer, page.key, page.nonce, choice, "")
+        assert cli(["approve", run_id, "--approver", "dana"]) == 0
+        # Settled: the load test runs and the canary takes its first step.
+        deadline = time.monotonic() + 120
+        while router_status(url)["challenger_percent"] != 10:
+            assert time.monotonic() < deadline and flow.thread.is_alive(), flow.out
+            time.sleep(0.5)
+        step_run = wait_paused(flow)
+        assert cli(["reject", step_run, "--approver", "dana", "--comment", "enough"]) == 0
+        state = flow.state()
+    store.close()
+    assert state.is_failed(), state  # rejected at 10 %
+    assert max(percent for percent, _, _ in traffic.seen) == 10
+    run = aliases.get_run(str(aliases.get_model_version(MODEL, "2").run_id))
+    logged = events(repo, aliases, str(state.state_details.flow_run_id))
+    reviews = [e for e in logged if e["kind"] == "review"]
+    assert [e["check"]["status"] for e in reviews] == ["inconclusive", "inconclusive", "pass"]
+    kinds = [e["kind"] for e in logged]
+    assert kinds.index("review") < kinds.index("loadtest") < kinds.index("lease")
+    assert run.data.metrics["review.votes"] == 4.0
+    assert run.data.tags["review.status"] == "pass"
+    shown = aliases.get_model_version(MODEL, "2").tags[signoff.TAG_REVIEW]
+    assert "4 votes by 1 reviewers" in shown
+
+
+def paused_state(run_id: str) -> str:
+    """The id of the paused state run ``run_id`` is in."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(UUID(run_id)).state
+    assert state is not None and state.is_paused(), state
+    return str(state.id)
+
+
+def wait_paused_again(flow: FlowThread, run_id: str, before: str, timeout: float = 60) -> None:
+    """Until run ``run_id``, answered in paused state ``before``, has run and paused again."""
+    from prefect import get_client
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            state = client.read_flow_run(UUID(run_id)).state
+            assert flow.thread.is_alive(), f"flow ended: {flow.out}"
+            if state is not None and state.is_paused() and str(state.id) != before:
+                return
+            time.sleep(0.3)
+    raise AssertionError("the release did not pause again for its review")

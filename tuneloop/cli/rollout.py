@@ -64,7 +64,11 @@ def _approve(args: argparse.Namespace) -> int:
     except approval.ApprovalError as error:
         print(f"tuneloop approve: {error}", file=sys.stderr)
         return 1
-    print(f"approved {done['flow_run']}: challenger -> {done['next_percent']} % by {args.approver}")
+    if done["decision"] == "review done":  # it waited for its blind review, not for a step
+        print(f"{done['flow_run']}: its blind review is judged again ({args.approver})")
+    else:
+        shown = f"challenger -> {done['next_percent']} % by {args.approver}"
+        print(f"approved {done['flow_run']}: {shown}")
     return 0
 
 

@@ -240,8 +240,6 @@ def _answer(
                 f"flow run {run.name} waits for its blind review, not for an approval: answer "
                 "`tuneloop approve` when the reviewers are done (a review that fails blocks it)"
             )
-        from prefect.flow_runs import resume_flow_run
-
         resume_flow_run(run.id, run_input={"approver": approver, "comment": comment})
         return {"flow_run_id": str(run.id), "flow_run": run.name, "decision": "review done"}
     field = schema.get("properties", {}).get("next_percent", {})
