@@ -152,7 +152,7 @@ def test_dvc_repro_after_the_flow_logs_to_the_store_without_its_server(
     assert run.info.status == "FINISHED"
     assert run.info.artifact_uri.startswith("file:"), run.info.artifact_uri
     logged = {a.path for a in store.list_artifacts(run.info.run_id, "preflight")}
-    assert logged == {"preflight/preflight.md"}
+    assert "preflight/preflight.md" in logged, logged
     assert only_init_runs_again(dvc(repo, "status"))
 
 

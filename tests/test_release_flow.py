@@ -61,6 +61,9 @@ USERS = [f"user-{i}" for i in range(400)]
 # thresholds under test here are error and badcase rates.
 RELEASE = {
     "admin_token_env": "TUNELOOP_ADMIN_TOKEN",
+    # The router runs in this process beside the flow and the traffic, sharing its GIL: on a
+    # busy 2-core runner a page of samples took longer than the default 10 s to come back.
+    "admin_timeout_s": 60,
     "steps": [10, 50, 100],
     # 4 s: at 10 % the canary needs min_requests of its own in each interval, and on a busy
     # 2-core runner the test traffic makes ~8 requests a second.

@@ -69,6 +69,12 @@ class ReleaseParams(_Group):
         min_length=1, description="base URL of every router replica; all are driven together"
     )
     admin_token_env: str = Field(min_length=1, description="env var holding the admin token")
+    admin_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="seconds to wait for a router's admin answer (a page of samples included)",
+    )
     steps: tuple[int, ...] = Field(min_length=1, description="challenger percents, rising to 100")
     analysis_interval: float = Field(gt=0, description="seconds of traffic per analysis")
     analyses_per_step: int = Field(ge=1, description="passing analyses before the next step")
