@@ -113,7 +113,13 @@ def override_text(value: Any) -> str:
 
 
 def copy_paths(repo: Path, params: Params) -> list[str]:
-    """What a queued experiment's temporary copy needs that git does not carry."""
+    """What a queued experiment's temporary copy needs that git does not carry.
+
+    The lock, the incoming data and the metrics: the only outs DVC does not cache
+    (``cache: false``) are metrics and evaluate's reports (tests/test_experiment.py). A copy
+    missing such an out reruns its stage, so preflight's reports are cached outs: missing,
+    they made an experiment that changed only evaluate's params train again.
+    """
     wanted = [Path("dvc.lock"), params.paths.incoming, params.paths.metrics]
     return [str(path) for path in wanted if (repo / path).exists()]
 

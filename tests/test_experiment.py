@@ -5,10 +5,13 @@ The flows end to end (retrain, and a sweep as DVC experiments) are in test_flow.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from flows.experiment import check_sets, experiment_sets, override_text
-from tests.helpers import ROOT
+from flows.experiment import check_sets, copy_paths, experiment_sets, override_text
+from tests.helpers import ROOT, write_params
+from tuneloop.params import load_params
 
 PARAMS = ROOT / "params.yaml"
 
@@ -70,3 +73,23 @@ def test_a_failed_stage_says_what_ended_it() -> None:
     stopped = {"tuneloop.train.stop_rule": "max_wall_hours", "tuneloop.train.stop_reason": "12 h"}
     assert failure_reason(stopped) == "tuneloop.train.stop_reason: 12 h"
     assert failure_reason({"git.commit": "abc"}) is None
+
+
+def test_a_queued_experiment_gets_every_out_dvc_does_not_cache(tmp_path: Path) -> None:
+    # An out with `cache: false` that the temporary copy lacks reruns its stage (preflight's
+    # reports missing made an experiment of evaluate's params train again). The copy gets the
+    # metrics folder; only evaluate, the last stage, may keep other outs out of the cache.
+    import yaml
+
+    params = load_params(write_params(tmp_path))
+    for folder in (params.paths.incoming, params.paths.metrics):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "dvc.lock").write_text("")
+    expected = ["dvc.lock", str(params.paths.incoming), str(params.paths.metrics)]
+    assert copy_paths(tmp_path, params) == expected
+    for name, stage in yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"].items():
+        for out in [*(stage.get("outs") or []), *(stage.get("metrics") or [])]:
+            if isinstance(out, dict):
+                ((path, options),) = out.items()
+                if options.get("cache") is False and name != "evaluate":
+                    assert path.startswith("${paths.metrics}/"), (name, path)

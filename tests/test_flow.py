@@ -204,7 +204,10 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
 
     repo, _ = flow_result
     before = {name: (repo / name).read_text() for name in ("params.yaml", "dvc.lock")}
-    sets = [{"train.learning_rate": 1e-3}, {"train.learning_rate": 1e-2, "train.lora_r": 8}]
+    # A training change (every stage from preflight on runs again) and a what-if on the gate
+    # (only evaluate runs again): each experiment runs only what its set changes.
+    sets = [{"train.learning_rate": 1e-2, "train.lora_r": 8}, {"gate.max_forgetting": 0.5}]
+    reran = [{"preflight", "train", "merge", "export", "evaluate"}, {"evaluate"}]
     result = experiment(sets=sets, repo=repo, prefix="sweep")
 
     assert list(result["experiments"]) == ["sweep-1", "sweep-2"]
@@ -220,8 +223,9 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
         for baseline in json.loads(dvc(repo, "exp", "show", "--json"))
         for exp in baseline.get("experiments") or []
     }
-    ran = shown["sweep-2"]["params"]["params.yaml"]["data"]["train"]
-    assert (ran["learning_rate"], ran["lora_r"]) == (1e-2, 8)
+    ran = shown["sweep-1"]["params"]["params.yaml"]["data"]
+    assert (ran["train"]["learning_rate"], ran["train"]["lora_r"]) == (1e-2, 8)
+    assert shown["sweep-2"]["params"]["params.yaml"]["data"]["gate"]["max_forgetting"] == 0.5
     assert "data" in shown["sweep-2"]["metrics"]["metrics/evaluate.json"]
 
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
@@ -236,9 +240,9 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
 
     exps = children(parent.info.run_id)
     assert set(exps) == {"sweep-1", "sweep-2"}
-    for name, run in exps.items():
+    for (name, run), settings, stages_set in zip(sorted(exps.items()), sets, reran, strict=True):
         assert run.info.status == "FINISHED"
-        assert run.data.params["train.learning_rate"] in {"0.001", "0.01"}
+        assert run.data.params == {key: str(value) for key, value in settings.items()}
         assert run.data.tags["dvc.exp.rev"] == result["experiments"][name]["rev"]
         assert {"train.eval_loss", "evaluate.candidate.support_demo.accuracy"} <= set(
             run.data.metrics
@@ -246,7 +250,7 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
         # Its stage runs hang below it; only the stages the set changes ran again.
         stages = children(run.info.run_id)
         # (init is not among them: the champion did not move, so it logged no run.)
-        assert set(stages) == {"preflight", "train", "merge", "export", "evaluate"}
+        assert set(stages) == stages_set, name
         assert {r.data.tags["dvc.exp.name"] for r in stages.values()} == {name}
         # Each ran in the experiment's temporary copy and recorded that copy's versions.
         lock = yaml.safe_load(git(repo, "show", f"{run.data.tags['dvc.exp.rev']}:dvc.lock"))
