@@ -535,9 +535,7 @@ def roll_back_on_exit(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
         f"release flow run {flow_run.name} ({flow_run.id}) ended {state.name}: "
         f"{state.message or 'no message'}"
     )
-    with RouterAdmin.from_env(
-        routers.routers, routers.admin_token_env, routers.admin_timeout_s
-    ) as admin:
+    with RouterAdmin.for_release(routers) as admin:
         seconds = admin.rollback(reason)
     # The plain logger: the Prefect API may be what failed, and a hook must not wait on it.
     logging.getLogger(__name__).warning("rolled back in %.0f ms: %s", seconds * 1000, reason)
@@ -579,7 +577,7 @@ def release(
         judges = None
         if rp.shadow_percent:
             judges = suite_judges.judges(params.paths.eval_suites, params.evaluate.suites)
-        with RouterAdmin.from_env(rp.routers, rp.admin_token_env, rp.admin_timeout_s) as admin:
+        with RouterAdmin.for_release(rp) as admin:
             run = Release(rp, admin, log, flow_run_id, judges)
             try:
                 arms = _check_routers(admin, cv, pv)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from flows.experiment import check_sets, copy_paths, experiment_sets, override_text
 from tests.helpers import ROOT, write_params
@@ -79,8 +80,6 @@ def test_a_queued_experiment_gets_every_out_dvc_does_not_cache(tmp_path: Path) -
     # An out with `cache: false` that the temporary copy lacks reruns its stage (preflight's
     # reports missing made an experiment of evaluate's params train again). The copy gets the
     # metrics folder; only evaluate, the last stage, may keep other outs out of the cache.
-    import yaml
-
     params = load_params(write_params(tmp_path))
     for folder in (params.paths.incoming, params.paths.metrics):
         (tmp_path / folder).mkdir(parents=True)

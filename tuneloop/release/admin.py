@@ -21,9 +21,12 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from tuneloop.params import ReleaseParams
 
 logger = logging.getLogger(__name__)
 # Seconds between renewal attempts after a failed one.
@@ -68,6 +71,11 @@ class RouterAdmin:
                 "(the same value the routers were started with)"
             )
         return cls(urls, token, timeout)
+
+    @classmethod
+    def for_release(cls, params: ReleaseParams) -> RouterAdmin:
+        """The routers of ``params.routers``, with its token variable and timeout."""
+        return cls.from_env(params.routers, params.admin_token_env, params.admin_timeout_s)
 
     def copy(self) -> RouterAdmin:
         """The same routers and token over a client of its own (one per thread)."""

@@ -304,7 +304,7 @@ def wait_rollback(params: Params, approver: str, timeout: float) -> dict[str, An
     """
     rp = params.release
     deadline = time.monotonic() + timeout
-    with RouterAdmin.from_env(rp.routers, rp.admin_token_env, rp.admin_timeout_s) as admin:
+    with RouterAdmin.for_release(rp) as admin:
         while True:
             try:
                 statuses = admin.status()
@@ -336,7 +336,7 @@ def rollback(params: Params, reason: str, operator: str) -> dict[str, Any]:
         raise ApprovalError("a rollback needs an --operator name")
     rp = params.release
     try:
-        with RouterAdmin.from_env(rp.routers, rp.admin_token_env, rp.admin_timeout_s) as admin:
+        with RouterAdmin.for_release(rp) as admin:
             seconds = admin.rollback(reason, operator=operator)
     except AdminError as error:
         raise ApprovalError(str(error)) from None
@@ -425,7 +425,7 @@ def status(params: Params) -> dict[str, Any]:
     rp = params.release
     result: dict[str, Any] = {}
     try:
-        with RouterAdmin.from_env(rp.routers, rp.admin_token_env, rp.admin_timeout_s) as admin:
+        with RouterAdmin.for_release(rp) as admin:
             statuses, stats = admin.status(), admin.stats()
         merged = merge([parse_stats(s) for s in stats.values()])
         result["routers"] = {

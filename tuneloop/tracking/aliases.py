@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tuneloop.tracking import init_from, rest, runs
 
@@ -56,13 +58,12 @@ def aliases(name: str) -> dict[str, str]:
         listed = found.get("registered_model", {}).get("aliases", [])
         return {str(a["alias"]): str(a["version"]) for a in listed}
     path = _sqlite_path(uri)
-    rows = _query(
-        path,
-        "SELECT alias, version, workspace FROM registered_model_aliases WHERE name = ?",
-        (name,),
-    )
-    if len({workspace for _, _, workspace in rows}) > 1:
-        raise CannotTell(f"registered model {name!r} is in several workspaces of {path}")
+    with _reading(path) as db:
+        rows = db.execute(
+            "SELECT alias, version, workspace FROM registered_model_aliases WHERE name = ?",
+            (name,),
+        ).fetchall()
+    _one_workspace(rows, f"registered model {name!r}", path)
     return {str(alias): str(version) for alias, version, _ in rows}
 
 
@@ -78,13 +79,12 @@ def version_tags(name: str, version: str) -> dict[str, str]:
     path = _sqlite_path(uri)
     if not version.isdigit():
         raise ValueError(f"{name} v{version!r}: a model version is a number")
-    rows = _query(
-        path,
-        "SELECT key, value, workspace FROM model_version_tags WHERE name = ? AND version = ?",
-        (name, int(version)),
-    )
-    if len({workspace for _, _, workspace in rows}) > 1:
-        raise CannotTell(f"{name} v{version} is in several workspaces of {path}")
+    with _reading(path) as db:
+        rows = db.execute(
+            "SELECT key, value, workspace FROM model_version_tags WHERE name = ? AND version = ?",
+            (name, int(version)),
+        ).fetchall()
+    _one_workspace(rows, f"{name} v{version}", path)
     return {str(key): str(value) for key, value, _ in rows}
 
 
@@ -99,41 +99,43 @@ def _sqlite_path(uri: str) -> Path:
     return path
 
 
-def _query(path: Path, sql: str, args: tuple[object, ...]) -> list[tuple[object, ...]]:
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[sqlite3.Connection]:
+    """``path`` opened read-only; a schema this MLflow version does not have: ``CannotTell``."""
     try:
         with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-            return db.execute(sql, args).fetchall()
-    except sqlite3.Error as error:  # a schema this MLflow version does not have
+            yield db
+    except sqlite3.Error as error:
         raise CannotTell(f"{path}: {error}") from error
+
+
+def _one_workspace(rows: list[Any], what: str, path: Path) -> None:
+    """Rows whose last column is MLflow's workspace: several of them cannot be told apart here."""
+    if len({row[-1] for row in rows}) > 1:
+        raise CannotTell(f"{what} is in several workspaces of {path}")
 
 
 def _from_sqlite(path: Path, name: str, alias: str) -> init_from.Champion | None:
-    try:
-        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-            rows = db.execute(
-                "SELECT version, workspace FROM registered_model_aliases "
-                "WHERE name = ? AND alias = ?",
-                (name, alias),
-            ).fetchall()
-            if not rows:
-                return None
-            if len(rows) > 1:
-                raise CannotTell(f"{name}@{alias} is in several workspaces")
-            version, workspace = rows[0]
-            found = db.execute(
-                "SELECT run_id FROM model_versions WHERE name = ? AND version = ? "
+    with _reading(path) as db:
+        rows = db.execute(
+            "SELECT version, workspace FROM registered_model_aliases WHERE name = ? AND alias = ?",
+            (name, alias),
+        ).fetchall()
+        if not rows:
+            return None
+        _one_workspace(rows, f"{name}@{alias}", path)
+        version, workspace = rows[0]
+        found = db.execute(
+            "SELECT run_id FROM model_versions WHERE name = ? AND version = ? AND workspace = ?",
+            (name, version, workspace),
+        ).fetchone()
+        tags = dict(
+            db.execute(
+                "SELECT key, value FROM model_version_tags WHERE name = ? AND version = ? "
                 "AND workspace = ?",
                 (name, version, workspace),
-            ).fetchone()
-            tags = dict(
-                db.execute(
-                    "SELECT key, value FROM model_version_tags WHERE name = ? AND version = ? "
-                    "AND workspace = ?",
-                    (name, version, workspace),
-                ).fetchall()
-            )
-    except sqlite3.Error as error:  # a schema this MLflow version does not have
-        raise CannotTell(f"{path}: {error}") from error
+            ).fetchall()
+        )
     if found is None:
         raise CannotTell(f"{name}@{alias} names version {version}, which is not in {path}")
     batches = init_from.trained_batches(tags, f"{name} v{version}")
