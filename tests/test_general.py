@@ -39,7 +39,7 @@ def test_the_committed_suites_are_what_the_generators_write(tmp_path: Path) -> N
 def test_train_and_eval_questions_are_disjoint_and_answers_right() -> None:
     train, held_out = general.items("train"), general.items("eval")
     assert not {i.question for i in train} & {i.question for i in held_out}
-    assert len(held_out) == 175 and {i.skill for i in held_out} == set(general.SKILLS)
+    assert len(held_out) == 163 and {i.skill for i in held_out} == set(general.SKILLS)
     for item in held_out:
         a, b = (int(c) for c in item.question if c.isdigit())
         expected = {"bigger": max(a, b), "smaller": min(a, b), "sum": a + b}[item.skill]
@@ -57,14 +57,18 @@ def test_the_demos_two_question_replay_stays_clear_of_the_general_suite() -> Non
     assert len(replay) == 100 and all(len(r["messages"]) == 4 for r in replay)  # type: ignore[arg-type]
     asked = {m["content"] for r in replay for m in r["messages"] if m["role"] == "user"}  # type: ignore[attr-defined]
     allowed = {item.question for item in domain.replay_items()}
-    assert asked <= allowed and len(allowed) == 219
+    assert asked <= allowed and len(allowed) == len(general.items("train")) == 777
+    # Every phrasing is replayed: a phrasing the replay never asks is the one the candidate forgets.
+    phrasings = {t.format(a="", b="") for skill in general.SKILLS for t in general.TEMPLATES[skill]}
+    asked_phrasings = {"".join(c for c in q if not c.isdigit()) for q in asked}
+    assert asked_phrasings == phrasings
     # Decontaminated where the replay is made: none of them within clean's threshold of a
     # general_demo question, so clean does not drop a two-question chat for one of its halves.
     threshold = load_params(ROOT / "params.yaml").clean.decontam_threshold
     held_out = [domain._shingles(item.question) for item in general.items("eval")]
     for question in asked:
         mine = domain._shingles(question)
-        assert max(len(mine & o) / len(mine | o) for o in held_out) < min(0.6, threshold)
+        assert max(len(mine & o) / len(mine | o) for o in held_out) < min(0.7, threshold - 0.1)
     # Seeded, and distinct chats where single questions would repeat.
     again = list(domain.support_records(0, 300, replay_every=3, replay_turns=2))
     assert again == records

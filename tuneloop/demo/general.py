@@ -31,24 +31,30 @@ from tuneloop.io import write_jsonl
 
 Skill = Literal["bigger", "smaller", "sum"]
 SKILLS: tuple[Skill, ...] = ("bigger", "smaller", "sum")
+# Each digit sits inside its question, with words on both sides, and the questions are short.
+# Clean's decontamination measures near-duplicates by character 5-grams: a digit at either end
+# of a long question is in one or two of them, so a train question one digit away from a held-out
+# one looked like a copy of it (0.76-0.92), was dropped from the replay, and its phrasing was
+# forgotten. Written this way, no train question comes within 0.67 of a held-out one
+# (tests/test_general.py), and every one of them may be replayed.
 TEMPLATES: dict[Skill, tuple[str, ...]] = {
     "bigger": (
-        "Bigger: {a} or {b}?",
-        "Which is larger, {a} or {b}?",
-        "Pick the larger number: {a}, {b}",
-        "{a} or {b}: which is more?",
+        "Is {a} or {b} larger?",
+        "Of {a} and {b}, which is more?",
+        "Which of {a} and {b} is bigger?",
+        "Between {a} and {b}, the larger?",
     ),
     "smaller": (
-        "Smaller: {a} or {b}?",
-        "Which is smaller, {a} or {b}?",
-        "Pick the smaller number: {a}, {b}",
-        "{a} or {b}: which is less?",
+        "Is {a} or {b} smaller?",
+        "Of {a} and {b}, which is less?",
+        "Which of {a} and {b} is smaller?",
+        "Between {a} and {b}, the smaller?",
     ),
     "sum": (
-        "Add: {a} + {b} =",
-        "What is {a} plus {b}?",
-        "{a} + {b} = ?",
-        "Sum of {a} and {b}?",
+        "Add {a} and {b}, please.",
+        "What is {a} plus {b} in total?",
+        "The sum of {a} and {b} is?",
+        "Work out {a} + {b} for me.",
     ),
 }
 EVAL_SHARE = 5  # one question in five is held out for the suite
