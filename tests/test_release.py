@@ -7,6 +7,7 @@ Fast: no model, no Prefect server. The flow itself runs end to end in
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import re
@@ -39,6 +40,7 @@ from tests.router_helpers import (
 )
 from tuneloop.judge.stats import mcnemar_p, two_proportion_p
 from tuneloop.params import ParamsError, ReleaseParams, ShadowParams, load_params, parse_params
+from tuneloop.release import loadtest
 from tuneloop.release.admin import AdminError, Cursor, LeaseKeeper, RouterAdmin
 from tuneloop.release.analysis import analyse, analyse_shadow
 from tuneloop.release.approval import (
@@ -418,16 +420,22 @@ def test_release_params_steps_must_rise_to_100() -> None:
 
 
 def streaming_backend(
-    first_token_delay: float, eos_after: int, token_delay: float = 0.0, strict: bool = False
+    first_token_delay: float,
+    eos_after: int,
+    token_delay: float = 0.0,
+    strict: bool = False,
+    cold_requests: int = 0,
 ) -> FastAPI:
     """An OpenAI streaming stub that stops at its "EOS" after ``eos_after`` tokens unless asked
     for a fixed length, in vLLM's form (``min_tokens``, ``ignore_eos``) or, with ``strict``,
     only in ``transformers serve``'s (``generation_config``; other unknown fields are a 422,
-    as there)."""
+    as there). Its first ``cold_requests`` answers take a second to their first token."""
     app = FastAPI()
+    seen = itertools.count()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
+        cold = next(seen) < cold_requests
         body = await request.json()
         assert body["stream"] is True and body["model"] == "m"
         tokens = min(eos_after, body["max_tokens"])
@@ -442,7 +450,7 @@ def streaming_backend(
 
         async def events() -> AsyncIterator[bytes]:
             yield b'data: {"choices": [{"delta": {"role": "assistant"}}]}\n\n'
-            await asyncio.sleep(first_token_delay)
+            await asyncio.sleep(1.0 if cold else first_token_delay)
             for _ in range(tokens):
                 yield b'data: {"choices": [{"delta": {"content": "ok "}}]}\n\n'
                 await asyncio.sleep(token_delay)
@@ -465,6 +473,17 @@ def test_the_load_test_times_first_tokens_and_catches_a_slow_candidate() -> None
     verdict = compare_load(champion, candidate, release_params().loadtest)
     assert not verdict.passed
     assert "loadtest_ttft_p50_ms" in verdict.reasons[0]
+
+
+def test_a_cold_backends_first_concurrent_answers_are_warm_ups_not_measured() -> None:
+    # A challenger started for the release against a champion warm from traffic: its first
+    # answers, one alone and then a round at the test's concurrency, pay for start-up.
+    concurrency = 2
+    cold = 1 + loadtest.WARMUP_ROUNDS * concurrency
+    with serve(streaming_backend(0.0, 8, cold_requests=cold)) as started:
+        candidate = load_test(started, "m", requests=4, concurrency=concurrency, max_tokens=8)
+    assert candidate.errors == 0 and len(candidate.ttft_ms) == 4
+    assert max(candidate.ttft_ms) < 500  # a cold answer takes 1000 ms to its first token
 
 
 def test_the_load_test_compares_equal_lengths_whatever_the_eos() -> None:
