@@ -210,6 +210,8 @@ def test_full_trains_every_weight_and_saves_a_whole_model(
     base_weights = AutoModelForCausalLM.from_pretrained(folder / "models/base").state_dict()
     assert all(not torch.equal(t, base_weights[n]) for n, t in model.state_dict().items())
     assert json.loads((folder / "models/adapter/manifest.json").read_text())["artifact"] == "model"
+    # Saved for inference: the Trainer's use_cache=False would make it generate without a cache.
+    assert json.loads((folder / "models/adapter/config.json").read_text())["use_cache"] is True
 
 
 def test_dpo_after_sft_refines_the_sft_adapter(

@@ -234,6 +234,10 @@ def run_phase(
 
     final = phase_dir / checkpoints.FINAL
     methods.drop_reference_adapter(trainer.model)
+    # The Trainer sets the model's use_cache to TrainingArguments.use_cache (False) for training;
+    # saved so, a full fine-tune generated without its KV cache in `transformers serve` and in
+    # every user's `generate`. What is saved is for inference.
+    trainer.model.config.use_cache = True
     trainer.save_model(str(final))  # every rank: ZeRO-3 and FSDP gather the weights for it
     checkpoints.barrier()
     if rank.is_main:
