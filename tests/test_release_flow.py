@@ -125,7 +125,7 @@ def stack(
     folder = tmp_path_factory.mktemp("release-repo")
     # Backends load (~16 s) while the registry is written, then both must be healthy.
     started = {
-        arm: start_transformers_serve(models[version], free_port(), folder / f"{arm}.log")
+        arm: start_transformers_serve(models[version], free_port(), folder / f"{arm}.log", 1)
         for arm, version in (("champion", "1"), ("challenger", "2"))
     }
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import pytest
 from tests.helpers import free_port
 from tuneloop.release.backends import (
     LoraModule,
+    start_transformers_serve,
     transformers_serve_command,
     transformers_served_model,
     vllm_serve_command,
@@ -138,16 +138,14 @@ def test_transformers_serve_behind_the_router(tmp_path: Path) -> None:
     )  # fmt: skip
     model_dir = tmp_path / "tiny"
     save_tiny(model_dir, shape, tokenizer_corpus(0), seed=0)
-    port = free_port()
-    executable = str(Path(sys.executable).with_name("transformers"))
-    command = transformers_serve_command(model_dir, port, executable=executable)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    log = (tmp_path / "serve.log").open("wb")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    backend = start_transformers_serve(model_dir, free_port(), tmp_path / "serve.log", threads=1)
     try:
-        url = f"http://127.0.0.1:{port}"
-        waited = wait_healthy(url, timeout=120, process=process)
+        url = backend.url
+        waited = backend.wait_healthy(timeout=120)
         logger.info("transformers serve healthy after %.1f s", waited)
+        # Its share of the cores: one torch thread, where two backends share a host.
+        environ = Path(f"/proc/{backend.process.pid}/environ").read_bytes().split(b"\0")
+        assert b"OMP_NUM_THREADS=1" in environ and b"HF_HUB_OFFLINE=1" in environ
         config = make_config({"champion": url, "challenger": url}, tmp_path / "feedback")
         config = config.model_copy(
             update={
@@ -168,10 +166,4 @@ def test_transformers_serve_behind_the_router(tmp_path: Path) -> None:
                 events = [line for line in streamed.iter_lines() if line.startswith("data:")]
             assert events and "choices" in json.loads(events[0][5:])
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+        backend.stop(grace=20)

@@ -142,7 +142,9 @@ class ServeParams(_Group):
         ge=1, description="VLLM_CPU_KVCACHE_SPACE on a CPU host; unset, vLLM takes most RAM"
     )
     cpu_threads: int | None = Field(
-        ge=1, description="OMP_NUM_THREADS for vLLM on a CPU host; null = every core"
+        ge=1,
+        description="OMP_NUM_THREADS of a backend on a CPU host (vLLM or transformers serve); "
+        "null = every core",
     )
     max_lora_rank: int = Field(
         description=f"vLLM's --max-lora-rank when adapters are served, one of {VLLM_LORA_RANKS}"

@@ -209,17 +209,22 @@ class Backend:
             self.process.wait()
 
 
-def start_transformers_serve(model_dir: Path, port: int, log: Path) -> Backend:
+def start_transformers_serve(
+    model_dir: Path, port: int, log: Path, threads: int | None = None
+) -> Backend:
     """``transformers serve`` on 127.0.0.1 for one model folder; returns before it is healthy.
 
     Starting returns at once so that two backends can load side by side; call
-    ``wait_healthy`` on each before sending traffic.
+    ``wait_healthy`` on each before sending traffic. ``threads`` caps its torch threads
+    (``OMP_NUM_THREADS``); None leaves torch its default, every core.
     """
     # The `transformers` script of this interpreter's environment, not whatever is first on PATH.
     executable = str(Path(sys.executable).with_name("transformers"))
     command = transformers_serve_command(model_dir, port, executable=executable)
     # Nothing to download: the folder is local, and a hub lookup would hang offline.
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)

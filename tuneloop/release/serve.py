@@ -200,6 +200,8 @@ def prepare(
         model = transformers_served_model(folder)
         # Local folders only: a hub lookup would hang offline.
         env = {"HF_HUB_OFFLINE": "1"}
+        if params.cpu_threads is not None:
+            env["OMP_NUM_THREADS"] = str(params.cpu_threads)
         backend = "transformers"
         engine_version = f"transformers {importlib.metadata.version('transformers')}"
     served = Served(
