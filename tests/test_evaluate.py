@@ -158,7 +158,7 @@ def test_a_candidate_that_forgot_the_general_skill_is_refused(project: Path) -> 
     """A hundred steps at a high learning rate teach the format and wipe the digits skill."""
     decision = read(project, "decision.json")
     [kept] = [c for c in decision["checks"] if c["rule"] == "forgetting"]
-    assert (kept["suite"], kept["reference"], kept["items"]) == (GENERAL, BASE, 175)
+    assert (kept["suite"], kept["reference"], kept["items"]) == (GENERAL, BASE, 163)
     assert kept["status"] == "fail" and kept["high"] < -0.05, kept["reason"]
     assert decision["verdict"] == "fail" and not decision["passed"]
     assert {c["rule"] for c in decision["checks"] if c["status"] == "fail"} == {"forgetting"}
@@ -182,7 +182,7 @@ def test_every_item_is_kept_and_judges_the_same_again(project: Path) -> None:
         "candidate.jsonl",
     ]
     items = {p.stem: scoring.read_items(p) for p in folder.iterdir()}
-    assert len(items[CANDIDATE][SUITE].ids) == 12 and len(items[CANDIDATE][GENERAL].ids) == 175
+    assert len(items[CANDIDATE][SUITE].ids) == 12 and len(items[CANDIDATE][GENERAL].ids) == 163
     assert set(items[FP8]) == {SUITE}
     # The demo suite's items carry their intent and language; no item has a source or month.
     assert set(items[CANDIDATE][SUITE].slices) == {"intent", "lang"}
