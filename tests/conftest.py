@@ -45,7 +45,14 @@ TINY_PROJECT_MODULES = {"test_flow", "test_stages"}
 VLLM_MODULES = {"test_release_vllm", "test_vllm_serving"}
 # The longest groups (whole months of the loop, the team stack, the tiny project's flows)
 # start first, so no worker is left with one of them while the other has gone idle.
-LONG_FIRST = ("tiny-project", "test_loop", "test_team_stack", "test_evaluate", "test_train_stage")
+LONG_FIRST = (
+    "tiny-project",
+    "test_loop",
+    "test_team_stack",
+    "test_real_lora",
+    "test_evaluate",
+    "test_train_stage",
+)
 
 
 # The two tiers, by module: `make test-fast` runs FAST_MODULES (marked `fast` at collection),

@@ -12,15 +12,23 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.helpers import ROOT
-from tests.vllm_helpers import VllmServer, fake_venv, save_adapter, save_model, shipped_serve
+from tests.vllm_helpers import (
+    VllmServer,
+    assert_same_answer,
+    eos_of,
+    fake_venv,
+    greedy_transformers,
+    greedy_vllm,
+    save_adapter,
+    save_model,
+    shipped_serve,
+)
 from tuneloop.params import ParamsError, load_params, parse_params
 from tuneloop.release import serve, vllm_engine
 from tuneloop.release.backends import LoraModule
@@ -240,93 +248,11 @@ def test_serve_refuses_a_bad_adapter_before_serving(tmp_path: Path, tiny: Path) 
 
 # --- one real vLLM ------------------------------------------------------------------------------
 
-PROMPT = [{"role": "user", "content": "My order 1234 has not arrived. Where is it?"}]
-MAX_TOKENS = 16
-
 
 @pytest.fixture(scope="module")
 def vllm_server(vllm_shared: VllmServer) -> str:
     """The session's one vLLM on the tiny folder, LoRA enabled (``tests/vllm_helpers.py``)."""
     return vllm_shared.url
-
-
-@dataclass(frozen=True)
-class Greedy:
-    """A greedy answer: the prompt's tokens, the answer's (EOS left off), their log-probs."""
-
-    prompt: list[int]
-    answer: list[int]
-    logprobs: list[float]
-
-
-def greedy_transformers(model_dir: Path, adapter: Path | None = None) -> Greedy:
-    """The same prompt, chat template and greedy decoding in transformers (+ peft)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter)
-    text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    answer = out.sequences[0, ids.shape[1] :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step[0].float(), dim=-1)[token])
-        for step, token in zip(out.logits, answer, strict=True)
-    ]
-    n = len(_without_eos(answer, tokenizer.eos_token_id))
-    return Greedy(ids[0].tolist(), answer[:n], logprobs[:n])
-
-
-def greedy_vllm(url: str, model: str, eos: int) -> Greedy:
-    """vLLM's greedy answer through the OpenAI chat API, with its token ids and log-probs."""
-    body = {
-        "model": model,
-        "messages": PROMPT,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "return_token_ids": True,
-        "logprobs": True,
-    }
-    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120, trust_env=False)
-    assert reply.status_code == 200, reply.text
-    data = reply.json()
-    choice = data["choices"][0]
-    logger.info("vLLM %s answered %r", model, choice["message"]["content"])
-    answer = _without_eos(choice["token_ids"], eos)
-    logprobs = [float(item["logprob"]) for item in choice["logprobs"]["content"]]
-    return Greedy(data["prompt_token_ids"], answer, logprobs[: len(answer)])
-
-
-def _without_eos(ids: list[int], eos: int) -> list[int]:
-    return ids[:-1] if ids and ids[-1] == eos else ids
-
-
-def eos_of(model_dir: Path) -> int:
-    from transformers import AutoTokenizer
-
-    return int(AutoTokenizer.from_pretrained(model_dir).eos_token_id)
-
-
-def assert_same_answer(served: Greedy, expected: Greedy) -> None:
-    """The same template (prompt tokens), answer tokens, and each token's log-prob within 1e-3
-    (both in float32): the model vLLM runs is the model transformers runs, not only its argmax."""
-    assert served.prompt == expected.prompt
-    assert served.answer == expected.answer
-    gap = max(abs(a - b) for a, b in zip(served.logprobs, expected.logprobs, strict=True))
-    logger.info("answer %s; largest log-prob difference %.2e", served.answer, gap)
-    assert gap < 1e-3
 
 
 @pytest.mark.slow
