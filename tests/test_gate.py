@@ -172,6 +172,29 @@ def test_an_fp8_export_that_drops_past_the_limit_fails() -> None:
     assert statuses(decision, "fp8_within")["accuracy"] == "fail"
 
 
+def test_an_fp8_export_that_is_not_served_is_compared_but_decides_nothing() -> None:
+    # Adapters on a shared base (the real-model demo's release) never ship the merged FP8 export.
+    fp8 = suite(right(range(130)))  # the export that fails above
+    decision = judge(
+        {BASE: BASE_40, CANDIDATE: CANDIDATE_80, FP8: fp8},
+        GATE.model_copy(update={"fp8_max_drop": None}),
+    )
+    assert decision["verdict"] == "pass" and decision["thresholds"]["fp8_max_drop"] is None
+    assert not [c for c in decision["checks"] if c["rule"] == "fp8_within"]
+    [compared] = [
+        c
+        for c in decision["comparisons"]
+        if (c["model"], c["reference"], c["metric"]) == (FP8, CANDIDATE, "accuracy")
+    ]
+    assert compared["diff"] == pytest.approx(-0.15)
+    scores = gate.scores_of(
+        {m: {SUITE: found} for m, found in ((BASE, BASE_40), (CANDIDATE, CANDIDATE_80), (FP8, fp8))}
+    )
+    assert "candidate-fp8: compared below, not a rule" in gate_report.report(
+        scores, decision, DIRECTIONS
+    )
+
+
 def test_a_forgetting_drop_past_the_budget_fails() -> None:
     base_general = general(right(range(180)))  # 0.90
     forgot = general(right(range(120)))  # 0.60

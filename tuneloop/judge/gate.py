@@ -13,7 +13,8 @@ The rules (params ``gate``), each a threshold on such a difference:
 - ``no_regression``: the candidate is behind the champion by at most ``max_regression``
   on every metric (skipped when the registry has no champion yet);
 - ``fp8_within``: the FP8 export is behind the candidate by at most ``fp8_max_drop`` on
-  every metric;
+  every metric (not a rule when ``fp8_max_drop`` is null: the export is scored, compared and
+  reported, and a release that serves adapters on a shared base never ships it);
 - ``forgetting``: on every general-capability suite (``evaluate.general_suites``), the
   candidate is behind the champion (the base, first month) by at most ``max_forgetting``
   on every metric;
@@ -374,7 +375,8 @@ def decide(
                         conf,
                     )
                 )
-            checks.append(_check("fp8_within", fp8, -gate.fp8_max_drop, blocks, boot.n, conf))
+            if gate.fp8_max_drop is not None:  # null: the export is not what is served
+                checks.append(_check("fp8_within", fp8, -gate.fp8_max_drop, blocks, boot.n, conf))
             for where in boot.labels:
                 part = boot.compare(CANDIDATE, reference, metric, higher, where)
                 if part["items"] == 0:

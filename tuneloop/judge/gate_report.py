@@ -51,6 +51,11 @@ def report(scores: Scores, decision: dict[str, Any], directions: Directions) -> 
         "",
     ]
     lines += [f"- {reason}" for reason in decision["reasons"]]
+    if decision["thresholds"].get("fp8_max_drop", 0) is None:
+        lines.append(
+            f"- {FP8}: compared below, not a rule (gate.fp8_max_drop is null: the FP8 export "
+            "is not what is served)"
+        )
     general = set(decision["forgetting"]["suites"])
     pairs = [(CANDIDATE, BASE), (CANDIDATE, CHAMPION), (FP8, CANDIDATE)]
     for suite in scores[CANDIDATE]:

@@ -425,8 +425,11 @@ class GateParams(_Group):
     max_regression: float = Field(
         ge=0, description="candidate behind the champion on any metric, at most"
     )
-    fp8_max_drop: float = Field(
-        ge=0, description="FP8 export behind the merged candidate on any metric, at most"
+    fp8_max_drop: float | None = Field(
+        ge=0,
+        description="FP8 export behind the merged candidate on any metric, at most; null: "
+        "the FP8 export is not what is served (adapters on a shared base), so it is scored and "
+        "reported but decides nothing",
     )
     max_forgetting: float = Field(
         ge=0,
