@@ -52,8 +52,8 @@ MODELS: dict[str, DemoModel] = {
     "smollm2": DemoModel(
         Path("configs/demo-smollm2.yaml"),
         1,
-        "SmolLM2-135M-Instruct: LoRA, vLLM judging and serving it (53 min to the gate on 2 busy "
-        "CPU cores)",
+        "SmolLM2-135M-Instruct: LoRA, vLLM judging and serving it (about 26 min for the month "
+        "on 2 quiet CPU cores)",
     ),
 }
 # Folders of the environment, not of the pipeline: shared with the project, as absolute paths.
