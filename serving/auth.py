@@ -31,7 +31,11 @@ def _matches(token: bytes, env: str) -> bool:
 
 async def require_admin(state: Live, authorization: Annotated[str | None, Header()] = None) -> None:
     """``Refused(401)`` unless the request carries the admin token."""
-    env = state.config.admin_token_env
+    check_admin(state.config.admin_token_env, authorization)
+
+
+def check_admin(env: str, authorization: str | None) -> None:
+    """``Refused(401)`` unless ``authorization`` bears the token in ``$env``."""
     token = _bearer(authorization)
     if token is None or not _matches(token, env):
         raise Refused(

@@ -145,6 +145,12 @@ class RouterConfig(_Frozen):
         min_length=1,
         description="env var holding the key that signs X-Request-Id (the same on every replica)",
     )
+    request_id_scope: str = Field(
+        default="",
+        max_length=100,
+        description="set per task by a router that serves several (serving.tasks): an id one "
+        "task issued is no id of another's, so a flag can never be charged across tasks",
+    )
     request_id_max_age_s: int = Field(
         default=30 * 24 * 3600, ge=60, description="older request ids attribute no flag"
     )

@@ -210,7 +210,7 @@ def new_state(config: RouterConfig) -> RouterState:
         samples=SampleLog(config.sample_memory),
         shadow=Ring(config.shadow.memory),
         writer=FeedbackWriter(config.feedback_dir),
-        ids=RequestIds(secret or None, config.request_id_max_age_s),
+        ids=RequestIds(_scoped(secret, config.request_id_scope), config.request_id_max_age_s),
         flagged_ids=SeenKeys(config.flag_memory),
         flagged_users={arm: SeenKeys(config.flag_memory) for arm in ARMS},
         buckets={p.name: TokenBucket.full(p, ticking) for p in config.feedback_producers},
@@ -218,6 +218,14 @@ def new_state(config: RouterConfig) -> RouterState:
     if config.state_file is not None:
         _restore(state, config.state_file, time.time())
     return state
+
+
+def _scoped(secret: str, scope: str) -> str | None:
+    """The request-id key of one task's router; None without a secret (ids then attribute
+    nothing, never signed by the scope alone)."""
+    if not secret:
+        return None
+    return f"{secret}\x00{scope}" if scope else secret
 
 
 def _restore(state: RouterState, state_file: Path, now: float) -> None:

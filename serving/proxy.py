@@ -114,6 +114,15 @@ async def health() -> dict[str, str]:
 async def proxy(state: RouterState, request: Request, path: str) -> Response:
     config = state.config
     body = await read_object(request, config.limits.request_bytes, config.limits.json_depth)
+    return await forward(state, request, path, body)
+
+
+async def forward(
+    state: RouterState, request: Request, path: str, body: dict[str, Any]
+) -> Response:
+    """One parsed request to the arm of its user's bucket (``serving.tasks`` picks the state
+    by the body's ``model`` first, when one router serves several tasks)."""
+    config = state.config
     asked = body.get("model")
     if asked is not None and asked != config.public_model:
         return openai_error(

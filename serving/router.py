@@ -40,7 +40,8 @@ The parts, each a FastAPI router sharing one ``RouterState`` through the app
 with ``serving.auth`` for the tokens and ``serving.limits`` for bodies and rates.
 
 Run it with ``python -m serving.router --config router.yaml``; tests and the
-benchmark build it with ``create_app(config)``.
+benchmark build it with ``create_app(config)``. A config with ``tasks:`` runs one router for
+several tasks on one base, each task's router at ``/tasks/<task>`` (``serving.tasks``).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from serving import control, flags, proxy
-from serving.config import RouterConfig, load_router_config
+from serving.config import RouterConfig
 from serving.limits import Refused
 from serving.live import RouterState, new_state, state_of
 from tuneloop.release import ARMS
@@ -134,9 +135,12 @@ def main(argv: list[str] | None = None) -> None:
 
     args = _parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    config = load_router_config(args.config)
+    # Imported here: serving.tasks builds on create_app above.
+    from serving.tasks import create_any_app, load_config
+
+    config = load_config(args.config)
     uvicorn.run(
-        create_app(config),
+        create_any_app(config),
         host=args.host,
         port=args.port,
         log_level=args.log_level,
