@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import ValidationError, model_validator
 
 from tuneloop.io import read_yaml
 from tuneloop.params.groups import (
@@ -54,10 +54,20 @@ from tuneloop.params.operations import (
     ShadowParams,
     WatchdogParams,
 )
+from tuneloop.params.tasks import (
+    DEFAULT_TASK,
+    PER_TASK_PATHS,
+    TaskParams,
+    check_tasks,
+    fixed_badcases_path,
+    task_paths,
+)
 
 __all__ = [
     "BUILTIN_BASES",
+    "DEFAULT_TASK",
     "PARAMS_FILE",
+    "PER_TASK_PATHS",
     "TRAIN_PHASE_ORDER",
     "VLLM_LORA_RANKS",
     "BatchParams",
@@ -84,6 +94,7 @@ __all__ = [
     "ScheduleParams",
     "ServeParams",
     "ShadowParams",
+    "TaskParams",
     "TinyModel",
     "TrackingParams",
     "TrainParams",
@@ -95,6 +106,10 @@ __all__ = [
 
 
 class Params(_Group):
+    """Every group of ``params.yaml``. With ``tasks:``, this is the view of a single merged
+    model (every task's data, one adapter, ``tracking.registered_model``); each task's own
+    pipeline sees ``for_task(name)``."""
+
     model: ModelParams
     paths: PathsParams
     demo: DemoParams
@@ -113,6 +128,57 @@ class Params(_Group):
     serve: ServeParams
     watchdog: WatchdogParams
     schedule: ScheduleParams
+    tasks: dict[str, TaskParams] | None = None
+
+    @model_validator(mode="after")
+    def _tasks_apart(self) -> Params:
+        if self.tasks is not None:
+            if not self.tasks:
+                raise ValueError("tasks: list at least one task, or leave the key out")
+            check_tasks(self.tasks, self.gate, self.train)
+        return self
+
+    def task_names(self) -> tuple[str, ...]:
+        """The tasks on the base, in the file's order (``DEFAULT_TASK`` without ``tasks:``)."""
+        return (DEFAULT_TASK,) if self.tasks is None else tuple(self.tasks)
+
+    def for_task(self, name: str) -> Params:
+        """The params as task ``name``'s stages see them: its model, suites, overrides and
+        folders. The one task of a project without ``tasks:`` sees them as written."""
+        if self.tasks is None and name == DEFAULT_TASK:
+            return self
+        if self.tasks is None or name not in self.tasks:
+            raise ParamsError(
+                f"no task {name!r} in params.yaml; its tasks: {list(self.task_names())}"
+            )
+        task = self.tasks[name]
+        paths = task_paths(self.paths, name)
+        paths = paths.model_copy(update={"fixed_badcases": fixed_badcases_path(self.paths, name)})
+        return self.model_copy(
+            update={
+                "paths": paths,
+                "tracking": self.tracking.model_copy(
+                    update={"registered_model": task.registered_model}
+                ),
+                "evaluate": self.evaluate.model_copy(update={"suites": task.suites}),
+                "gate": GateParams.model_validate({**self.gate.model_dump(), **task.gate}),
+                "train": TrainParams.model_validate({**self.train.model_dump(), **task.train}),
+                # The router of several tasks serves each one's own router at /tasks/<task>
+                # (serving.tasks): a release, a rollback, a status reach that task alone.
+                "release": self.release.model_copy(
+                    update={
+                        "routers": tuple(
+                            f"{u.rstrip('/')}/tasks/{name}" for u in self.release.routers
+                        )
+                    }
+                ),
+            }
+        )
+
+    def public_model(self, name: str) -> str:
+        """What clients ask the router for to reach task ``name``."""
+        task = None if self.tasks is None else self.tasks.get(name)
+        return (task.public_model if task else None) or name
 
 
 def _describe(error: ValidationError, source: Path) -> str:

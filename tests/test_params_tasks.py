@@ -1,0 +1,99 @@
+"""The ``tasks:`` group: each task's view of the params, and what a wrong one says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tuneloop.params import DEFAULT_TASK, PER_TASK_PATHS, ParamsError, load_params, parse_params
+
+TASKS = {
+    "support": {"registered_model": "tuneloop-support", "suites": ["support_demo"]},
+    "copy": {
+        "registered_model": "tuneloop-copy",
+        "suites": ["copy_demo"],
+        "public_model": "product-copy",
+        "gate": {"min_gain": 0.1, "max_broken_fixes": 0},
+        "train": {"lora_r": 8, "learning_rate": 2.0e-4},
+    },
+}
+
+
+def shipped() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(Path("params.yaml").read_text())
+    return data
+
+
+def with_tasks(tasks: Any) -> dict[str, Any]:
+    return {**shipped(), "tasks": tasks}
+
+
+def test_a_project_without_tasks_is_the_one_task_case() -> None:
+    params = load_params()
+    assert params.tasks is None
+    assert params.task_names() == (DEFAULT_TASK,)
+    assert params.for_task(DEFAULT_TASK) is params
+    assert params.public_model(DEFAULT_TASK) == DEFAULT_TASK
+    with pytest.raises(ParamsError, match=r"no task 'copy'.*\['default'\]"):
+        params.for_task("copy")
+
+
+def test_each_task_sees_its_model_suites_overrides_and_folders() -> None:
+    params = parse_params(with_tasks(TASKS))
+    assert params.task_names() == ("support", "copy")
+    copy, support = params.for_task("copy"), params.for_task("support")
+    assert copy.tracking.registered_model == "tuneloop-copy"
+    assert copy.evaluate.suites == ("copy_demo",)
+    assert (copy.gate.min_gain, copy.gate.max_broken_fixes) == (0.1, 0)
+    assert copy.train.lora_r == 8 and copy.train.learning_rate == 2.0e-4
+    # What the task did not override is the shared value.
+    assert support.gate == params.gate and support.train == params.train
+    assert copy.gate.max_forgetting == params.gate.max_forgetting
+    assert copy.evaluate.general_suites == params.evaluate.general_suites
+    for key in PER_TASK_PATHS:
+        assert getattr(copy.paths, key) == getattr(params.paths, key) / "copy", key
+    assert copy.paths.clean != support.paths.clean
+    for shared in ("incoming", "pool", "base_model", "downloads", "eval_suites"):
+        assert getattr(copy.paths, shared) == getattr(params.paths, shared), shared
+    # Its regression suite is a suite folder of its own, where lm-eval finds suites.
+    assert copy.paths.fixed_badcases == params.paths.eval_suites / "fixed_badcases_copy"
+    # Its release, rollback and status reach its own router on each replica.
+    assert copy.release.routers == tuple(
+        f"{url.rstrip('/')}/tasks/copy" for url in params.release.routers
+    )
+    assert params.public_model("copy") == "product-copy"
+    assert params.public_model("support") == "support"
+    # The shared view is the single merged model's (every task's data, one adapter).
+    assert params.tracking.registered_model == "tuneloop-support"
+
+
+@pytest.mark.parametrize(
+    ("tasks", "message"),
+    [
+        ({}, "list at least one task"),
+        ({"Support": TASKS["support"]}, "name 'Support' must match"),
+        ({"support": {"suites": ["support_demo"]}}, "tasks.support.registered_model"),
+        ({"support": {**TASKS["support"], "suites": []}}, "tasks.support.suites"),
+        ({"support": {**TASKS["support"], "owner": "me"}}, "tasks.support.owner: unknown key"),
+        (
+            {
+                "support": TASKS["support"],
+                "copy": {**TASKS["copy"], "registered_model": "tuneloop-support"},
+            },
+            "share registered_model 'tuneloop-support'",
+        ),
+        (
+            {"support": TASKS["support"], "copy": {**TASKS["copy"], "public_model": "support"}},
+            "share public_model 'support'",
+        ),
+        ({"copy": {**TASKS["copy"], "gate": {"min_gian": 0.1}}}, "tasks.copy.gate: min_gian"),
+        ({"copy": {**TASKS["copy"], "train": {"lora_r": -1}}}, "tasks.copy.train: lora_r"),
+    ],
+)
+def test_a_wrong_task_is_refused_naming_it(tasks: Any, message: str) -> None:
+    with pytest.raises(ParamsError) as raised:
+        parse_params(with_tasks(tasks))
+    assert message in str(raised.value), str(raised.value)
