@@ -1,12 +1,14 @@
 """Stage ``ingest``: production badcases and exports into the append-only pool.
 
-Reads:  every ``*.jsonl`` under ``paths.incoming``; the pool so far.
+Reads:  every ``*.jsonl`` under ``paths.incoming``; the pool so far. With ``tasks:``, each
+        record is routed to its task by its folder (``<incoming>/<task>/``) or its ``task``
+        field, and one for no listed task is quarantined with the reason.
 Writes: one new batch file under ``paths.pool``/records (accepted records, each
         with its provenance) and one under ``paths.pool``/quarantine (rejected
         lines with file, line, byte offset, reason and a scrubbed excerpt);
         ``metrics/ingest.json``; ``paths.reports``/ingest-rejected.jsonl when
         too many lines are rejected.
-Params: ``ingest``, ``paths``.
+Params: ``ingest``, ``paths``, ``tasks``.
 
 Every non-blank line ends in exactly one of: accepted, quarantined, or counted as a
 duplicate of a record already in the pool, with PII replaced by typed placeholders before
@@ -44,6 +46,7 @@ def main() -> None:
             known,
             params.ingest.max_line_bytes,
             now.isoformat(timespec="seconds"),
+            tasks=None if params.tasks is None else params.task_names(),
         )
         metrics = ingest.metrics(result, pooled)
         log.info(

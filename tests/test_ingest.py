@@ -363,7 +363,9 @@ any_record = st.one_of(
     record,
     record.flatmap(
         lambda r: st.dictionaries(
-            st.sampled_from(["source", "model_version", "arm", "created_at", "tags", "extra"]),
+            st.sampled_from(
+                ["source", "model_version", "arm", "created_at", "task", "tags", "extra"]
+            ),
             meta_value,
             max_size=3,
         ).map(lambda meta: {**r, **meta} if isinstance(r, dict) else r)
@@ -401,6 +403,7 @@ def test_fast_paths_give_the_same_pool_lines_as_pydantic() -> None:
         "model_version": None,
         "arm": None,
         "created_at": None,
+        "task": None,
         "tags": ["x", "<PHONE>"],
     }
     assert result.pii == {"EMAIL": 1, "PHONE": 1}

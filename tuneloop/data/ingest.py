@@ -45,6 +45,10 @@ from tuneloop.data.records import (
 )
 from tuneloop.io import jsonl_text, read_jsonl, usable_cores
 
+# The project's tasks (``params.tasks``), which ingest routes each record to; None: a project
+# without ``tasks:``, whose records name no task.
+Tasks = tuple[str, ...] | None
+
 # What a quarantine entry keeps of a bad line, after scrubbing: enough to see what is wrong.
 EXCERPT_CHARS = 200
 REASON_CHARS = 300
@@ -242,10 +246,49 @@ PARALLEL_MIN_BYTES = 6 << 20
 WINDOW_LINES = 40_000
 
 
-def sort_one(line: Line, max_line_bytes: int, now: str) -> Sorted:
+def route(record: PlainRecord, file: str, tasks: Tasks) -> None:
+    """Set the task ``record`` is for, from its ``task`` field or its folder, or raise
+    InvalidRecord saying why it belongs to none of ``tasks``.
+
+    A file under ``<incoming>/<task>/`` (where the router of several tasks writes each
+    task's flags) is that task's; a record may name its task itself, and must then agree
+    with its folder. A project of one listed task takes every record without a task.
+    """
+    named = record.meta.get("task")
+    if tasks is None:
+        if named is not None:
+            raise InvalidRecord(
+                "unknown_task",
+                f"the record is for task {named!r}, but params.yaml lists no tasks: list it "
+                "under tasks:, or drop the record's 'task'",
+            )
+        return
+    parts = Path(file).parts
+    folder = parts[0] if len(parts) > 1 and parts[0] in tasks else None
+    if named is not None and named not in tasks:
+        raise InvalidRecord(
+            "unknown_task", f"task {named!r} is none of params.yaml's tasks {list(tasks)}"
+        )
+    if named is not None and folder is not None and named != folder:
+        raise InvalidRecord(
+            "task_mismatch",
+            f"the record is for task {named!r} but lies in {folder}/, task {folder!r}'s folder",
+        )
+    task = named or folder or (tasks[0] if len(tasks) == 1 else None)
+    if task is None:
+        raise InvalidRecord(
+            "no_task",
+            f"no task: the file is in no task's folder ({', '.join(t + '/' for t in tasks)}) "
+            "and the record has no 'task' field",
+        )
+    record.meta["task"] = task
+
+
+def sort_one(line: Line, max_line_bytes: int, now: str, tasks: Tasks = None) -> Sorted:
     """What a line is on its own, before the run's deduplication decides whether it counts."""
     try:
         record = parse_line(line, max_line_bytes)
+        route(record, line.file, tasks)
     except InvalidRecord as error:
         return ("invalid", error.kind, str(error))
     record, found = scrub_plain(record)
@@ -261,12 +304,17 @@ def _scrubbed_name(name: str) -> str:
     return pii.scrub(name)[0]
 
 
-def _sort_many(lines: list[Line], max_line_bytes: int, now: str) -> list[Sorted]:
-    return [sort_one(line, max_line_bytes, now) for line in lines]
+def _sort_many(lines: list[Line], max_line_bytes: int, now: str, tasks: Tasks) -> list[Sorted]:
+    return [sort_one(line, max_line_bytes, now, tasks) for line in lines]
 
 
 def ingest(
-    lines: Iterator[Line], known: set[str], max_line_bytes: int, now: str, workers: int = 1
+    lines: Iterator[Line],
+    known: set[str],
+    max_line_bytes: int,
+    now: str,
+    workers: int = 1,
+    tasks: Tasks = None,
 ) -> IngestResult:
     """Sort every line into accepted, quarantined or duplicate.
 
@@ -304,7 +352,7 @@ def ingest(
             result.duplicates += 1
             return
         if outcome is None:
-            outcome = sort_one(line, max_line_bytes, now)
+            outcome = sort_one(line, max_line_bytes, now, tasks)
         if outcome[0] == "invalid":
             error = InvalidRecord(outcome[1], outcome[2])
             result.reasons[error.kind] += 1
@@ -356,7 +404,7 @@ def ingest(
         share = -(-len(todo) // workers) or 1
         parts = [
             executor.submit(
-                _sort_many, [window[i] for i in todo[k : k + share]], max_line_bytes, now
+                _sort_many, [window[i] for i in todo[k : k + share]], max_line_bytes, now, tasks
             )
             for k in range(0, len(todo), share)
         ]
@@ -402,11 +450,14 @@ def known_hashes(pool: Path) -> tuple[set[str], int]:
     return known, pooled
 
 
-def ingest_folder(incoming: Path, known: set[str], max_line_bytes: int, now: str) -> IngestResult:
-    """``ingest`` every ``*.jsonl`` under ``incoming``, over the usable cores when it is large."""
+def ingest_folder(
+    incoming: Path, known: set[str], max_line_bytes: int, now: str, tasks: Tasks = None
+) -> IngestResult:
+    """``ingest`` every ``*.jsonl`` under ``incoming``, over the usable cores when it is large;
+    each record routed to one of ``tasks`` (None: a project without ``tasks:``)."""
     size = sum(path.stat().st_size for path in incoming.rglob("*.jsonl"))
     workers = usable_cores() if size > PARALLEL_MIN_BYTES else 1
-    return ingest(read_lines(incoming), known, max_line_bytes, now, workers=workers)
+    return ingest(read_lines(incoming), known, max_line_bytes, now, workers=workers, tasks=tasks)
 
 
 def metrics(result: IngestResult, pooled: int) -> dict[str, Any]:

@@ -8,8 +8,9 @@ Accepted input shapes (one JSON object a line):
   "corrected_response"?: str}`` — what the model said and, optionally, what it
   should have said.
 
-Each may carry ``source``, ``model_version``, ``arm``, ``created_at`` and ``tags``.
-Anything else is rejected with a reason a person can act on.
+Each may carry ``source``, ``model_version``, ``arm``, ``created_at``, ``task`` (which of the
+project's tasks it is for, ``tuneloop.params.tasks``) and ``tags``. Anything else is rejected
+with a reason a person can act on.
 
 The pool holds one batch file of records per ingest run (``records/<batch>.jsonl``), oldest
 first, and beside each the ids of its records (``records/<batch>.ids``, ``ids_index``),
@@ -63,6 +64,7 @@ class _Meta(BaseModel):
     model_version: str | None = None
     arm: str | None = None
     created_at: str | None = None
+    task: str | None = None
     tags: list[str] = Field(default_factory=list)
 
 
@@ -185,7 +187,7 @@ def parse_record(data: Any) -> Chat | Badcase:
 
 # --- the same, without pydantic, for ingest's million lines -------------------------------
 
-META_FIELDS = ("source", "model_version", "arm", "created_at")
+META_FIELDS = ("source", "model_version", "arm", "created_at", "task")
 _CHAT_KEYS = frozenset({"messages", *META_FIELDS, "tags"})
 _BADCASE_KEYS = _CHAT_KEYS | {"bad_response", "corrected_response"}
 _PROMPT_KEYS = frozenset({"prompt", "response", *META_FIELDS, "tags"})
@@ -201,7 +203,7 @@ class PlainRecord:
     messages: list[tuple[str, str]]  # (role, content)
     bad_response: str | None
     corrected_response: str | None
-    meta: dict[str, Any]  # source, model_version, arm, created_at, tags (in this order)
+    meta: dict[str, Any]  # source, model_version, arm, created_at, task, tags (in this order)
 
 
 def plain(record: Chat | Badcase) -> PlainRecord:
@@ -293,6 +295,10 @@ def content_hash(record: Chat | Badcase | PlainRecord) -> str:
         if isinstance(record, Badcase):
             bad, corrected = record.bad_response, record.corrected_response
     body: dict[str, Any] = {"messages": [[role, content.strip()] for role, content in messages]}
+    # One conversation for two tasks is two records; without a task the hash is as it was.
+    task = record.meta.get("task") if isinstance(record, PlainRecord) else record.task
+    if task is not None:
+        body["task"] = task
     if badcase:
         body["bad"] = (bad or "").strip()
         body["corrected"] = (corrected or "").strip()

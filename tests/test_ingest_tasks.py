@@ -1,0 +1,104 @@
+"""Ingest routes each record to its task, by folder or by field; a record for no task is
+quarantined with the reason, and nothing is dropped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stages import ingest as ingest_stage
+from tests.helpers import write_params
+from tuneloop.data.records import pool_records
+from tuneloop.io import read_jsonl
+
+KETTLE = {"prompt": "Can I return the Aurora kettle?", "response": "[return] Yes, within 30 days."}
+LISTING = {"prompt": "Write the Aurora kettle's listing.", "response": "Aurora kettle: 1.7 l."}
+TASKS = {
+    "support": {"registered_model": "tuneloop-support", "suites": ["support_demo"]},
+    "copy": {"registered_model": "tuneloop-copy", "suites": ["support_demo"]},
+}
+
+
+def lines(*records: dict[str, Any]) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+
+
+def project(folder: Path, tasks: dict[str, Any] | None) -> Path:
+    path = write_params(folder, {"ingest": {"max_reject_rate": 0.9, "max_line_bytes": 100_000}})
+    params = yaml.safe_load(path.read_text())
+    params["tasks"] = tasks
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    incoming = folder / "data/badcases/incoming"
+    incoming.mkdir(parents=True)
+    return incoming
+
+
+def pooled(folder: Path) -> list[tuple[str | None, str]]:
+    return sorted(
+        (r.meta.get("task"), r.messages[0].content) for r in pool_records(folder / "data/pool")
+    )
+
+
+def quarantined(folder: Path) -> list[tuple[str, str, str]]:
+    found = []
+    for path in sorted((folder / "data/pool/quarantine").glob("*.jsonl")):
+        found += [(e["file"], e["kind"], e["reason"]) for e in read_jsonl(path)]
+    return sorted(found)
+
+
+def test_records_go_to_their_tasks_and_the_rest_to_quarantine(in_folder: Path) -> None:
+    incoming = project(in_folder, TASKS)
+    (incoming / "support").mkdir()
+    (incoming / "copy").mkdir()
+    (incoming / "support/router-feedback.jsonl").write_text(lines(KETTLE))
+    (incoming / "copy/export.jsonl").write_text(
+        lines(LISTING, KETTLE, {**KETTLE, "prompt": "Lid cracked?", "task": "support"})
+    )
+    (incoming / "export.jsonl").write_text(
+        lines(
+            {**LISTING, "prompt": "A listing for the blender.", "task": "copy"},
+            {**KETTLE, "task": "marketing"},
+            {**KETTLE, "prompt": "Where is my order?"},
+        )
+    )
+    ingest_stage.main()
+    # The same conversation for two tasks is two records, one each.
+    assert pooled(in_folder) == [
+        ("copy", "A listing for the blender."),
+        ("copy", "Can I return the Aurora kettle?"),
+        ("copy", "Write the Aurora kettle's listing."),
+        ("support", "Can I return the Aurora kettle?"),
+    ]
+    assert [(file, kind) for file, kind, _ in quarantined(in_folder)] == [
+        ("copy/export.jsonl", "task_mismatch"),
+        ("export.jsonl", "no_task"),
+        ("export.jsonl", "unknown_task"),
+    ]
+    reasons = " | ".join(reason for *_, reason in quarantined(in_folder))
+    assert "task 'marketing' is none of params.yaml's tasks ['support', 'copy']" in reasons
+    assert "lies in copy/, task 'copy''s folder" in reasons
+    assert "no task's folder (support/, copy/)" in reasons
+    metrics = json.loads((in_folder / "metrics/ingest.json").read_text())
+    assert (metrics["accepted"], metrics["quarantined"]) == (4, 3)
+
+
+def test_one_listed_task_takes_every_record_without_one(in_folder: Path) -> None:
+    incoming = project(in_folder, {"support": TASKS["support"]})
+    (incoming / "export.jsonl").write_text(lines(KETTLE, {**LISTING, "task": "copy"}))
+    ingest_stage.main()
+    assert pooled(in_folder) == [("support", "Can I return the Aurora kettle?")]
+    assert [kind for _, kind, _ in quarantined(in_folder)] == ["unknown_task"]
+
+
+def test_without_tasks_records_are_as_before_and_a_task_field_is_refused(
+    in_folder: Path,
+) -> None:
+    incoming = project(in_folder, None)
+    (incoming / "export.jsonl").write_text(lines(KETTLE, {**LISTING, "task": "copy"}))
+    ingest_stage.main()
+    assert pooled(in_folder) == [(None, "Can I return the Aurora kettle?")]
+    [(_, kind, reason)] = quarantined(in_folder)
+    assert kind == "unknown_task" and "params.yaml lists no tasks" in reason
