@@ -530,6 +530,8 @@ def roll_back_on_exit(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
     params = load_params(repo / "params.yaml")
     if given.get("overrides"):
         params = with_overrides(params, given["overrides"], "the release flow's overrides")
+    if given.get("task"):
+        params = params.for_task(str(given["task"]))
     routers = params.release
     reason = (
         f"release flow run {flow_run.name} ({flow_run.id}) ended {state.name}: "
@@ -543,12 +545,14 @@ def roll_back_on_exit(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
 
 @flow(name="release", on_crashed=[roll_back_on_exit], on_cancellation=[roll_back_on_exit])
 def release(
-    repo: Path = Path(), overrides: dict[str, Any] | None = None
+    repo: Path = Path(), overrides: dict[str, Any] | None = None, task: str | None = None
 ) -> dict[str, Any] | State[Any]:
     """Canary the registry's challenger, ramp it with a person's approval, promote or roll back.
 
     ``overrides``: params.yaml values to use instead for this release (``{"release": {...}}``,
     validated the same way), e.g. the demo's short intervals (configs/demo.yaml).
+    ``task``: with ``tasks:`` in params.yaml, the one task to release (its registered model,
+    its suites, its router at ``/tasks/<task>``); the other tasks' traffic stays as it is.
     """
     logger = get_run_logger()
     repo = repo.resolve()
@@ -556,6 +560,12 @@ def release(
     if overrides:
         params = with_overrides(params, overrides, "the release flow's overrides")
         logger.info("params.yaml overridden for this release: %s", overrides)
+    if task is not None or params.tasks is not None:
+        if task is None:
+            raise ValueError(
+                f"params.yaml lists tasks {list(params.task_names())}: name the one to release"
+            )
+        params = params.for_task(task)
     rp = params.release
     name = params.tracking.registered_model
     flow_run_id = str(runtime.flow_run.id or "local")

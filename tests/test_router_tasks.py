@@ -6,6 +6,7 @@ point at the same server and differ by the adapter (model) name it is asked for.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -209,3 +210,51 @@ def test_a_wrong_tasks_config_names_the_task_and_key(
         load_config(path)
     assert message in str(raised.value)
     assert str(path) in str(raised.value)
+
+
+def test_status_shows_every_task_and_a_rollback_names_its_task(
+    backends: dict[str, str],
+    tmp_path: Path,
+    admin_token: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`tuneloop status` and `tuneloop rollback --task` against a router of two tasks."""
+    from tests.helpers import write_params
+    from tuneloop.cli import main
+
+    config = tasks_config(settings(backends["champion"], tmp_path))
+    with running(config) as client:
+        project = tmp_path / "project"
+        project.mkdir()
+        path = write_params(project)
+        params = yaml.safe_load(path.read_text())
+        params["release"]["routers"] = [str(client.base_url)]
+        params["tasks"] = {
+            "support": {"registered_model": "tuneloop-support", "suites": ["support_demo"]},
+            "copy": {"registered_model": "tuneloop-copy", "suites": ["support_demo"]},
+        }
+        path.write_text(yaml.safe_dump(params, sort_keys=False))
+        monkeypatch.chdir(project)
+        for task, percent in (("support", 10), ("copy", 50)):
+            client.post(
+                f"/tasks/{task}/admin/weights",
+                json={"challenger_percent": percent},
+                headers=admin_token,
+            ).raise_for_status()
+
+        assert main(["rollback", "--reason", "incident"]) == 1
+        assert "give --task" in capsys.readouterr().err
+        assert main(["rollback", "--task", "copy", "--reason", "incident", "--operator", "me"]) == 0
+        assert "/tasks/copy" not in capsys.readouterr().err
+        assert main(["status", "--json"]) == 0
+        every = json.loads(capsys.readouterr().out)["tasks"]
+        weights = {
+            task: [r["weights"]["challenger"] for r in result["routers"].values()]
+            for task, result in every.items()
+        }
+        assert weights == {"support": [10], "copy": [0]}
+        assert list(every["copy"]["routers"]) == [f"{client.base_url}/tasks/copy"]
+        assert main(["status"]) == 0
+        shown = capsys.readouterr().out
+        assert "task support (support)" in shown and "task copy (copy)" in shown

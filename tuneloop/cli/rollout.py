@@ -9,6 +9,10 @@ import getpass
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tuneloop.params import Params
 
 # Seconds a release started just before `tuneloop approve --wait-for-pause` may take to show up.
 STARTUP_S = 60.0
@@ -113,7 +117,7 @@ def _release(args: argparse.Namespace) -> int:
     overrides = None
     if args.overrides:
         overrides = yaml.safe_load(Path(args.overrides).read_text(encoding="utf-8")) or {}
-    state = release(repo=Path(args.repo), overrides=overrides, return_state=True)
+    state = release(repo=Path(args.repo), overrides=overrides, task=args.task, return_state=True)
     outcome = release_outcome(state)
     print(f"release {outcome['outcome']}: {outcome['reason']}")
     if args.json:
@@ -200,13 +204,22 @@ def _traffic(args: argparse.Namespace) -> int:
     return 0
 
 
+def _for_task(params: Params, task: str | None) -> Params:
+    """The params of ``task``; a project of several tasks must name one."""
+    from tuneloop.params import ParamsError
+
+    if task is None and params.tasks is not None:
+        raise ParamsError(f"params.yaml lists tasks {list(params.task_names())}: give --task")
+    return params if task is None else params.for_task(task)
+
+
 def _rollback(args: argparse.Namespace) -> int:
-    from tuneloop.params import load_params
+    from tuneloop.params import ParamsError, load_params
     from tuneloop.release import approval
 
     try:
-        done = approval.rollback(load_params(), args.reason, args.operator)
-    except approval.ApprovalError as error:
+        done = approval.rollback(_for_task(load_params(), args.task), args.reason, args.operator)
+    except (approval.ApprovalError, ParamsError) as error:
         print(f"tuneloop rollback: {error}", file=sys.stderr)
         return 1
     print(
@@ -222,11 +235,25 @@ def _status(args: argparse.Namespace) -> int:
     from tuneloop.params import load_params
     from tuneloop.release import approval
 
-    result = approval.status(load_params())
+    params = load_params()
+    if params.tasks is None:
+        result = approval.status(params)
+        if args.json:
+            print(json.dumps(result, indent=2, ensure_ascii=False, default=str))
+        else:
+            print(approval.format_status(result))
+        return 0
+    # Every task: its router, its registry aliases, its figures.
+    every = {task: approval.status(params.for_task(task)) for task in params.task_names()}
     if args.json:
-        print(json.dumps(result, indent=2, ensure_ascii=False, default=str))
+        print(json.dumps({"tasks": every}, indent=2, ensure_ascii=False, default=str))
     else:
-        print(approval.format_status(result))
+        print(
+            "\n\n".join(
+                f"task {task} ({params.public_model(task)})\n{approval.format_status(result)}"
+                for task, result in every.items()
+            )
+        )
     return 0
 
 
@@ -289,6 +316,9 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="a YAML file of params.yaml values for this release only (e.g. configs/demo.yaml)",
     )
     release.add_argument("--json", action="store_true", help="also print the outcome")
+    release.add_argument(
+        "--task", help="with tasks: in params.yaml, the task to release (the others stay)"
+    )
     release.set_defaults(run=_release)
 
     serve = commands.add_parser(
@@ -360,6 +390,9 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--operator",
         default=getpass.getuser(),
         help="who; recorded beside the reason (default: your OS user name)",
+    )
+    rollback.add_argument(
+        "--task", help="with tasks: in params.yaml, the task to roll back (the others stay)"
     )
     rollback.set_defaults(run=_rollback)
 
