@@ -102,7 +102,7 @@ from prefect.states import Failed, State
 from pydantic import BaseModel, Field
 
 from tuneloop.judge.verdict import FAIL, PASS
-from tuneloop.params import Params, load_params, with_overrides
+from tuneloop.params import Params, ParamsError, load_params
 from tuneloop.release import shadow as suite_judges
 from tuneloop.release import signoff
 from tuneloop.release.admin import AdminError, LeaseKeeper, RouterAdmin
@@ -527,11 +527,10 @@ def roll_back_on_exit(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
     """
     given = flow_run.parameters or {}
     repo = Path(str(given.get("repo") or ".")).resolve()
-    params = load_params(repo / "params.yaml")
-    if given.get("overrides"):
-        params = with_overrides(params, given["overrides"], "the release flow's overrides")
-    if given.get("task"):
-        params = params.for_task(str(given["task"]))
+    task = given.get("task")
+    params = load_params(
+        repo / "params.yaml", given.get("overrides"), None if task is None else str(task)
+    )
     routers = params.release
     reason = (
         f"release flow run {flow_run.name} ({flow_run.id}) ended {state.name}: "
@@ -556,16 +555,11 @@ def release(
     """
     logger = get_run_logger()
     repo = repo.resolve()
-    params = load_params(repo / "params.yaml")
+    params = load_params(repo / "params.yaml", overrides, task)
+    if params.tasks is not None and task is None:
+        raise ParamsError(f"params.yaml lists tasks {list(params.task_names())}: name the task")
     if overrides:
-        params = with_overrides(params, overrides, "the release flow's overrides")
         logger.info("params.yaml overridden for this release: %s", overrides)
-    if task is not None or params.tasks is not None:
-        if task is None:
-            raise ValueError(
-                f"params.yaml lists tasks {list(params.task_names())}: name the one to release"
-            )
-        params = params.for_task(task)
     rp = params.release
     name = params.tracking.registered_model
     flow_run_id = str(runtime.flow_run.id or "local")

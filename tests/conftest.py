@@ -83,6 +83,7 @@ FAST_MODULES = {
     "test_pack_cache",
     "test_packing",
     "test_params",
+    "test_params_tasks",
     "test_pii",
     "test_preflight",
     "test_results",
@@ -103,6 +104,7 @@ WHOLE_SUITE_MODULES = {
     "test_evaluate",  # the evaluate stage on trained models, lm_eval
     "test_flow",  # the retrain flow under dvc (the tiny project)
     "test_ingest_safety",  # the ingest stage on hostile files, nothing but stage runs
+    "test_ingest_tasks",  # the ingest stage on files for several tasks
     "test_lineage",  # dvc repro
     "test_loop",  # months of the loop, transformers serve, Chromium
     "test_merge",  # pre-trains the tiny base, merges and exports it
@@ -127,6 +129,7 @@ WHOLE_SUITE_MODULES = {
     "test_router_feedback",  # routers on uvicorn
     "test_router_guards",  # routers on uvicorn
     "test_router_samples",  # routers on uvicorn
+    "test_router_tasks",  # a router of two tasks on uvicorn, the CLI against it
     "test_schedule",  # the Prefect test server
     "test_stages",  # the tiny project (the retrain flow)
     "test_stage_overhead",  # a local MLflow server, stages as processes

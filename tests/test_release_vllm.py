@@ -374,3 +374,73 @@ def test_serve_base_plans_lora_without_adapters_and_records_the_base(
     assert (record.base_url, record.folder) == ("http://127.0.0.1:8002", str(folder.resolve()))
     assert (record.base, record.revision) == registry.base_identity(params)
     assert record.model == f"{params.tracking.registered_model}-base"
+
+
+# --- two tasks, one vLLM base: each task's champion and challenger adapters -------------------
+
+
+def test_two_tasks_release_at_once_on_one_vllm_base(
+    vllm_shared: VllmServer, tmp_path: Path, admin_token: dict[str, str]
+) -> None:
+    """One vLLM holds four adapters, two tasks' champion and challenger; one router serves
+    both tasks, each released at its own weight, and one task's rollback leaves the other's."""
+    from serving.tasks import create_tasks_app, tasks_config
+    from tuneloop.release.backends import LoraModule
+
+    names = {
+        task: {arm: f"{task}-{arm}" for arm in ("champion", "challenger")}
+        for task in ("support", "copy")
+    }
+    loaded = []
+    try:
+        for seed, name in enumerate(n for arms in names.values() for n in arms.values()):
+            path = save_adapter(vllm_shared.base, tmp_path / name, seed=10 + seed)
+            vllm_engine.check_adapter(path, vllm_shared.base, 8)
+            vllm_engine.load_adapter(vllm_shared.url, LoraModule(name, path))
+            loaded.append(name)
+        config = tasks_config(
+            {
+                "feedback_dir": str(tmp_path / "incoming"),
+                "tasks": {
+                    task: {
+                        "arms": {
+                            arm: {"base_url": vllm_shared.url, "model": name, "model_version": "1"}
+                            for arm, name in arms.items()
+                        }
+                    }
+                    for task, arms in names.items()
+                },
+            }
+        )
+        users = [f"user-{i}" for i in range(60)]
+
+        def served(client: httpx.Client, task: str) -> dict[str, str]:
+            found = {}
+            for user in users:
+                body = {"model": task, "user": user, "messages": PROMPT, "max_tokens": 1}
+                reply = client.post("/v1/chat/completions", json=body)
+                assert reply.status_code == 200, reply.text
+                found[user] = reply.json()["model"]  # the adapter vLLM answered with
+            return found
+
+        def expected(task: str, percent: int) -> dict[str, str]:
+            return {u: names[task][arm_for_bucket(bucket(u), percent)] for u in users}
+
+        with (
+            serve(create_tasks_app(config)) as url,
+            httpx.Client(base_url=url, timeout=60) as client,
+            RouterAdmin([f"{url}/tasks/support"], TOKEN) as support,
+            RouterAdmin([f"{url}/tasks/copy"], TOKEN) as copy,
+        ):
+            support.take_lease("release-support", 60)
+            copy.take_lease("release-copy", 60)
+            support.set_weight(10, "canary")
+            copy.set_weight(50, "ramp")
+            assert served(client, "support") == expected("support", 10)
+            assert served(client, "copy") == expected("copy", 50)
+            assert support.rollback("canary failed") < 1.0
+            assert served(client, "support") == expected("support", 0)
+            assert served(client, "copy") == expected("copy", 50)
+    finally:
+        for name in loaded:
+            vllm_engine.unload_adapter(vllm_shared.url, name)

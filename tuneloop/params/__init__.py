@@ -201,8 +201,17 @@ def parse_params(data: object, source: Path = PARAMS_FILE) -> Params:
         raise ParamsError(_describe(error, source)) from None
 
 
-def load_params(path: Path | None = None) -> Params:
-    """Read and validate params.yaml (the project's own unless ``path`` is given)."""
+def load_params(
+    path: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    task: str | None = None,
+) -> Params:
+    """Read and validate params.yaml (the project's own unless ``path`` is given).
+
+    For a run that says how it differs (the release flow's parameters): ``overrides`` merged
+    in (``with_overrides``), then task ``task``'s view (``Params.for_task``); with ``task``
+    given, a project with ``tasks:`` must be named one.
+    """
     source = path or PARAMS_FILE
     try:
         data = read_yaml(source)
@@ -210,7 +219,12 @@ def load_params(path: Path | None = None) -> Params:
         raise ParamsError(f"{source} not found") from None
     except yaml.YAMLError as error:
         raise ParamsError(f"{source} is not valid YAML: {error}") from None
-    return parse_params(data, source)
+    params = parse_params(data, source)
+    if overrides:
+        params = with_overrides(params, overrides, f"overrides of {source}")
+    if task is None:
+        return params
+    return params.for_task(task)
 
 
 def with_overrides(params: Params, overrides: Mapping[str, Any], source: str) -> Params:
