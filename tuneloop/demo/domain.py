@@ -195,6 +195,11 @@ class Item:
     intent: str
 
 
+# Of the support questions, the share about products the shop does not sell (the tokenizer's
+# corpus and tests); the demo's exports take theirs from params.yaml (demo.unknown_rate).
+UNKNOWN_RATE = 0.12
+
+
 class Generator:
     """Questions of the demo domain with their one right answer, from a seed."""
 
@@ -210,7 +215,7 @@ class Generator:
             "zh": UNKNOWN_TRAIN_ZH if split == "train" else UNKNOWN_EVAL_ZH,
         }
 
-    def item(self, unknown_rate: float = 0.12) -> Item:
+    def item(self, unknown_rate: float = UNKNOWN_RATE) -> Item:
         rng = self.rng
         lang: Lang = "en" if rng.random() < 0.6 else "zh"
         intent: Intent = rng.choice(INTENTS)
@@ -301,14 +306,16 @@ def support_records(
     *,
     replay_every: int = REPLAY_EVERY,
     replay_turns: int = REPLAY_TURNS,
+    unknown_rate: float = UNKNOWN_RATE,
 ) -> Iterator[dict[str, object]]:
     """Chats as a support tool exports them: prompt/response pairs and multi-turn chats,
     and one in ``replay_every`` a general-skill chat of ``replay_turns`` questions (source
-    ``general-replay``)."""
+    ``general-replay``); ``unknown_rate`` of the questions about products the shop does not
+    sell."""
     gen = Generator(seed, "train", month)
     replay = replay_chats(seed + month - 1, n // replay_every, replay_turns)
     for index in range(n):
-        item = gen.item()
+        item = gen.item(unknown_rate)
         multi = gen.rng.random() < 0.25
         greeting = gen.rng.choice(GREETINGS[item.lang]) if multi else ""
         if index % replay_every == replay_every - 1:
@@ -455,6 +462,7 @@ def seed_incoming(
     *,
     replay_every: int = REPLAY_EVERY,
     replay_turns: int = REPLAY_TURNS,
+    unknown_rate: float = UNKNOWN_RATE,
 ) -> list[Path]:
     """Write the demo's ``month`` of incoming data, unless it is already there.
 
@@ -464,7 +472,12 @@ def seed_incoming(
     label = month_label(month)
     files = {
         incoming / f"support-export-{label}.jsonl": lambda: support_records(
-            seed, n_support, month, replay_every=replay_every, replay_turns=replay_turns
+            seed,
+            n_support,
+            month,
+            replay_every=replay_every,
+            replay_turns=replay_turns,
+            unknown_rate=unknown_rate,
         ),
         incoming / f"router-feedback-{label}.jsonl": lambda: badcase_records(
             seed, n_badcases, month
@@ -489,6 +502,7 @@ def seed_month(incoming: Path, params: DemoParams, month: int = 1) -> list[Path]
         month,
         replay_every=params.replay_every,
         replay_turns=params.replay_turns,
+        unknown_rate=params.unknown_rate,
     )
 
 

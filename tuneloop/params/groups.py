@@ -237,6 +237,9 @@ class DemoParams(_Group):
     n_badcases: int = Field(ge=0, description="router badcases (wrong answer + correction)")
     replay_every: int = Field(5, ge=2, description="one support chat in this many is replay")
     replay_turns: int = Field(1, ge=1, le=4, description="general questions a replay chat asks")
+    unknown_rate: float = Field(
+        0.12, ge=0, lt=1, description="support questions about products the shop does not sell"
+    )
 
 
 class IngestParams(_Group):
