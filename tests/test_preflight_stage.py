@@ -56,6 +56,9 @@ DDP_TRAIN = Path(__file__).parent / "fixtures" / "ddp_train_shards.py"
 EPOCH_END_WITHIN_S = 60.0
 # A micro-batch takes ~10 ms here, so 10 s without progress is a thousand steps' worth.
 HANG_WINDOW_S = 10.0
+# Balanced shards must finish: a bound only against a hang, not a measure of speed. In the
+# whole suite, beside the other worker's vLLM, the two ranks once took over 70 s.
+FINISH_WITHIN_S = 240.0
 
 
 def build_packed_project(folder: Path, n_chats: int = 70) -> None:
@@ -250,7 +253,7 @@ def test_unbalanced_shards_fail_preflight_and_really_hang_ddp(unbalanced: Path) 
 def test_balanced_shards_from_pack_finish_ddp(project: Path) -> None:
     job = Torchrun(project)
     try:
-        assert job.process.wait(EPOCH_END_WITHIN_S + HANG_WINDOW_S) == 0, job.output
+        assert job.process.wait(FINISH_WITHIN_S) == 0, job.output
     finally:
         job.kill()
     per_rank = bins(project / "data/packed", 0)
