@@ -57,7 +57,7 @@ EPOCH_END_WITHIN_S = 60.0
 # A micro-batch takes ~10 ms here, so 10 s without progress is a thousand steps' worth.
 HANG_WINDOW_S = 10.0
 # Balanced shards must finish: a bound only against a hang, not a measure of speed. In the
-# whole suite, beside the other worker's vLLM, the two ranks once took over 70 s.
+# whole suite, beside the other worker's tests, the two ranks once took over 70 s.
 FINISH_WITHIN_S = 240.0
 
 
