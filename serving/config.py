@@ -204,19 +204,28 @@ class RouterConfig(_Frozen):
         return self
 
 
-def load_router_config(path: Path) -> RouterConfig:
-    """Read and validate a router config file, naming the bad key on failure."""
+def read_config_file(path: Path) -> object:
+    """A router config file's YAML, or ``RouterConfigError`` saying why it cannot be read."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise RouterConfigError(f"{path} not found") from None
     except yaml.YAMLError as error:
         raise RouterConfigError(f"{path} is not valid YAML: {error}") from None
+
+
+def router_config(data: object, where: str) -> RouterConfig:
+    """Validate one router's config, naming each bad key after ``where`` on failure."""
     try:
         return RouterConfig.model_validate(data)
     except ValidationError as error:
-        lines = [f"{path}: {error.error_count()} invalid value(s):"]
+        lines = [f"{where}: {error.error_count()} invalid value(s):"]
         for item in error.errors():
             key = ".".join(str(part) for part in item["loc"])
             lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
         raise RouterConfigError("\n".join(lines)) from None
+
+
+def load_router_config(path: Path) -> RouterConfig:
+    """Read and validate a router config file, naming the bad key on failure."""
+    return router_config(read_config_file(path), str(path))

@@ -103,6 +103,11 @@ async def _refused(request: Request, error: Refused) -> Response:
     state = state_of(request)
     path = request.url.path
     state.refused[path if path in (*proxy.PROXIED, flags.FEEDBACK) else "/admin", error.status] += 1
+    return refusal(path, error)
+
+
+def refusal(path: str, error: Refused) -> Response:
+    """A refusal as the endpoint's clients expect it: OpenAI's error shape on its endpoints."""
     if path in proxy.PROXIED:
         response: Response = proxy.openai_error(
             error.status, error.reason, "invalid_request_error", error.kind

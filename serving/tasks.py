@@ -42,18 +42,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from fastapi import APIRouter, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from serving import control, proxy
 from serving.auth import check_admin
-from serving.config import RouterConfig, RouterConfigError, load_router_config
+from serving.config import RouterConfig, RouterConfigError, read_config_file, router_config
 from serving.flags import FEEDBACK
 from serving.limits import Refused, read_object
 from serving.live import RouterState
-from serving.router import create_app
+from serving.router import create_app, refusal
 
 TASK_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
 # What a task may set for itself; everything else is the router's, shared by every task.
@@ -105,14 +103,7 @@ def tasks_config(data: Mapping[str, Any], where: str = "router config") -> Tasks
         if "state_file" not in own and shared.get("state_file") is not None:
             state_file = Path(shared["state_file"])
             merged["state_file"] = state_file.with_name(f"{name}.{state_file.name}")
-        try:
-            found[name] = RouterConfig.model_validate(merged)
-        except ValidationError as error:
-            lines = [f"{where}: tasks.{name}: {error.error_count()} invalid value(s):"]
-            for item in error.errors():
-                key = ".".join(str(part) for part in item["loc"])
-                lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
-            raise RouterConfigError("\n".join(lines)) from None
+        found[name] = router_config(merged, f"{where}: tasks.{name}")
     for what in ("public_model", "state_file", "feedback_dir"):
         seen: dict[object, str] = {}
         for name, config in found.items():
@@ -128,13 +119,10 @@ def tasks_config(data: Mapping[str, Any], where: str = "router config") -> Tasks
 
 def load_config(path: Path) -> RouterConfig | TasksConfig:
     """A router config file: one task's (``arms:``), or several tasks' (``tasks:``)."""
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, yaml.YAMLError):
-        return load_router_config(path)  # which says what is wrong with the file
+    data = read_config_file(path)
     if isinstance(data, dict) and "tasks" in data:
         return tasks_config(data, str(path))
-    return load_router_config(path)
+    return router_config(data, str(path))
 
 
 def create_any_app(config: RouterConfig | TasksConfig) -> FastAPI:
@@ -181,18 +169,8 @@ def _first(request: Request) -> RouterConfig:
 async def _refused(request: Request, error: Refused) -> Response:
     task = getattr(request.state, "task", None)
     if task is not None:
-        path = request.url.path
-        _states(request)[task].refused[path, error.status] += 1
-    if request.url.path in proxy.PROXIED:
-        response: Response = proxy.openai_error(
-            error.status, error.reason, "invalid_request_error", error.kind
-        )
-    else:
-        response = JSONResponse(
-            {"detail": error.reason, "kind": error.kind}, status_code=error.status
-        )
-    response.headers.update(error.headers)
-    return response
+        _states(request)[task].refused[request.url.path, error.status] += 1
+    return refusal(request.url.path, error)
 
 
 async def _dispatch(request: Request, path: str) -> Response:
