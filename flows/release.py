@@ -556,7 +556,7 @@ def release(
     logger = get_run_logger()
     repo = repo.resolve()
     params = load_params(repo / "params.yaml", overrides, task)
-    if params.tasks is not None and task is None:
+    if params.tasks and task is None:
         raise ParamsError(f"params.yaml lists tasks {list(params.task_names())}: name the task")
     if overrides:
         logger.info("params.yaml overridden for this release: %s", overrides)

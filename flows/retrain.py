@@ -29,8 +29,8 @@ from prefect.runtime import flow_run
 
 from tuneloop.io import read_json
 from tuneloop.orchestration.dvcrun import DvcLockTimeout, run_dvc
-from tuneloop.params import Params, load_params
-from tuneloop.pipeline import stage_order
+from tuneloop.params import Params, ParamsError, load_params
+from tuneloop.pipeline import SHARED_STAGES, stage_order, task_stages
 from tuneloop.telemetry.actions import TAG_REASON as TAG_WATCHDOG_REASON
 from tuneloop.tracking import init_from, lineage, recovery, registry, results, runs, server
 
@@ -97,7 +97,9 @@ def run_stage(
         runs.record_lineage(stage, params, run_id, root=repo)
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
-    metrics_file = repo / params.paths.metrics / f"{stage}.json"
+    # A task's stage (task-clean@copy) writes clean.json into the task's metrics folder.
+    short = stage.partition("@")[0].removeprefix(lineage.TASK_STAGE_PREFIX)
+    metrics_file = repo / params.paths.metrics / f"{short}.json"
     metrics = read_json(metrics_file) if metrics_file.exists() else {}
     if cached and metrics:
         runs.log_metrics(metrics, run_id=run_id)
@@ -205,31 +207,12 @@ def _retrain(repo: Path, params: Params) -> dict[str, Any]:
             runs.TAG_PIPELINE: "retrain",
         },
     ) as parent:
-        metrics: dict[str, dict[str, Any]] = {}
-        for stage in stage_order(repo):
-            retries = 0 if stage in NOT_RETRIED else 1
-            metrics[stage] = run_stage.with_options(retries=retries)(
-                stage, repo, params, parent.info.run_id, experiment_id
-            )
-        decision = read_json(params.paths.metrics / "decision.json")
-        result = summary(metrics, decision)
-        # The pipeline's data versions on its own run: its stage runs' DVC tags (oldest
-        # first, so a retried stage's last attempt wins).
-        for child in MlflowClient().search_runs(
-            [experiment_id],
-            filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
-            order_by=["attributes.start_time ASC"],
-        ):
-            mlflow.set_tags(
-                {k: v for k, v in child.data.tags.items() if k.startswith(LINEAGE_TAGS)}
-            )
-        runs.log_metrics({"data": result["data"], "train": result["train"]})
-        runs.log_metrics(result["eval"], prefix="eval")
-        mlflow.set_tag("gate.passed", str(decision["passed"]).lower())
-        # The flow ends with the verdict: a registered version, or the gate's reasons.
-        result["registration"] = register(params, parent.info.run_id)
-        result["mlflow_run_id"] = parent.info.run_id
+        if params.tasks:
+            return _retrain_tasks(repo, params, parent.info.run_id, experiment_id)
+        metrics = _run_stages(stage_order(repo), repo, params, parent.info.run_id, experiment_id)
+        result = _verdict(params, metrics, parent.info.run_id, experiment_id)
         if params.schedule.commit_results:
+            decision = result["decision"]
             done = results.commit_results(
                 repo,
                 [Path("dvc.lock"), params.paths.metrics],
@@ -239,3 +222,69 @@ def _retrain(repo: Path, params: Params) -> dict[str, Any]:
             mlflow.set_tags({"results.commit": done.commit, "results.tag": done.tag})
             result["results"] = {"commit": done.commit, "tag": done.tag, "branch": done.branch}
         return result
+
+
+def _run_stages(
+    stages: tuple[str, ...], repo: Path, params: Params, parent_run_id: str, experiment_id: str
+) -> dict[str, dict[str, Any]]:
+    """Run ``stages`` in order under ``parent_run_id``; their metrics by short stage name."""
+    metrics: dict[str, dict[str, Any]] = {}
+    for stage in stages:
+        short = stage.partition("@")[0].removeprefix(lineage.TASK_STAGE_PREFIX)
+        retries = 0 if short in NOT_RETRIED else 1
+        metrics[short] = run_stage.with_options(retries=retries)(
+            stage, repo, params, parent_run_id, experiment_id
+        )
+    return metrics
+
+
+def _verdict(
+    params: Params, metrics: dict[str, dict[str, Any]], run_id: str, experiment_id: str
+) -> dict[str, Any]:
+    """The pipeline's summary on its run ``run_id`` (the active one), then its registration."""
+    decision = read_json(params.paths.metrics / "decision.json")
+    result = summary(metrics, decision)
+    # The pipeline's data versions on its own run: its stage runs' DVC tags (oldest
+    # first, so a retried stage's last attempt wins).
+    for child in MlflowClient().search_runs(
+        [experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{run_id}'",
+        order_by=["attributes.start_time ASC"],
+    ):
+        mlflow.set_tags({k: v for k, v in child.data.tags.items() if k.startswith(LINEAGE_TAGS)})
+    runs.log_metrics({"data": result["data"], "train": result["train"]})
+    runs.log_metrics(result["eval"], prefix="eval")
+    mlflow.set_tag("gate.passed", str(decision["passed"]).lower())
+    # The flow ends with the verdict: a registered version, or the gate's reasons.
+    result["registration"] = register(params, run_id)
+    result["mlflow_run_id"] = run_id
+    return result
+
+
+def _retrain_tasks(
+    repo: Path, params: Params, parent_run_id: str, experiment_id: str
+) -> dict[str, Any]:
+    """Several tasks: the shared stages once, then each task's pipeline under a run of its
+    own. A task that fails (a preflight refusal, a stage error) is reported and the next
+    task runs; the summary names each task's outcome."""
+    shared = _run_stages(SHARED_STAGES, repo, params, parent_run_id, experiment_id)
+    outcomes: dict[str, Any] = {}
+    for name in params.task_names():
+        view = params.for_task(name)
+        with mlflow.start_run(
+            run_name=name, nested=True, tags={runs.TAG_PIPELINE: "retrain", "task": name}
+        ) as run:
+            try:
+                metrics = _run_stages(
+                    task_stages(name, repo), repo, view, run.info.run_id, experiment_id
+                )
+                outcomes[name] = _verdict(
+                    view, shared | metrics, run.info.run_id, experiment_id
+                ) | {"outcome": "ran"}
+            except (StageFailed, DvcLockTimeout, ParamsError, OSError) as error:
+                get_run_logger().error("task %s failed: %s", name, error)
+                mlflow.set_tag("task.failed", str(error)[:5000])
+                outcomes[name] = {"outcome": "failed", "error": str(error)}
+    failed = sorted(t for t, o in outcomes.items() if o["outcome"] == "failed")
+    mlflow.set_tag("tasks.failed", ",".join(failed))
+    return {"tasks": outcomes, "failed": failed, "mlflow_run_id": parent_run_id}

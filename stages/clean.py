@@ -32,8 +32,7 @@ from tuneloop.data.clean_cache import clean_pool
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.judge import suites
 from tuneloop.models import base_model_ref
-from tuneloop.params import load_params
-from tuneloop.stage import logged_after, setup_logging, write_metrics
+from tuneloop.stage import logged_after, setup_logging, stage_params, write_metrics
 from tuneloop.tracking import init_from, lineage
 
 STAGE = "clean"
@@ -42,7 +41,7 @@ log = logging.getLogger(__name__)
 
 def main() -> None:
     setup_logging()
-    params = load_params()
+    params = stage_params()
     with logged_after(STAGE, params):
         eval_questions = [
             q
@@ -62,6 +61,7 @@ def main() -> None:
                 params.clean,
                 tokenizer,
                 seen_batches=start.batches,
+                task=params.task,
             )
             if not report.train:
                 raise SystemExit(

@@ -37,6 +37,7 @@ Registering a candidate that passed is the retrain flow's job (see
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from pathlib import Path
 
@@ -57,12 +58,14 @@ from tuneloop.judge.gate import (
 )
 from tuneloop.judge.gate_report import plot, report
 from tuneloop.models import base_model_ref
-from tuneloop.params import Params, load_params
-from tuneloop.stage import setup_logging, write_metrics
+from tuneloop.params import Params
+from tuneloop.stage import setup_logging, stage_params, write_metrics
 from tuneloop.tracking import registry
 from tuneloop.tracking.runs import stage_run
 
 STAGE = "evaluate"
+# Where eval/fixed_badcases/utils.py reads the suite's items from (its FOLDER_ENV).
+FIXED_BADCASES_ENV = "TUNELOOP_FIXED_BADCASES"
 log = logging.getLogger(__name__)
 
 
@@ -87,11 +90,13 @@ def fixed_suite(params: Params, champion: dict[str, str] | None) -> str | None:
 
 def main() -> None:
     setup_logging()
-    params = load_params()
+    params = stage_params()
     with stage_run(STAGE, params):
         kind = scoring.backend(params)
         champion = registry.find_alias(params.tracking.registered_model, registry.CHAMPION)
         fixed = fixed_suite(params, registry.describe(champion))
+        # The suite's items: a task's lie in its own folder, read by the suite's loader.
+        os.environ[FIXED_BADCASES_ENV] = str(params.paths.fixed_badcases.resolve())
         wanted = [*params.evaluate.suites, *params.evaluate.general_suites, *filter(None, [fixed])]
         tasks = scoring.task_index(params.paths.eval_suites, wanted)
         could_not_run = scoring.unavailable(params.evaluate.general_suites, tasks)

@@ -31,8 +31,8 @@ from transformers import PreTrainedModel
 
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.models import load_causal_lm, load_tokenizer
-from tuneloop.params import ExportParams, Params, load_params
-from tuneloop.stage import setup_logging, write_metrics
+from tuneloop.params import ExportParams, Params
+from tuneloop.stage import setup_logging, stage_params, write_metrics
 from tuneloop.tracking import lineage
 from tuneloop.tracking.runs import stage_run
 
@@ -148,7 +148,7 @@ def export(params: Params, out: Path) -> dict[str, Any]:
 
 def main() -> None:
     setup_logging()
-    params = load_params()
+    params = stage_params()
     with stage_run(STAGE, params):
         with atomic_dir(params.paths.fp8) as out:
             metrics = export(params, out)

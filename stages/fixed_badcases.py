@@ -26,8 +26,7 @@ from collections import Counter
 
 from tuneloop.io import read_json, write_jsonl
 from tuneloop.judge import fixed_badcases
-from tuneloop.params import load_params
-from tuneloop.stage import logged_after, setup_logging, write_metrics
+from tuneloop.stage import logged_after, setup_logging, stage_params, write_metrics
 
 STAGE = "fixed_badcases"
 log = logging.getLogger(__name__)
@@ -35,12 +34,12 @@ log = logging.getLogger(__name__)
 
 def main() -> None:
     setup_logging()
-    params = load_params()
+    params = stage_params()
     with logged_after(STAGE, params):
         init = params.paths.metrics / "init.json"
         champion = read_json(init).get("champion") if init.exists() else None
         batches = champion["batches"] if champion else []
-        suite = fixed_badcases.build(params.paths.pool, batches)
+        suite = fixed_badcases.build(params.paths.pool, batches, params.task)
         write_jsonl(params.paths.fixed_badcases / "test.jsonl", suite.items)
         metrics = {
             "items": len(suite.items),

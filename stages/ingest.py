@@ -46,7 +46,7 @@ def main() -> None:
             known,
             params.ingest.max_line_bytes,
             now.isoformat(timespec="seconds"),
-            tasks=None if params.tasks is None else params.task_names(),
+            tasks=tuple(params.tasks) or None,
         )
         metrics = ingest.metrics(result, pooled)
         log.info(
@@ -67,7 +67,7 @@ def main() -> None:
                 f"ingest.max_reject_rate={limit:.1%}; the pool is unchanged. Each rejected "
                 f"line and its reason: {rejected}"
             )
-        ingest.add_batch(pool, now, result)
+        ingest.add_batch(pool, now, result, tuple(params.tasks))
         write_metrics(params, STAGE, metrics)
 
 

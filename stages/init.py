@@ -20,8 +20,8 @@ import json
 import logging
 
 from tuneloop.io import read_json
-from tuneloop.params import Params, load_params
-from tuneloop.stage import metrics_path, setup_logging, write_metrics
+from tuneloop.params import Params
+from tuneloop.stage import metrics_path, setup_logging, stage_params, write_metrics
 from tuneloop.tracking import aliases, init_from
 
 STAGE = "init"
@@ -45,7 +45,7 @@ def unchanged(params: Params) -> bool:
 
 def main() -> None:
     setup_logging()
-    params = load_params()
+    params = stage_params()
     if unchanged(params):
         log.info("init: %s, as %s records it", init_from.recorded(params).describe(), STAGE)
         return

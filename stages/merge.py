@@ -24,8 +24,7 @@ from __future__ import annotations
 import logging
 
 from tuneloop.io import atomic_dir, write_json
-from tuneloop.params import load_params
-from tuneloop.stage import setup_logging, write_metrics
+from tuneloop.stage import setup_logging, stage_params, write_metrics
 from tuneloop.tracking import lineage
 from tuneloop.tracking.runs import stage_run
 from tuneloop.training.merge import check, is_full_model, merge, pass_through
@@ -36,7 +35,7 @@ log = logging.getLogger(__name__)
 
 def main() -> None:
     setup_logging()
-    params = load_params()
+    params = stage_params()
     adapter = params.paths.adapter
     with stage_run(STAGE, params):
         if is_full_model(adapter):

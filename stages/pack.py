@@ -26,8 +26,8 @@ from tuneloop.data.pack import balance_ranks
 from tuneloop.data.pack_cache import Packed
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.models import base_model_ref
-from tuneloop.params import Params, load_params
-from tuneloop.stage import logged_after, setup_logging, write_metrics
+from tuneloop.params import Params
+from tuneloop.stage import logged_after, setup_logging, stage_params, write_metrics
 from tuneloop.tracking import lineage
 
 STAGE = "pack"
@@ -57,7 +57,7 @@ def pack_split(split: str, tokenizer: ChatTokenizer, params: Params) -> Packed:
 
 def main() -> None:
     setup_logging()
-    params = load_params()
+    params = stage_params()
     with logged_after(STAGE, params):
         tokenizer = load_chat_tokenizer(base_model_ref(params))
         train_parts = pack_split("train", tokenizer, params)

@@ -16,9 +16,8 @@ from __future__ import annotations
 import logging
 
 from tuneloop.io import write_json, write_text
-from tuneloop.params import load_params
 from tuneloop.preflight.run import report_markdown, run_preflight
-from tuneloop.stage import logged_after, setup_logging, write_metrics
+from tuneloop.stage import logged_after, setup_logging, stage_params, write_metrics
 
 STAGE = "preflight"
 log = logging.getLogger(__name__)
@@ -26,7 +25,7 @@ log = logging.getLogger(__name__)
 
 def main() -> None:
     setup_logging()
-    params = load_params()
+    params = stage_params()
     with logged_after(STAGE, params) as run:
         report = run_preflight(params)
         data = report.as_dict()

@@ -60,7 +60,8 @@ import os
 import sys
 import time
 
-from tuneloop.params import Params, load_params
+from tuneloop.params import Params
+from tuneloop.stage import stage_params
 from tuneloop.telemetry.actions import AlertHook
 from tuneloop.telemetry.heartbeat import HEARTBEAT_ENV
 from tuneloop.telemetry.watch import WatchOptions, new_out_dir, watch
@@ -97,7 +98,7 @@ def main() -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     started_at = time.time()
-    params = load_params()
+    params = stage_params()
     if needs_watcher(params):
         # This process only watches: no torch here, so the job's imports and memory are its own.
         outcome = watch(watch_options(params))

@@ -133,6 +133,7 @@ WHOLE_SUITE_MODULES = {
     "test_schedule",  # the Prefect test server
     "test_stages",  # the tiny project (the retrain flow)
     "test_stage_overhead",  # a local MLflow server, stages as processes
+    "test_tasks_pipeline",  # two tasks' pipelines under the retrain flow, dvc repro
     "test_team_stack",  # PostgreSQL, MLflow and Prefect servers
     "test_train_stage",  # training, torchrun ranks, dvc repro
     "test_vllm_serving",  # a vLLM server where .venv-serve is built

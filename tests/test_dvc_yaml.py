@@ -8,17 +8,22 @@ imports through the project's own packages.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from tuneloop.pipeline import stage_order
+from tuneloop.params import PER_TASK_PATHS
+from tuneloop.pipeline import SHARED_STAGES, stage_order, task_stages
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_PACKAGES = ("tuneloop", "stages")
 DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
+# The project's own stages; each task's are generated from them (``task_stage``).
+OWN = [name for name, spec in DVC["stages"].items() if "foreach" not in spec]
 
 
 def module_file(name: str) -> Path | None:
@@ -76,7 +81,7 @@ def render(value: str) -> str:
     return value
 
 
-@pytest.mark.parametrize("stage", sorted(DVC["stages"]))
+@pytest.mark.parametrize("stage", sorted(OWN))
 def test_stage_lists_every_local_module_it_imports(stage: str) -> None:
     spec = DVC["stages"][stage]
     assert spec["cmd"] == f"python -m stages.{stage}"
@@ -92,7 +97,7 @@ def test_stage_lists_every_local_module_it_imports(stage: str) -> None:
     assert not missing, f"dvc.yaml stage {stage!r} lacks deps {missing}"
 
 
-@pytest.mark.parametrize("stage", sorted(DVC["stages"]))
+@pytest.mark.parametrize("stage", sorted(OWN))
 def test_stage_param_groups_exist(stage: str) -> None:
     for key in DVC["stages"][stage]["params"]:
         node = PARAMS
@@ -105,5 +110,72 @@ def test_stages_are_listed_in_an_order_they_can_run() -> None:
     # The flows and tests run the stages in dvc.yaml's order; it is checked against DVC's
     # graph of deps and outs.
     order = stage_order(ROOT)
-    assert order == tuple(DVC["stages"])
+    assert order == tuple(OWN)
     assert order[0] == "base" and order[-1] == "evaluate"
+
+
+# What the shared stages write in paths.metrics.
+SHARED_METRICS = ("ingest.json", "base.json")
+# A task's own: tasks.<task>.registered_model.
+DROPPED_PARAMS = ("tracking.registered_model",)
+
+
+def task_path(path: str) -> str:
+    """A path of the project's stage as the task's stage reads or writes it."""
+    found = re.fullmatch(r"\$\{paths\.(\w+)\}(/.*)?", path)
+    if not found:
+        return path
+    key, rest = found.group(1), found.group(2) or ""
+    if key == "metrics" and rest.lstrip("/") in SHARED_METRICS:
+        return path
+    if key in PER_TASK_PATHS:
+        return f"${{paths.task_folders}}/${{key}}/{path}"
+    if key == "pool":
+        return f"${{paths.pool}}/records/${{key}}{rest}"
+    return path
+
+
+def _entry(entry: Any) -> Any:
+    if isinstance(entry, str):
+        return task_path(entry)
+    return {task_path(k): v for k, v in entry.items()}
+
+
+def task_stage(spec: dict[str, Any]) -> dict[str, Any]:
+    """The ``foreach`` group of a project's stage: the same command, code deps and param
+    groups, with the task's folders, records and params."""
+    body: dict[str, Any] = {}
+    for field, value in spec.items():
+        if field == "cmd":
+            body[field] = f"{value} --task ${{key}}"
+        elif field in ("deps", "outs", "metrics"):
+            body[field] = [_entry(e) for e in value]
+        elif field == "params":
+            kept = [p for p in value if p not in DROPPED_PARAMS]
+            body[field] = [*kept, "paths.task_folders", "tasks.${key}"]
+        else:
+            body[field] = value
+    return {"foreach": "${tasks}", "do": body}
+
+
+def test_each_task_stage_is_its_project_stage_with_the_tasks_paths() -> None:
+    # One dvc.yaml holds both; were they written apart, a dep added to one would be missed
+    # in the other.
+    groups = [name for name in DVC["stages"] if name not in OWN]
+    assert groups == [f"task-{name}" for name in OWN if name not in SHARED_STAGES]
+    for name in groups:
+        assert DVC["stages"][name] == task_stage(DVC["stages"][name.removeprefix("task-")])
+    assert task_stages("copy", ROOT) == tuple(f"{name}@copy" for name in groups)
+
+
+def test_task_stages_write_nothing_a_project_stage_writes() -> None:
+    # DVC refuses an out inside another's, so a task's folders lie apart (paths.task_folders).
+    project = {
+        render(next(iter(o)) if isinstance(o, dict) else o)
+        for spec in DVC["stages"].values()
+        if "foreach" not in spec
+        for o in [*spec.get("outs", []), *spec.get("metrics", [])]
+    }
+    for key in PER_TASK_PATHS:
+        ours = Path(PARAMS["paths"]["task_folders"], "copy", PARAMS["paths"][key])
+        assert not any(ours.is_relative_to(p) or Path(p).is_relative_to(ours) for p in project)

@@ -33,7 +33,7 @@ def with_tasks(tasks: Any) -> dict[str, Any]:
 
 def test_a_project_without_tasks_is_the_one_task_case() -> None:
     params = load_params()
-    assert params.tasks is None
+    assert params.tasks == {} and params.task is None
     assert params.task_names() == (DEFAULT_TASK,)
     assert params.for_task(DEFAULT_TASK) is params
     assert params.public_model(DEFAULT_TASK) == DEFAULT_TASK
@@ -53,13 +53,16 @@ def test_each_task_sees_its_model_suites_overrides_and_folders() -> None:
     assert support.gate == params.gate and support.train == params.train
     assert copy.gate.max_forgetting == params.gate.max_forgetting
     assert copy.evaluate.general_suites == params.evaluate.general_suites
+    assert copy.task == "copy" and params.task is None
     for key in PER_TASK_PATHS:
-        assert getattr(copy.paths, key) == getattr(params.paths, key) / "copy", key
+        own = params.paths.task_folders / "copy" / getattr(params.paths, key)
+        assert getattr(copy.paths, key) == own, key
+        assert copy.project_path(key) == getattr(params.paths, key)
     assert copy.paths.clean != support.paths.clean
     for shared in ("incoming", "pool", "base_model", "downloads", "eval_suites"):
         assert getattr(copy.paths, shared) == getattr(params.paths, shared), shared
-    # Its regression suite is a suite folder of its own, where lm-eval finds suites.
-    assert copy.paths.fixed_badcases == params.paths.eval_suites / "fixed_badcases_copy"
+    # Its regression suite's items lie in its folder (the suite's loader reads them there).
+    assert copy.paths.fixed_badcases == Path("tasks/copy/eval/fixed_badcases")
     # Its release, rollback and status reach its own router on each replica.
     assert copy.release.routers == tuple(
         f"{url.rstrip('/')}/tasks/copy" for url in params.release.routers
@@ -70,10 +73,25 @@ def test_each_task_sees_its_model_suites_overrides_and_folders() -> None:
     assert params.tracking.registered_model == "tuneloop-support"
 
 
+def test_a_params_file_from_before_tasks_is_shown_the_new_shape() -> None:
+    data = shipped()
+    del data["tasks"]
+    with pytest.raises(ParamsError, match=r"tasks: required key is missing \(write `tasks: \{\}`"):
+        parse_params(data)
+
+
+def test_an_absolute_path_of_a_task_is_its_own_subfolder() -> None:
+    data = with_tasks(TASKS)
+    data["paths"] = {**data["paths"], "checkpoints": "/scratch/ckpt"}
+    copy = parse_params(data).for_task("copy")
+    assert copy.paths.checkpoints == Path("/scratch/ckpt/copy")
+    assert copy.project_path("checkpoints") == Path("/scratch/ckpt")
+
+
 @pytest.mark.parametrize(
     ("tasks", "message"),
     [
-        ({}, "list at least one task"),
+        (None, "null is no longer a value; write `tasks: {}` for a project of one task"),
         ({"Support": TASKS["support"]}, "name 'Support' must match"),
         ({"support": {"suites": ["support_demo"]}}, "tasks.support.registered_model"),
         ({"support": {**TASKS["support"], "suites": []}}, "tasks.support.suites"),

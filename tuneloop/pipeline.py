@@ -20,10 +20,15 @@ class StageOrderError(ValueError):
     """dvc.yaml lists a stage before a stage whose output it reads."""
 
 
+# The stages every task shares; the rest run once per task (``task_stages``).
+SHARED_STAGES = ("base", "ingest")
+
+
 def stage_order(root: Path = Path()) -> tuple[str, ...]:
-    """The stages of ``root``'s dvc.yaml, in the order written, checked to be a valid run order."""
+    """The project's own stages of ``root``'s dvc.yaml (not the per-task ``foreach`` groups),
+    in the order written, checked to be a valid run order."""
     spec = read_yaml(root / "dvc.yaml")
-    order = tuple(spec["stages"])
+    order = tuple(name for name, stage in spec["stages"].items() if "foreach" not in stage)
     # Imported here: dvc takes about a second to import.
     from dvc.repo import Repo
 
@@ -38,3 +43,10 @@ def stage_order(root: Path = Path()) -> tuple[str, ...]:
                     f"outs it depends on; move {before!r} above {name!r}"
                 )
     return order
+
+
+def task_stages(task: str, root: Path = Path()) -> tuple[str, ...]:
+    """Task ``task``'s stages, as DVC names them (``task-clean@copy``), in dvc.yaml's order:
+    each ``foreach`` group generates one per task of params.yaml's ``tasks:``."""
+    spec = read_yaml(root / "dvc.yaml")
+    return tuple(f"{name}@{task}" for name, stage in spec["stages"].items() if "foreach" in stage)

@@ -9,8 +9,10 @@ MLflow; with the SQLite store they load MLflow once there is something to log.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -19,10 +21,31 @@ from pathlib import Path
 from typing import Any
 
 from tuneloop.io import write_json
-from tuneloop.params import Params
+from tuneloop.params import Params, load_params
 
 # Metrics written while ``logged_after`` holds the run back; it logs them into the run.
 _pending: list[dict[str, Any]] | None = None
+
+
+# The task a stage runs for, passed on to the processes it starts (the watchdog's job,
+# torchrun's ranks) so they read the same view of the params.
+TASK_ENV = "TUNELOOP_TASK"
+
+
+def stage_params(argv: list[str] | None = None) -> Params:
+    """params.yaml as a stage of one task sees it (``Params.for_task``).
+
+    dvc.yaml's per-task stages run ``python -m stages.<stage> --task <name>``; the
+    single-model stages run without it and see the params as written. The task is exported
+    in ``TUNELOOP_TASK`` for the processes the stage starts, which read it from there.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--task", default=os.environ.get(TASK_ENV) or None)
+    task = parser.parse_known_args(sys.argv[1:] if argv is None else argv)[0].task
+    if task is None:
+        return load_params()
+    os.environ[TASK_ENV] = task
+    return load_params(task=task)
 
 
 def setup_logging() -> None:
@@ -80,6 +103,9 @@ def logged_after(stage: str, params: Params) -> Iterator[Deferred]:
     would inside ``stage_run``.
     """
     global _pending
+    from tuneloop.tracking.lineage import dvc_stage
+
+    stage = dvc_stage(stage, params)
     deferred = Deferred()
     _pending = deferred.metrics
     start = time.monotonic()

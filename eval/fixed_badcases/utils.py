@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import datasets
@@ -14,11 +15,15 @@ import datasets
 from tuneloop.data.text import normalise
 
 HERE = Path(__file__).parent
+# With several tasks each task's suite lies in its own folder (paths.fixed_badcases of the
+# task, tuneloop.params.tasks); the evaluate stage of a task names it here.
+FOLDER_ENV = "TUNELOOP_FIXED_BADCASES"
 
 
 def load(**_: object) -> datasets.DatasetDict:
     # Resolved beside this file, so the suite runs from any working directory.
-    return datasets.DatasetDict({"test": datasets.Dataset.from_json(str(HERE / "test.jsonl"))})
+    folder = Path(os.environ.get(FOLDER_ENV) or HERE)
+    return datasets.DatasetDict({"test": datasets.Dataset.from_json(str(folder / "test.jsonl"))})
 
 
 def process_results(doc: dict, results: list[str]) -> dict[str, object]:

@@ -208,7 +208,7 @@ def _for_task(params: Params, task: str | None) -> Params:
     """The params of ``task``; a project of several tasks must name one."""
     from tuneloop.params import ParamsError
 
-    if task is None and params.tasks is not None:
+    if task is None and params.tasks:
         raise ParamsError(f"params.yaml lists tasks {list(params.task_names())}: give --task")
     return params if task is None else params.for_task(task)
 
@@ -236,7 +236,7 @@ def _status(args: argparse.Namespace) -> int:
     from tuneloop.release import approval
 
     params = load_params()
-    if params.tasks is None:
+    if not params.tasks:
         result = approval.status(params)
         if args.json:
             print(json.dumps(result, indent=2, ensure_ascii=False, default=str))

@@ -305,6 +305,7 @@ def clean_pool(
     params: CleanParams,
     tokenizer: ChatTokenizer,
     seen_batches: Collection[str] = (),
+    task: str | None = None,
 ) -> CleanReport:
     """Clean every pooled record, oldest first, into ``out``/train.jsonl, val.jsonl, dpo.jsonl.
 
@@ -320,9 +321,11 @@ def clean_pool(
     batches are new) stay valid. With ``params.replay_corrections`` their corrected badcases
     are all trained on again (chat and pair), the items the fixed-badcase suite tests. Their
     validation chats all stay, so the validation loss also watches what earlier months taught.
+
+    ``task``: clean that task's records only (``records/<task>/``), with several tasks.
     """
     cache.mkdir(parents=True, exist_ok=True)
-    batches = pool_batches(pool)
+    batches = pool_batches(pool, task)
     segments = [s for batch in batches for s in _batch_segments(batch, cache)]
     report = CleanReport()
     report.batches = [b.stem for b in batches]

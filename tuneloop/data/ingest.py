@@ -21,7 +21,7 @@ import json
 import multiprocessing
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +68,7 @@ class IngestResult:
     # Each accepted record as its pool line (bytes, not objects: a month can be a million).
     accepted: list[bytes] = field(default_factory=list)
     accepted_ids: list[str] = field(default_factory=list)  # their ids (content hashes)
+    accepted_tasks: list[str | None] = field(default_factory=list)  # their tasks (None: no tasks)
     by_source: Counter[str] = field(default_factory=Counter)
     quarantined: list[dict[str, Any]] = field(default_factory=list)
     duplicates: int = 0
@@ -296,7 +297,8 @@ def sort_one(line: Line, max_line_bytes: int, now: str, tasks: Tasks = None) -> 
     provenance = {"file": _scrubbed_name(line.file), "line": line.number, "sha256": digest}
     provenance["ingested_at"] = now
     source = str(record.meta["source"] or "unknown")
-    return ("record", digest, tuple(found.items()), pool_line(record, digest, provenance), source)
+    pooled = pool_line(record, digest, provenance)
+    return ("record", digest, tuple(found.items()), pooled, source, record.meta.get("task"))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -361,7 +363,7 @@ def ingest(
             result.pii.update(found)
             result.quarantined.append(entry)
             return
-        _, digest, found_items, pooled, source = outcome
+        _, digest, found_items, pooled, source, task = outcome
         result.pii.update(dict(found_items))
         if line.number != 1:
             earlier[raw_hash] = found_items
@@ -371,6 +373,7 @@ def ingest(
         seen.add(digest)
         result.accepted.append(pooled)
         result.accepted_ids.append(digest)
+        result.accepted_tasks.append(task)
         result.by_source[source] += 1
 
     if workers <= 1:
@@ -466,6 +469,7 @@ def metrics(result: IngestResult, pooled: int) -> dict[str, Any]:
         "lines": result.lines,
         "accepted": len(result.accepted),
         "accepted_by_source": dict(result.by_source),
+        "accepted_by_task": dict(Counter(t for t in result.accepted_tasks if t is not None)),
         "quarantined": len(result.quarantined),
         "duplicates": result.duplicates,
         "blank_lines": result.blank,
@@ -476,15 +480,26 @@ def metrics(result: IngestResult, pooled: int) -> dict[str, Any]:
     }
 
 
-def add_batch(pool: Path, now: dt.datetime, result: IngestResult) -> None:
-    """Add the run's records and quarantined lines to the pool as one batch, all or nothing."""
+def add_batch(
+    pool: Path, now: dt.datetime, result: IngestResult, tasks: Sequence[str] = ()
+) -> None:
+    """Add the run's records and quarantined lines to the pool as one batch, all or nothing.
+
+    With ``tasks``, each task's records go to a folder of its own, ``records/<task>/``: the
+    task's stages depend on that folder alone (dvc.yaml), so a month that brings one task
+    new records reruns that task's pipeline and no other.
+    """
     batch = now.strftime("%Y%m%dT%H%M%S%fZ")
-    # DVC needs the out to exist even when a run adds nothing.
-    (pool / "records").mkdir(mode=pool_writes.FOLDER_MODE, parents=True, exist_ok=True)
+    # DVC needs the out (and each task's folder, a dep) to exist even when a run adds nothing.
+    for folder in [pool / "records", *(pool / "records" / t for t in tasks)]:
+        folder.mkdir(mode=pool_writes.FOLDER_MODE, parents=True, exist_ok=True)
     files: dict[str, bytes | list[bytes]] = {}
-    if result.accepted:
-        files[f"records/{batch}.jsonl"] = result.accepted
-        files[f"records/{batch}{IDS_SUFFIX}"] = ids_index(result.accepted, result.accepted_ids)
+    for task in sorted({t or "" for t in result.accepted_tasks}):
+        at = [i for i, t in enumerate(result.accepted_tasks) if (t or "") == task]
+        lines = [result.accepted[i] for i in at]
+        name = f"records/{task}/{batch}_{task}" if task else f"records/{batch}"
+        files[f"{name}.jsonl"] = lines
+        files[f"{name}{IDS_SUFFIX}"] = ids_index(lines, [result.accepted_ids[i] for i in at])
     if result.quarantined:
         files[f"quarantine/{batch}.jsonl"] = jsonl_text(result.quarantined).encode()
     if files:

@@ -306,14 +306,23 @@ def content_hash(record: Chat | Badcase | PlainRecord) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def pool_batches(pool: Path) -> list[Path]:
-    """The pool's record batch files, oldest first: the order records are cleaned in."""
-    return sorted((pool / "records").glob("*.jsonl"))
+def pool_batches(pool: Path, task: str | None = None) -> list[Path]:
+    """The pool's record batch files, oldest first: the order records are cleaned in.
+
+    A project of several tasks keeps each task's batches in ``records/<task>/``
+    (``ingest.add_batch``): ``task`` names one, None reads every task's (a merged model's
+    data), a batch's tasks in name order.
+    """
+    records = pool / "records"
+    if task is not None:
+        return sorted((records / task).glob("*.jsonl"))
+    # A task's batch is named <batch>_<task>: unique in the whole pool, in time order.
+    return sorted([*records.glob("*.jsonl"), *records.glob("*/*.jsonl")], key=lambda p: p.name)
 
 
-def pool_records(pool: Path) -> Iterator[PoolRecord]:
-    """Every record in the pool, oldest batch first."""
-    for path in pool_batches(pool):
+def pool_records(pool: Path, task: str | None = None) -> Iterator[PoolRecord]:
+    """Every record in the pool (of ``task``: ``pool_batches``), oldest batch first."""
+    for path in pool_batches(pool, task):
         for data in read_jsonl(path):
             yield PoolRecord.model_validate(data)
 

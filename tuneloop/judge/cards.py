@@ -64,13 +64,14 @@ def gather(params: Params, repo: Path, watch_root: Path | None = None) -> Facts:
     """Read what the cards need; ``watch_root`` holds the watchdog's ``*/watch.json``."""
     metrics = repo / params.paths.metrics
     facts = Facts(
-        ingest=_json(metrics / "ingest.json"),
+        # Ingest is shared by the tasks: its metrics lie in the project's folder, not the task's.
+        ingest=_json(repo / params.project_path("metrics") / "ingest.json"),
         clean=_json(metrics / "clean.json"),
         train=_json(metrics / "train.json"),
     )
     pool = repo / params.paths.pool
     if pool.exists():
-        for record in pool_records(pool):
+        for record in pool_records(pool, params.task):
             source = str(record.meta.get("source") or "unknown")
             facts.pool[(_month(record.meta, record.provenance), source)] += 1
     for md5s in lineage.dvc_lock_md5s(repo).values():

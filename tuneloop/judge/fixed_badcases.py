@@ -46,12 +46,13 @@ class Suite:
     left_out: Counter[str] = field(default_factory=Counter)
 
 
-def build(pool: Path, champion_batches: Collection[str]) -> Suite:
-    """The suite's items: the newest correction of each question, from the champion's batches."""
+def build(pool: Path, champion_batches: Collection[str], task: str | None = None) -> Suite:
+    """The suite's items: the newest correction of each question, from the champion's batches
+    (of ``task``'s records, with several tasks)."""
     seen = set(champion_batches)
     latest: dict[str, dict[str, Any]] = {}  # normalised question -> item
     suite = Suite()
-    for path in pool_batches(pool):
+    for path in pool_batches(pool, task):
         for record in read_jsonl(path):
             if record["kind"] != "badcase" or record.get("corrected_response") is None:
                 continue

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError, model_validator
+from pydantic import PrivateAttr, ValidationError, field_validator, model_validator
 
 from tuneloop.io import read_yaml
 from tuneloop.params.groups import (
@@ -57,9 +57,9 @@ from tuneloop.params.operations import (
 from tuneloop.params.tasks import (
     DEFAULT_TASK,
     PER_TASK_PATHS,
+    TASKS_SHAPE,
     TaskParams,
     check_tasks,
-    fixed_badcases_path,
     task_paths,
 )
 
@@ -128,33 +128,57 @@ class Params(_Group):
     serve: ServeParams
     watchdog: WatchdogParams
     schedule: ScheduleParams
-    tasks: dict[str, TaskParams] | None = None
+    # Required, so a params.yaml from before tasks says how to write it (``_describe``);
+    # ``{}`` is the one-task project, whose per-task stages dvc.yaml generates none of.
+    tasks: dict[str, TaskParams]
+    # The task whose view this is (``for_task``); None: the project's own params.
+    _task: str | None = PrivateAttr(default=None)
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _tasks_shape(cls, value: Any) -> Any:
+        if value is None:
+            raise ValueError(f"null is no longer a value; {TASKS_SHAPE}")
+        return value
 
     @model_validator(mode="after")
     def _tasks_apart(self) -> Params:
-        if self.tasks is not None:
-            if not self.tasks:
-                raise ValueError("tasks: list at least one task, or leave the key out")
-            check_tasks(self.tasks, self.gate, self.train)
+        check_tasks(self.tasks, self.gate, self.train)
         return self
 
+    @property
+    def task(self) -> str | None:
+        """The task this view is of (``for_task``), None for the project's own params."""
+        return self._task
+
+    def project_path(self, key: str) -> Path:
+        """``paths.<key>`` of the project, not of this task's view: where a shared stage
+        (ingest, base) writes, e.g. ``metrics`` (ingest.json), not ``tasks/<task>/metrics``."""
+        path: Path = getattr(self.paths, key)
+        if self._task is None or key not in PER_TASK_PATHS:
+            return path
+        return (
+            path.parent
+            if path.is_absolute()
+            else path.relative_to(self.paths.task_folders / self._task)
+        )
+
     def task_names(self) -> tuple[str, ...]:
-        """The tasks on the base, in the file's order (``DEFAULT_TASK`` without ``tasks:``)."""
-        return (DEFAULT_TASK,) if self.tasks is None else tuple(self.tasks)
+        """The tasks on the base, in the file's order (``DEFAULT_TASK`` without tasks)."""
+        return tuple(self.tasks) or (DEFAULT_TASK,)
 
     def for_task(self, name: str) -> Params:
         """The params as task ``name``'s stages see them: its model, suites, overrides and
-        folders. The one task of a project without ``tasks:`` sees them as written."""
-        if self.tasks is None and name == DEFAULT_TASK:
+        folders. The one task of a project without tasks sees them as written."""
+        if not self.tasks and name == DEFAULT_TASK:
             return self
-        if self.tasks is None or name not in self.tasks:
+        if name not in self.tasks:
             raise ParamsError(
                 f"no task {name!r} in params.yaml; its tasks: {list(self.task_names())}"
             )
         task = self.tasks[name]
         paths = task_paths(self.paths, name)
-        paths = paths.model_copy(update={"fixed_badcases": fixed_badcases_path(self.paths, name)})
-        return self.model_copy(
+        view = self.model_copy(
             update={
                 "paths": paths,
                 "tracking": self.tracking.model_copy(
@@ -174,10 +198,12 @@ class Params(_Group):
                 ),
             }
         )
+        view._task = name
+        return view
 
     def public_model(self, name: str) -> str:
         """What clients ask the router for to reach task ``name``."""
-        task = None if self.tasks is None else self.tasks.get(name)
+        task = self.tasks.get(name)
         return (task.public_model if task else None) or name
 
 
@@ -188,7 +214,8 @@ def _describe(error: ValidationError, source: Path) -> str:
         if item["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown key (a typo? remove it or fix its spelling)")
         elif item["type"] == "missing":
-            lines.append(f"  {key}: required key is missing")
+            hint = f" ({TASKS_SHAPE})" if key == "tasks" else ""
+            lines.append(f"  {key}: required key is missing{hint}")
         else:
             lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
     return "\n".join(lines)

@@ -61,9 +61,27 @@ def _load_yaml(path: Path) -> dict[str, Any]:
 CODE_ROOT = Path(__file__).resolve().parents[2]
 
 
+# A task's stages in dvc.yaml: ``task-<stage>`` generated per task (foreach), named
+# ``task-<stage>@<task>`` by DVC.
+TASK_STAGE_PREFIX = "task-"
+
+
+def dvc_stage(stage: str, params: Params) -> str:
+    """The DVC name of ``stage`` run for the task of ``params`` (``Params.for_task``):
+    ``clean`` -> ``task-clean@copy``; the name itself for the project's own params or a name
+    that is already a DVC one."""
+    if params.task is None or "@" in stage:
+        return stage
+    return f"{TASK_STAGE_PREFIX}{stage}@{params.task}"
+
+
 def stage_param_groups(stage: str, repo: Path = CODE_ROOT) -> list[str]:
-    """The param groups (or keys) a stage declares in dvc.yaml."""
-    spec = _load_yaml(repo / "dvc.yaml").get("stages", {}).get(stage, {})
+    """The param groups (or keys) a stage declares in dvc.yaml (``task-clean@copy``: those of
+    the ``task-clean`` group, ``${key}`` read as ``copy``)."""
+    name, _, key = stage.partition("@")
+    spec = _load_yaml(repo / "dvc.yaml").get("stages", {}).get(name, {})
+    if key:
+        spec = spec.get("do", {})
     groups: list[str] = []
     for entry in spec.get("params", []):
         if isinstance(entry, str):
@@ -71,7 +89,7 @@ def stage_param_groups(stage: str, repo: Path = CODE_ROOT) -> list[str]:
         elif isinstance(entry, dict):  # {file: [keys]} form
             for keys in entry.values():
                 groups.extend(keys)
-    return groups
+    return [group.replace("${key}", key) for group in groups]
 
 
 def params_subset(params: Params, groups: list[str]) -> dict[str, Any]:
@@ -213,6 +231,7 @@ def manifest(stage: str, params: Params, inputs: dict[str, Path], **extra: Any) 
 
     The inputs' md5s are hashed now (``stage_md5s``): the versions this run read.
     """
+    stage = dvc_stage(stage, params)
     groups = stage_param_groups(stage)
     git = git_state()
     md5s = stage_md5s(stage, outs=False)

@@ -249,6 +249,7 @@ def stage_run(stage: str, params: Params) -> Iterator[Run]:
     """The MLflow run a stage logs into, with its lineage tags and params."""
     import mlflow
 
+    stage = lineage.dvc_stage(stage, params)
     experiment_id = setup(params.tracking.experiment)
     # A flow task created this child run; resume it. Drop the variable once
     # used, or the transformers MLflow callback would try to start it again.

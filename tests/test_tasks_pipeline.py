@@ -1,0 +1,112 @@
+"""Two tasks on one base through the whole pipeline: dvc.yaml's per-task stages, run by the
+retrain flow, each task's data, folders, gate and registered model its own; a change to one
+task reruns that task's stages alone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import copy_project, write_params
+from tuneloop.demo import domain
+from tuneloop.params import load_params
+
+TASKS = {
+    "support": {"registered_model": "tuneloop-support", "suites": ["support_demo"]},
+    # A second task on the same base, with its own data, model and LoRA.
+    "orders": {
+        "registered_model": "tuneloop-orders",
+        "suites": ["support_demo"],
+        "train": {"lora_r": 4},
+    },
+}
+
+
+def dvc(repo: Path, *args: str) -> str:
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "dvc"), *args],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout
+
+
+def changed_stages(repo: Path) -> set[str]:
+    """The stages ``dvc status`` names as changed."""
+    status = json.loads(dvc(repo, "status", "--json"))
+    return set(status)
+
+
+@pytest.fixture(scope="module")
+def two_tasks(
+    tmp_path_factory: pytest.TempPathFactory, prefect_harness: None
+) -> tuple[Path, dict[str, Any]]:
+    from flows.retrain import retrain
+
+    repo = copy_project(tmp_path_factory.mktemp("two-tasks"))
+    write_params(repo, {"tasks": TASKS})
+    subprocess.run(["git", "commit", "-qam", "two tasks"], cwd=repo, check=True)
+    params = load_params(repo / "params.yaml")
+    incoming = repo / params.paths.incoming
+    # Each task's month in its own folder; orders' smaller, from another seed.
+    domain.seed_month(incoming / "support", params.demo)
+    domain.seed_month(incoming / "orders", params.demo.model_copy(update={"seed": 7}))
+    return repo, retrain(repo=repo)
+
+
+def test_each_task_runs_its_own_pipeline_and_registers_its_own_model(
+    two_tasks: tuple[Path, dict[str, Any]],
+) -> None:
+    repo, result = two_tasks
+    assert result["failed"] == []
+    assert set(result["tasks"]) == {"support", "orders"}
+    for task, outcome in result["tasks"].items():
+        assert outcome["outcome"] == "ran", outcome
+        folder = repo / "tasks" / task
+        # Its own adapter, trained on its own records, judged by its own gate.
+        assert (folder / "models/adapter/adapter_config.json").exists()
+        assert json.loads((folder / "models/adapter/adapter_config.json").read_text())["r"] == (
+            4 if task == "orders" else load_params(repo / "params.yaml").train.lora_r
+        )
+        decision = json.loads((folder / "metrics/decision.json").read_text())
+        assert decision["passed"] is outcome["decision"]["passed"]
+        assert outcome["registration"]["name"] == TASKS[task]["registered_model"]
+        # Its records only: clean saw the pool batches of its own folder.
+        clean = json.loads((folder / "metrics/clean.json").read_text())
+        assert clean["batches"] and all(b.endswith(f"_{task}") for b in clean["batches"])
+    # Nothing of a task was written where the project's own (single-model) stages write.
+    assert not (repo / "models/adapter").exists()
+    assert not (repo / "data/clean").exists()
+
+
+def test_a_change_to_one_task_reruns_only_that_tasks_stages(
+    two_tasks: tuple[Path, dict[str, Any]],
+) -> None:
+    repo, _ = two_tasks
+    assert changed_stages(repo) - {"task-init@support", "task-init@orders"} == set()
+    params = load_params(repo / "params.yaml")
+    # New records for orders alone: after ingest, only orders' stages see new data.
+    domain.seed_month(
+        repo / params.paths.incoming / "orders",
+        params.demo.model_copy(update={"seed": 8, "n_support": 40, "n_badcases": 4}),
+        month=2,
+    )
+    dvc(repo, "repro", "--single-item", "ingest")
+    changed = changed_stages(repo) - {"task-init@support", "task-init@orders"}
+    assert changed, "the new records changed nothing"
+    assert all(stage.endswith("@orders") for stage in changed), changed
+    assert "task-clean@orders" in changed
+    # A param of one task: that task's stages, none of the other's.
+    write_params(
+        repo, {"tasks": {**TASKS, "support": {**TASKS["support"], "gate": {"min_gain": 0.5}}}}
+    )
+    changed = changed_stages(repo) - {"task-init@support", "task-init@orders"}
+    support = {stage for stage in changed if stage.endswith("@support")}
+    assert support and "task-train@support" in support
