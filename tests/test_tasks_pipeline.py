@@ -5,6 +5,7 @@ task reruns that task's stages alone."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,12 @@ from tuneloop.params import load_params
 
 TASKS = {
     "support": {"registered_model": "tuneloop-support", "suites": ["support_demo"]},
+    # A task whose run preflight refuses (a learning rate that diverges): it fails alone.
+    "broken": {
+        "registered_model": "tuneloop-broken",
+        "suites": ["support_demo"],
+        "train": {"learning_rate": 0.5},
+    },
     # A second task on the same base, with its own data, model and LoRA.
     "orders": {
         "registered_model": "tuneloop-orders",
@@ -28,20 +35,25 @@ TASKS = {
 
 
 def dvc(repo: Path, *args: str) -> str:
+    bin_dir = Path(sys.executable).parent
+    # dvc.yaml's `python -m stages.x` must find this environment's python.
+    env = os.environ | {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     done = subprocess.run(
-        [str(Path(sys.executable).parent / "dvc"), *args],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        check=True,
+        [str(bin_dir / "dvc"), *args], cwd=repo, env=env, capture_output=True, text=True
     )
+    assert done.returncode == 0, f"dvc {' '.join(args)}: {done.stderr[-3000:]}"
     return done.stdout
 
 
+# Always changed: each reads the registry's champion, which DVC cannot see.
+ALWAYS = {f"task-init@{task}" for task in TASKS}
+
+
 def changed_stages(repo: Path) -> set[str]:
-    """The stages ``dvc status`` names as changed."""
+    """The tasks' stages ``dvc status`` names as changed (not the project's own, the single
+    merged model, which this project never runs; nor init, ``ALWAYS``)."""
     status = json.loads(dvc(repo, "status", "--json"))
-    return set(status)
+    return {stage for stage in status if stage.startswith("task-")} - ALWAYS
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +67,11 @@ def two_tasks(
     subprocess.run(["git", "commit", "-qam", "two tasks"], cwd=repo, check=True)
     params = load_params(repo / "params.yaml")
     incoming = repo / params.paths.incoming
-    # Each task's month in its own folder; orders' smaller, from another seed.
+    # Each task's month in its own folder, from a seed of its own; broken's smaller.
     domain.seed_month(incoming / "support", params.demo)
     domain.seed_month(incoming / "orders", params.demo.model_copy(update={"seed": 7}))
+    small = {"seed": 9, "n_support": 80, "n_badcases": 8}
+    domain.seed_month(incoming / "broken", params.demo.model_copy(update=small))
     return repo, retrain(repo=repo)
 
 
@@ -65,9 +79,13 @@ def test_each_task_runs_its_own_pipeline_and_registers_its_own_model(
     two_tasks: tuple[Path, dict[str, Any]],
 ) -> None:
     repo, result = two_tasks
-    assert result["failed"] == []
-    assert set(result["tasks"]) == {"support", "orders"}
-    for task, outcome in result["tasks"].items():
+    # The task between them failed in preflight, and the next task still ran.
+    assert result["failed"] == ["broken"]
+    broken = result["tasks"]["broken"]
+    assert broken["outcome"] == "failed" and "task-preflight@broken" in broken["error"]
+    assert not (repo / "tasks/broken/models/adapter").exists()
+    for task in ("support", "orders"):
+        outcome = result["tasks"][task]
         assert outcome["outcome"] == "ran", outcome
         folder = repo / "tasks" / task
         # Its own adapter, trained on its own records, judged by its own gate.
@@ -90,7 +108,8 @@ def test_a_change_to_one_task_reruns_only_that_tasks_stages(
     two_tasks: tuple[Path, dict[str, Any]],
 ) -> None:
     repo, _ = two_tasks
-    assert changed_stages(repo) - {"task-init@support", "task-init@orders"} == set()
+    # What ran is up to date; the broken task's refused stage and those after it are not.
+    assert {s for s in changed_stages(repo) if not s.endswith("@broken")} == set()
     params = load_params(repo / "params.yaml")
     # New records for orders alone: after ingest, only orders' stages see new data.
     domain.seed_month(
@@ -99,14 +118,15 @@ def test_a_change_to_one_task_reruns_only_that_tasks_stages(
         month=2,
     )
     dvc(repo, "repro", "--single-item", "ingest")
-    changed = changed_stages(repo) - {"task-init@support", "task-init@orders"}
+    changed = changed_stages(repo)
     assert changed, "the new records changed nothing"
-    assert all(stage.endswith("@orders") for stage in changed), changed
+    assert all(stage.endswith(("@orders", "@broken")) for stage in changed), changed
+    assert not any(stage.endswith("@support") for stage in changed), changed
     assert "task-clean@orders" in changed
     # A param of one task: that task's stages, none of the other's.
     write_params(
         repo, {"tasks": {**TASKS, "support": {**TASKS["support"], "gate": {"min_gain": 0.5}}}}
     )
-    changed = changed_stages(repo) - {"task-init@support", "task-init@orders"}
+    changed = changed_stages(repo)
     support = {stage for stage in changed if stage.endswith("@support")}
     assert support and "task-train@support" in support

@@ -401,9 +401,13 @@ def dataset_card(params: Params, facts: Facts) -> str:
         quarantined = f"{ingest.get('quarantined', '?')} quarantined"
         if reasons:
             quarantined += f" ({', '.join(f'{k} {v}' for k, v in sorted(reasons.items()))})"
+        # Ingest is shared: a task's card says what of the run was the task's.
+        mine = ingest.get("accepted_by_task", {}).get(params.task) if params.task else None
+        of_task = f" ({mine} for task {params.task})" if mine is not None else ""
         lines += [
-            f"- ingest (last run): {ingest.get('lines', '?')} lines in, "
-            f"{ingest.get('accepted', '?')} accepted, {quarantined}, "
+            f"- ingest (last run{', every task' if params.task else ''}): "
+            f"{ingest.get('lines', '?')} lines in, "
+            f"{ingest.get('accepted', '?')} accepted{of_task}, {quarantined}, "
             f"{ingest.get('duplicates', '?')} duplicates.",
             "- personal data replaced by typed placeholders before storing: "
             + (", ".join(f"{k} {v}" for k, v in sorted(pii.items())) or "none found")
