@@ -555,6 +555,7 @@ def release(
     """
     logger = get_run_logger()
     repo = repo.resolve()
+    task = task or None  # "" from a project of one task's registration event (prefect.yaml)
     params = load_params(repo / "params.yaml", overrides, task)
     if params.tasks and task is None:
         raise ParamsError(f"params.yaml lists tasks {list(params.task_names())}: name the task")

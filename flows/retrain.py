@@ -27,7 +27,8 @@ from prefect import flow, get_run_logger, task
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
-from tuneloop.io import read_json
+from tuneloop.io import read_json, write_text
+from tuneloop.judge import tasks_report
 from tuneloop.orchestration.dvcrun import DvcLockTimeout, run_dvc
 from tuneloop.params import Params, ParamsError, load_params
 from tuneloop.pipeline import SHARED_STAGES, stage_order, task_stages
@@ -137,7 +138,10 @@ def register(params: Params, run_id: str) -> dict[str, Any]:
     reasons = "\n".join(done.reasons)
     if done.created:
         get_run_logger().info("%s v%s (%s):\n%s", done.name, done.version, done.alias, reasons)
-        announce_challenger(done.name, str(done.version), done.to_dict())
+        # The task names the release (prefect.yaml's trigger passes it on); "" for a project
+        # of one task.
+        payload = done.to_dict() | {"task": params.task or ""}
+        announce_challenger(done.name, str(done.version), payload)
     elif done.registered:  # announced when it was made: one release per registration
         get_run_logger().info("%s; no new release event:\n%s", done.reasons[0], reasons)
     else:
@@ -174,24 +178,35 @@ def summary(metrics: dict[str, dict[str, Any]], decision: dict[str, Any]) -> dic
 
 
 @flow(name="retrain", log_prints=True)
-def retrain(repo: Path = Path(), params: Params | None = None) -> dict[str, Any]:
+def retrain(
+    repo: Path = Path(), params: Params | None = None, tasks: list[str] | None = None
+) -> dict[str, Any]:
     """Run the whole pipeline, ingest to evaluate, and return data counts, losses and scores.
 
     ``params``: ``repo``'s params.yaml as the caller loaded it (the demo), else read here once.
     The stages read the file themselves, in their own processes.
+    ``tasks``: with ``tasks:`` in params.yaml, the tasks to run (by hand: ``prefect deployment
+    run retrain/retrain-monthly --param 'tasks=["copy"]'``); None runs every task.
     """
     repo = repo.resolve()
     params = params or load_params(repo / "params.yaml")
+    if tasks is not None:
+        unknown = sorted(set(tasks) - set(params.tasks))
+        if unknown or not tasks:
+            raise ParamsError(
+                f"retrain tasks={tasks}: run some of params.yaml's tasks {list(params.tasks)}"
+                + (f"; not there: {unknown}" if unknown else "")
+            )
     previous = Path.cwd()
     os.chdir(repo)  # MLflow's default store and lineage reads are relative to the project
     try:
         with server.local_server(repo, repo / "logs"):
-            return _retrain(repo, params)
+            return _retrain(repo, params, tasks)
     finally:
         os.chdir(previous)
 
 
-def _retrain(repo: Path, params: Params) -> dict[str, Any]:
+def _retrain(repo: Path, params: Params, tasks: list[str] | None = None) -> dict[str, Any]:
     """The flow's body, with the project as the working directory and its tracking store."""
     experiment_id = runs.setup(params.tracking.experiment)
     for said in recovery.close_killed_runs(experiment_id, "retrain", str(flow_run.id or "")):
@@ -208,7 +223,8 @@ def _retrain(repo: Path, params: Params) -> dict[str, Any]:
         },
     ) as parent:
         if params.tasks:
-            return _retrain_tasks(repo, params, parent.info.run_id, experiment_id)
+            chosen = tuple(t for t in params.task_names() if tasks is None or t in tasks)
+            return _retrain_tasks(repo, params, chosen, parent.info.run_id, experiment_id)
         metrics = _run_stages(stage_order(repo), repo, params, parent.info.run_id, experiment_id)
         result = _verdict(params, metrics, parent.info.run_id, experiment_id)
         if params.schedule.commit_results:
@@ -262,14 +278,15 @@ def _verdict(
 
 
 def _retrain_tasks(
-    repo: Path, params: Params, parent_run_id: str, experiment_id: str
+    repo: Path, params: Params, chosen: tuple[str, ...], parent_run_id: str, experiment_id: str
 ) -> dict[str, Any]:
     """Several tasks: the shared stages once, then each task's pipeline under a run of its
     own. A task that fails (a preflight refusal, a stage error) is reported and the next
     task runs; the summary names each task's outcome."""
+    before = tasks_report.states(repo, params)
     shared = _run_stages(SHARED_STAGES, repo, params, parent_run_id, experiment_id)
     outcomes: dict[str, Any] = {}
-    for name in params.task_names():
+    for name in chosen:
         view = params.for_task(name)
         with mlflow.start_run(
             run_name=name, nested=True, tags={runs.TAG_PIPELINE: "retrain", "task": name}
@@ -287,4 +304,15 @@ def _retrain_tasks(
                 outcomes[name] = {"outcome": "failed", "error": str(error)}
     failed = sorted(t for t, o in outcomes.items() if o["outcome"] == "failed")
     mlflow.set_tag("tasks.failed", ",".join(failed))
-    return {"tasks": outcomes, "failed": failed, "mlflow_run_id": parent_run_id}
+    # Every task's adapter and champion before and after: the others did not move.
+    text = tasks_report.report(params, before, tasks_report.states(repo, params), outcomes)
+    written = params.paths.reports / tasks_report.REPORT
+    write_text(written, text)
+    mlflow.log_text(text, tasks_report.REPORT)
+    get_run_logger().info("%s", text)
+    return {
+        "tasks": outcomes,
+        "failed": failed,
+        "report": str(repo / written),
+        "mlflow_run_id": parent_run_id,
+    }

@@ -26,7 +26,7 @@ def lines(*records: dict[str, Any]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
 
-def project(folder: Path, tasks: dict[str, Any] | None) -> Path:
+def project(folder: Path, tasks: dict[str, Any]) -> Path:
     path = write_params(folder, {"ingest": {"max_reject_rate": 0.9, "max_line_bytes": 100_000}})
     params = yaml.safe_load(path.read_text())
     params["tasks"] = tasks
@@ -83,6 +83,14 @@ def test_records_go_to_their_tasks_and_the_rest_to_quarantine(in_folder: Path) -
     assert "no task's folder (support/, copy/)" in reasons
     metrics = json.loads((in_folder / "metrics/ingest.json").read_text())
     assert (metrics["accepted"], metrics["quarantined"]) == (4, 3)
+    assert metrics["accepted_by_task"] == {"copy": 3, "support": 1}
+    # Each task's records in its own folder of the pool, the folder its stages depend on.
+    records = in_folder / "data/pool/records"
+    assert sorted(p.relative_to(records).parent.as_posix() for p in records.rglob("*.jsonl")) == [
+        "copy",
+        "support",
+    ]
+    assert [r.meta["task"] for r in pool_records(in_folder / "data/pool", "support")] == ["support"]
 
 
 def test_one_listed_task_takes_every_record_without_one(in_folder: Path) -> None:
@@ -96,7 +104,7 @@ def test_one_listed_task_takes_every_record_without_one(in_folder: Path) -> None
 def test_without_tasks_records_are_as_before_and_a_task_field_is_refused(
     in_folder: Path,
 ) -> None:
-    incoming = project(in_folder, None)
+    incoming = project(in_folder, {})
     (incoming / "export.jsonl").write_text(lines(KETTLE, {**LISTING, "task": "copy"}))
     ingest_stage.main()
     assert pooled(in_folder) == [(None, "Can I return the Aurora kettle?")]

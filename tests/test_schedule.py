@@ -131,14 +131,15 @@ def test_a_registered_challenger_starts_the_release(deployed: None) -> None:
         )
 
     assert read(runs) == []
-    announce_challenger("tuneloop-support", "7", {"registered": True, "version": "7"})
+    announce_challenger("tuneloop-copy", "7", {"registered": True, "version": "7", "task": "copy"})
     deadline = time.monotonic() + 90
     started: list[Any] = []
     while not started and time.monotonic() < deadline:
         time.sleep(1)
         started = read(runs)
     assert len(started) == 1, "no release run within 90 s of the event"
-    assert started[0].parameters == {"repo": "."}
+    # The release of the task whose challenger it is (with several tasks, one task's alone).
+    assert started[0].parameters == {"repo": ".", "task": "copy"}
 
 
 def test_runs_heartbeat_and_the_automation_crashes_silent_ones(deployed: None) -> None:

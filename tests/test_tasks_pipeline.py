@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.helpers import copy_project, write_params
 from tuneloop.demo import domain
-from tuneloop.params import load_params
+from tuneloop.params import ParamsError, load_params
 
 TASKS = {
     "support": {"registered_model": "tuneloop-support", "suites": ["support_demo"]},
@@ -45,6 +46,12 @@ def dvc(repo: Path, *args: str) -> str:
     return done.stdout
 
 
+# Three pipelines in one test module: what each task does is the code path, not the skill.
+SMALL: dict[str, dict[str, Any]] = {
+    "train": {"max_steps": 10},
+    "evaluate": {"limit": 12, "general_limit": 24},
+}
+
 # Always changed: each reads the registry's champion, which DVC cannot see.
 ALWAYS = {f"task-init@{task}" for task in TASKS}
 
@@ -63,7 +70,7 @@ def two_tasks(
     from flows.retrain import retrain
 
     repo = copy_project(tmp_path_factory.mktemp("two-tasks"))
-    write_params(repo, {"tasks": TASKS})
+    write_params(repo, {"tasks": TASKS, **SMALL})
     subprocess.run(["git", "commit", "-qam", "two tasks"], cwd=repo, check=True)
     params = load_params(repo / "params.yaml")
     incoming = repo / params.paths.incoming
@@ -99,6 +106,11 @@ def test_each_task_runs_its_own_pipeline_and_registers_its_own_model(
         # Its records only: clean saw the pool batches of its own folder.
         clean = json.loads((folder / "metrics/clean.json").read_text())
         assert clean["batches"] and all(b.endswith(f"_{task}") for b in clean["batches"])
+    # The interference report: a row per task, each adapter new, nothing moved unrun.
+    report = Path(result["report"]).read_text()
+    assert "| broken | failed |" in report and "Moved without running: none." in report
+    for task in ("support", "orders"):
+        assert f"| {task} | ran | none -> " in report
     # Nothing of a task was written where the project's own (single-model) stages write.
     assert not (repo / "models/adapter").exists()
     assert not (repo / "data/clean").exists()
@@ -130,3 +142,26 @@ def test_a_change_to_one_task_reruns_only_that_tasks_stages(
     changed = changed_stages(repo)
     support = {stage for stage in changed if stage.endswith("@support")}
     assert support and "task-train@support" in support
+
+
+def test_one_task_is_run_by_hand_and_the_others_stay_as_they_were(
+    two_tasks: tuple[Path, dict[str, Any]],
+) -> None:
+    from flows.retrain import retrain
+
+    repo, _ = two_tasks
+    locked = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    with pytest.raises(ParamsError, match=r"not there: \['nope'\]"):
+        retrain(repo=repo, tasks=["nope"])
+    # orders has new records (the test before): its month reruns, support's does not.
+    result = retrain(repo=repo, tasks=["orders"])
+    assert set(result["tasks"]) == {"orders"} and result["failed"] == []
+    after = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    for stage in ("task-clean", "task-train", "task-evaluate"):
+        assert after[f"{stage}@support"] == locked[f"{stage}@support"], stage
+    assert after["task-clean@orders"] != locked["task-clean@orders"]
+    # The report says so: support did not run, and its adapter and champion did not move.
+    report = Path(result["report"]).read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| support |"))
+    assert "| not run |" in row and "(untouched)" in row, row
+    assert "Moved without running: none." in report

@@ -1,0 +1,102 @@
+"""What a retrain of several tasks did to each one: the interference report.
+
+Each task has its own adapter, so a month that retrains one task cannot move another's
+scores: the other's adapter is the same bytes and its champion the same version. This report
+shows it rather than asserting it. For every task it sets the adapter's DVC md5 (dvc.lock's
+out of ``task-train@<task>``) and the registry's champion before the run beside the same
+after it, with the task's outcome, gate and scores; a task whose adapter or champion moved
+without its pipeline running would stand out here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tuneloop.params import Params
+from tuneloop.tracking import lineage, registry
+
+# The file, in the project's reports folder, and its name among the run's MLflow artifacts.
+REPORT = "tasks.md"
+
+
+@dataclass(frozen=True)
+class TaskState:
+    adapter: str | None  # the adapter's DVC md5 in dvc.lock; None before its first run
+    champion: str | None  # the registry's champion version; None before the first release
+
+
+def states(repo: Path, params: Params) -> dict[str, TaskState]:
+    """Each task's adapter and champion as they are now."""
+    lock = lineage.dvc_lock_md5s(repo)
+    found = {}
+    for task in params.task_names():
+        view = params.for_task(task)
+        outs = lock.get(f"{lineage.TASK_STAGE_PREFIX}train@{task}", {}).get("outs", {})
+        champion = registry.find_alias(view.tracking.registered_model, registry.CHAMPION)
+        found[task] = TaskState(
+            adapter=outs.get(view.paths.adapter.as_posix()),
+            champion=None if champion is None else str(champion.version),
+        )
+    return found
+
+
+def _short(md5: str | None) -> str:
+    return "none" if md5 is None else md5.removesuffix(".dir")[:10]
+
+
+def _scores(params: Params, outcome: Mapping[str, Any]) -> str:
+    """The candidate's primary metric on the task's suites, beside the reference's."""
+    evaluation = outcome.get("eval") or {}
+    reference = (outcome.get("decision") or {}).get("reference") or "base"
+    metric = params.gate.primary_metric
+    shown = []
+    for suite in params.evaluate.suites:
+        mine = evaluation.get("candidate", {}).get(suite, {}).get(metric)
+        theirs = evaluation.get(reference, {}).get(suite, {}).get(metric)
+        if mine is not None:
+            against = "" if theirs is None else f" ({reference} {theirs:.3f})"
+            shown.append(f"{suite}/{metric} {mine:.3f}{against}")
+    return "; ".join(shown) or "-"
+
+
+def report(
+    params: Params,
+    before: Mapping[str, TaskState],
+    after: Mapping[str, TaskState],
+    outcomes: Mapping[str, Mapping[str, Any]],
+) -> str:
+    """The markdown table: one row per task, what ran, what moved, what the gate said."""
+    lines = [
+        "# Tasks: what this retrain did to each",
+        "",
+        "Each task trains its own adapter: a task that did not run keeps its adapter (the same",
+        "DVC md5) and its champion, so its scores cannot have moved.",
+        "",
+        "| task | run | adapter before -> after | champion before -> after | gate | scores |",
+        "|---|---|---|---|---|---|",
+    ]
+    for task in params.task_names():
+        was, now = before.get(task, TaskState(None, None)), after[task]
+        outcome = outcomes.get(task)
+        if outcome is None:
+            run, gate, scores = "not run", "-", "-"
+        elif outcome.get("outcome") == "failed":
+            run, gate, scores = "failed", "-", str(outcome.get("error", ""))[:200]
+        else:
+            run = "ran"
+            gate = "PASS" if outcome["decision"]["passed"] else "FAIL"
+            scores = _scores(params.for_task(task), outcome)
+        adapter = f"{_short(was.adapter)} -> {_short(now.adapter)}"
+        adapter += "" if was.adapter != now.adapter else " (untouched)"
+        champion = f"{was.champion or 'none'} -> {now.champion or 'none'}"
+        lines.append(f"| {task} | {run} | {adapter} | {champion} | {gate} | {scores} |")
+    moved = [
+        task
+        for task in params.task_names()
+        if task not in outcomes and before.get(task) != after[task]
+    ]
+    lines += ["", f"Moved without running: {', '.join(moved) or 'none'}.", ""]
+    return "\n".join(lines)
