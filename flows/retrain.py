@@ -99,8 +99,7 @@ def run_stage(
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
     # A task's stage (task-clean@copy) writes clean.json into the task's metrics folder.
-    short = stage.partition("@")[0].removeprefix(lineage.TASK_STAGE_PREFIX)
-    metrics_file = repo / params.paths.metrics / f"{short}.json"
+    metrics_file = repo / params.paths.metrics / f"{lineage.project_stage(stage)}.json"
     metrics = read_json(metrics_file) if metrics_file.exists() else {}
     if cached and metrics:
         runs.log_metrics(metrics, run_id=run_id)
@@ -246,7 +245,7 @@ def _run_stages(
     """Run ``stages`` in order under ``parent_run_id``; their metrics by short stage name."""
     metrics: dict[str, dict[str, Any]] = {}
     for stage in stages:
-        short = stage.partition("@")[0].removeprefix(lineage.TASK_STAGE_PREFIX)
+        short = lineage.project_stage(stage)
         retries = 0 if short in NOT_RETRIED else 1
         metrics[short] = run_stage.with_options(retries=retries)(
             stage, repo, params, parent_run_id, experiment_id

@@ -45,6 +45,7 @@ import mlflow
 
 from tuneloop.io import atomic_dir, read_json, write_json, write_jsonl, write_text
 from tuneloop.judge import cards, scoring
+from tuneloop.judge.fixed_badcases import ITEMS_FOLDER_ENV
 from tuneloop.judge.gate import (
     BASE,
     CANDIDATE,
@@ -64,8 +65,6 @@ from tuneloop.tracking import registry
 from tuneloop.tracking.runs import stage_run
 
 STAGE = "evaluate"
-# Where eval/fixed_badcases/utils.py reads the suite's items from (its FOLDER_ENV).
-FIXED_BADCASES_ENV = "TUNELOOP_FIXED_BADCASES"
 log = logging.getLogger(__name__)
 
 
@@ -96,7 +95,7 @@ def main() -> None:
         champion = registry.find_alias(params.tracking.registered_model, registry.CHAMPION)
         fixed = fixed_suite(params, registry.describe(champion))
         # The suite's items: a task's lie in its own folder, read by the suite's loader.
-        os.environ[FIXED_BADCASES_ENV] = str(params.paths.fixed_badcases.resolve())
+        os.environ[ITEMS_FOLDER_ENV] = str(params.paths.fixed_badcases.resolve())
         wanted = [*params.evaluate.suites, *params.evaluate.general_suites, *filter(None, [fixed])]
         tasks = scoring.task_index(params.paths.eval_suites, wanted)
         could_not_run = scoring.unavailable(params.evaluate.general_suites, tasks)

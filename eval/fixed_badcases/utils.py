@@ -13,16 +13,15 @@ import datasets
 
 # The project's one normaliser: "the same answer" means what "the same text" means in clean.
 from tuneloop.data.text import normalise
+from tuneloop.judge.fixed_badcases import ITEMS_FOLDER_ENV
 
 HERE = Path(__file__).parent
-# With several tasks each task's suite lies in its own folder (paths.fixed_badcases of the
-# task, tuneloop.params.tasks); the evaluate stage of a task names it here.
-FOLDER_ENV = "TUNELOOP_FIXED_BADCASES"
 
 
 def load(**_: object) -> datasets.DatasetDict:
     # Resolved beside this file, so the suite runs from any working directory.
-    folder = Path(os.environ.get(FOLDER_ENV) or HERE)
+    # A task's items lie in its own folder, which the evaluate stage names.
+    folder = Path(os.environ.get(ITEMS_FOLDER_ENV) or HERE)
     return datasets.DatasetDict({"test": datasets.Dataset.from_json(str(folder / "test.jsonl"))})
 
 

@@ -493,13 +493,18 @@ def add_batch(
     # DVC needs the out (and each task's folder, a dep) to exist even when a run adds nothing.
     for folder in [pool / "records", *(pool / "records" / t for t in tasks)]:
         folder.mkdir(mode=pool_writes.FOLDER_MODE, parents=True, exist_ok=True)
+    by_task: dict[str, tuple[list[bytes], list[str]]] = {}
+    for line, digest, task in zip(
+        result.accepted, result.accepted_ids, result.accepted_tasks, strict=True
+    ):
+        lines, ids = by_task.setdefault(task or "", ([], []))
+        lines.append(line)
+        ids.append(digest)
     files: dict[str, bytes | list[bytes]] = {}
-    for task in sorted({t or "" for t in result.accepted_tasks}):
-        at = [i for i, t in enumerate(result.accepted_tasks) if (t or "") == task]
-        lines = [result.accepted[i] for i in at]
+    for task, (lines, ids) in sorted(by_task.items()):
         name = f"records/{task}/{batch}_{task}" if task else f"records/{batch}"
         files[f"{name}.jsonl"] = lines
-        files[f"{name}{IDS_SUFFIX}"] = ids_index(lines, [result.accepted_ids[i] for i in at])
+        files[f"{name}{IDS_SUFFIX}"] = ids_index(lines, ids)
     if result.quarantined:
         files[f"quarantine/{batch}.jsonl"] = jsonl_text(result.quarantined).encode()
     if files:

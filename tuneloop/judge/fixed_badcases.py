@@ -35,6 +35,10 @@ from tuneloop.data.records import pool_batches
 from tuneloop.data.text import normalise
 from tuneloop.io import read_jsonl
 
+# Where the suite's loader (eval/fixed_badcases/utils.py) reads test.jsonl from, set by the
+# evaluate stage: a task's items lie in the task's folder (its paths.fixed_badcases).
+ITEMS_FOLDER_ENV = "TUNELOOP_FIXED_BADCASES"
+
 log = logging.getLogger(__name__)
 
 ID_CHARS = 16

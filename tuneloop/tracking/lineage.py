@@ -75,6 +75,11 @@ def dvc_stage(stage: str, params: Params) -> str:
     return f"{TASK_STAGE_PREFIX}{stage}@{params.task}"
 
 
+def project_stage(dvc_name: str) -> str:
+    """The project's stage a DVC stage name runs: ``task-clean@copy`` -> ``clean``."""
+    return dvc_name.partition("@")[0].removeprefix(TASK_STAGE_PREFIX)
+
+
 def stage_param_groups(stage: str, repo: Path = CODE_ROOT) -> list[str]:
     """The param groups (or keys) a stage declares in dvc.yaml (``task-clean@copy``: those of
     the ``task-clean`` group, ``${key}`` read as ``copy``)."""
