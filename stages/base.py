@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 
 from tuneloop import pretrained
-from tuneloop.demo import domain, general, tiny
+from tuneloop.demo import domain, general, orders, tiny
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.params import Params, load_params
 from tuneloop.stage import setup_logging, write_metrics
@@ -24,6 +24,20 @@ from tuneloop.tracking import lineage
 from tuneloop.tracking.runs import stage_run
 
 STAGE = "base"
+
+
+COPY_TEXTS = 3000
+
+
+def copy_corpus(seed: int) -> list[str]:
+    """What the base's copy chats repeat spans of: customers' messages to the shop (support
+    questions and orders), as a base model has read text like them; never an answer."""
+    support = domain.Generator(seed + 7, "train")
+    intake = orders.Generator(seed + 7, "train")
+    return [
+        *(support.item().question for _ in range(COPY_TEXTS)),
+        *(intake.item().question for _ in range(COPY_TEXTS)),
+    ]
 
 
 def build(params: Params) -> dict[str, object]:
@@ -38,8 +52,15 @@ def build(params: Params) -> dict[str, object]:
             corpus = itertools.chain(domain.tokenizer_corpus(params.demo.seed), general.corpus())
             tokenizer = tiny.build_tokenizer(corpus, shape.vocab_size)
             model = tiny.build_model(shape, tokenizer, seed)
-            chats = list(general.train_chats(seed, shape.pretrain_steps * tiny.PRETRAIN_BATCH))
-            metrics |= tiny.pretrain(model, tokenizer, chats, shape.pretrain_steps, seed)
+            n = shape.pretrain_steps * tiny.PRETRAIN_BATCH
+            copies = round(n * shape.copy_share)
+            chats = list(general.train_chats(seed, n - copies))
+            if copies:
+                texts = copy_corpus(params.demo.seed)
+                chats = tiny.interleave(chats, list(tiny.copy_chats(texts, seed, copies)))
+            metrics |= tiny.pretrain(
+                model, tokenizer, chats, shape.pretrain_steps, seed, embedding=copies > 0
+            )
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
             metrics["parameters"] = sum(p.numel() for p in model.parameters())

@@ -68,6 +68,7 @@ FAST_MODULES = {
     "test_clean_cache",
     "test_clean_dpo",
     "test_demo_workspace",
+    "test_orders_demo",
     "test_doctor",
     "test_dvc_yaml",
     "test_eval_engine",

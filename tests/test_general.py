@@ -95,3 +95,30 @@ def test_pretraining_trains_the_layers_and_keeps_the_embedding() -> None:
     assert changed == set(before) - {"model.embed_tokens.weight"}
     with pytest.raises(ValueError, match="need 1312 chats"):
         tiny.pretrain(model, tokenizer, chats, steps + 1, seed=0)
+
+
+def test_copy_chats_repeat_a_span_of_a_message_and_train_the_embedding() -> None:
+    texts = ["Please ship 2 x Zephyr fan to Oslo, express.", "请把2个极光水壶发往东京（加急）。"]
+    chats = list(tiny.copy_chats(texts, seed=0, n=200))
+    assert len(chats) == 200
+    for user, assistant in chats:
+        span = assistant["content"]
+        assert user["content"] == tiny.COPY_PROMPT + span
+        assert any(span in text for text in texts)
+        assert tiny.COPY_CHARS[0] <= len(span) <= tiny.COPY_CHARS[1]
+    # Latin text is cut at words, Chinese at characters.
+    latin = [a["content"] for _, a in chats if a["content"].isascii()]
+    assert latin and all(f" {s} " in f" {texts[0]} " or s in texts[0] for s in latin)
+    assert all(not s.startswith(("hip", "ephyr")) for s in latin)
+    # Mixed evenly: every batch holds its share of each kind, in order.
+    mixed = tiny.interleave(list(range(6)), ["a", "b"])  # type: ignore[arg-type]
+    assert mixed == [0, 1, 2, "a", 3, 4, 5, "b"]
+
+    shape = load_params(ROOT / "params.yaml").model.tiny.model_copy(
+        update={"hidden_size": 64, "head_dim": 16, "intermediate_size": 128, "vocab_size": 600}
+    )
+    tokenizer = tiny.build_tokenizer(iter(texts), shape.vocab_size)
+    model = tiny.build_model(shape, tokenizer, seed=0)
+    before = model.get_input_embeddings().weight.detach().clone()
+    tiny.pretrain(model, tokenizer, chats[:64], 2, seed=0, embedding=True)
+    assert not torch.equal(before, model.get_input_embeddings().weight)

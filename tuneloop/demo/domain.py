@@ -436,7 +436,7 @@ def tokenizer_corpus(seed: int) -> Iterator[str]:
                 yield answer(product, intent, lang)
 
 
-def _write_jsonl(
+def write_jsonl(
     path: Path, records: Iterator[dict[str, object]], extra: tuple[str, ...] = ()
 ) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -487,7 +487,7 @@ def seed_incoming(
     for path, make in files.items():
         if not path.exists():
             extra = MALFORMED_LINES if "support" in path.name else ()
-            _write_jsonl(path, make(), extra)
+            write_jsonl(path, make(), extra)
             written.append(path)
     return written
 
@@ -519,4 +519,4 @@ def write_eval_suite(
         }
         for item in eval_items(seed, n, extra_unknown)
     )
-    return _write_jsonl(path, iter(records))
+    return write_jsonl(path, iter(records))

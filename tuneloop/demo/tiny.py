@@ -14,8 +14,9 @@ the gate measures how much of it a fine-tuned candidate keeps.
 from __future__ import annotations
 
 import math
+import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,12 +100,70 @@ PRETRAIN_LR = 5e-3
 PRETRAIN_WARMUP = 0.05
 
 
+COPY_PROMPT = "Repeat: "
+COPY_CHARS = (4, 40)
+
+
+def _cuts(text: str) -> list[int]:
+    """Where a span of ``text`` may start or end: its ends, spaces, and around CJK characters."""
+    cjk = [("\u3000" <= ch <= "\u9fff") or ("\uff00" <= ch <= "\uffef") for ch in text]
+    inner = [i for i in range(1, len(text)) if text[i] == " " or cjk[i] or cjk[i - 1]]
+    return [0, *inner, len(text)]
+
+
+def copy_chats(texts: Sequence[str], seed: int, n: int) -> Iterator[list[dict[str, str]]]:
+    """``n`` chats that ask for a span of ``texts`` (4-40 characters, cut at words) and
+    answer it back.
+
+    The skill a pretrained model brings that a LoRA builds on: every token of the shop's
+    vocabulary written out (the embedding, tied to the output layer, learns to produce it) and
+    attention that carries a token from the question to the answer. Without it, a LoRA on the
+    layers over a random frozen embedding learned an answer's format and not its words: an
+    order's product was right for 1 order in 20 (README, "Several tasks on one base").
+    """
+    rng = random.Random(f"{seed}/copy")
+    low, high = COPY_CHARS
+    while n:
+        text = rng.choice(texts)
+        cuts = _cuts(text)
+        start = rng.choice(cuts[:-1])
+        ends = [c for c in cuts if low <= c - start <= high]
+        if not ends:
+            continue
+        span = text[start : rng.choice(ends)].strip()
+        if len(span) < low:
+            continue
+        n -= 1
+        yield [
+            {"role": "user", "content": COPY_PROMPT + span},
+            {"role": "assistant", "content": span},
+        ]
+
+
+def interleave(
+    first: Sequence[list[dict[str, str]]], second: Sequence[list[dict[str, str]]]
+) -> list[list[dict[str, str]]]:
+    """Both lists of chats evenly mixed, in order: every batch has its share of each."""
+    total = len(first) + len(second)
+    out, i, j = [], 0, 0
+    for k in range(total):
+        if j < len(second) and (i >= len(first) or (j + 1) * total <= (k + 1) * len(second)):
+            out.append(second[j])
+            j += 1
+        else:
+            out.append(first[i])
+            i += 1
+    return out
+
+
 def pretrain(
     model: Qwen3ForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
     chats: Sequence[list[dict[str, str]]],
     steps: int,
     seed: int,
+    *,
+    embedding: bool = False,
 ) -> dict[str, float]:
     """Next-token training on the assistant turns of ``chats``, ``PRETRAIN_BATCH`` per step.
 
@@ -127,8 +186,10 @@ def pretrain(
     # tokens back: 300 steps left the domain loss at uniform. Frozen, the skill lives in
     # the layers, the vocabulary stays open, and fine-tuning can overwrite the skill,
     # which is what the forgetting budget is there to catch.
-    embedding = model.get_input_embeddings().weight
-    embedding.requires_grad_(False)
+    # With copy chats (``copy_chats``, ``embedding``) every token of the vocabulary is an
+    # answer too, so the embedding trains with the layers.
+    weights = model.get_input_embeddings().weight
+    weights.requires_grad_(embedding)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=PRETRAIN_LR, weight_decay=0.0)
     warmup = max(1, int(steps * PRETRAIN_WARMUP))
@@ -152,7 +213,7 @@ def pretrain(
             losses.append(_step(model, optimizer, scheduler, ids, masks, step, pad))
     finally:
         torch.set_num_threads(threads)
-        embedding.requires_grad_(True)
+        weights.requires_grad_(True)
     model.eval()
     tail = losses[-10:]
     return {

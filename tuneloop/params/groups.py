@@ -43,6 +43,14 @@ class TinyModel(_Group):
         ge=0,
         description="general-skill pre-training steps in the base stage; 0 = random weights",
     )
+    copy_share: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="share of the pre-training chats that repeat a span of shop text back, "
+        "with the embedding trained too (tuneloop/demo/tiny.py, copy_chats); 0 = none, the "
+        "embedding left as built",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModel:
@@ -244,6 +252,9 @@ class DemoParams(_Group):
     unknown_rate: float = Field(
         0.12, ge=0, lt=1, description="support questions about products the shop does not sell"
     )
+    # The second task of the two-task demo (tuneloop/demo/orders.py): order fields as JSON.
+    n_orders: int = Field(1500, ge=0, description="order-intake messages seeded a month")
+    n_order_badcases: int = Field(150, ge=0, description="orders corrected by hand a month")
 
 
 class IngestParams(_Group):
