@@ -27,6 +27,7 @@ from prefect import flow, get_run_logger, task
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
+from tuneloop.data.records import pool_batches
 from tuneloop.io import read_json, write_text
 from tuneloop.judge import tasks_report
 from tuneloop.orchestration.dvcrun import DvcLockTimeout, run_dvc
@@ -223,7 +224,9 @@ def _retrain(repo: Path, params: Params, tasks: list[str] | None = None) -> dict
     ) as parent:
         if params.tasks:
             chosen = tuple(t for t in params.task_names() if tasks is None or t in tasks)
-            return _retrain_tasks(repo, params, chosen, parent.info.run_id, experiment_id)
+            return _retrain_tasks(
+                repo, params, chosen, parent.info.run_id, experiment_id, by_hand=tasks is not None
+            )
         metrics = _run_stages(stage_order(repo), repo, params, parent.info.run_id, experiment_id)
         result = _verdict(params, metrics, parent.info.run_id, experiment_id)
         if params.schedule.commit_results:
@@ -276,17 +279,50 @@ def _verdict(
     return result
 
 
+def nothing_new(params: Params) -> str | None:
+    """Why a task's scheduled retrain would learn nothing: every pool batch of its records is
+    one its champion trained on (None: there is something new, or no champion but the base).
+
+    Its champion stays: retraining on the same data would spend the GPU hours on a candidate
+    the gate compares with a model trained on exactly that data.
+    """
+    name = params.tracking.registered_model
+    champion = registry.find_alias(name, registry.CHAMPION)
+    if champion is None or registry.registered_base(champion) is not None:
+        return None
+    batches = {path.stem for path in pool_batches(params.paths.pool, params.task)}
+    if not batches or batches - set(registry.champion_batches(champion)):
+        return None
+    return (
+        f"no new records since {name} v{champion.version}: it trained on all "
+        f"{len(batches)} pool batch(es) of the task"
+    )
+
+
 def _retrain_tasks(
-    repo: Path, params: Params, chosen: tuple[str, ...], parent_run_id: str, experiment_id: str
+    repo: Path,
+    params: Params,
+    chosen: tuple[str, ...],
+    parent_run_id: str,
+    experiment_id: str,
+    *,
+    by_hand: bool = False,
 ) -> dict[str, Any]:
     """Several tasks: the shared stages once, then each task's pipeline under a run of its
     own. A task that fails (a preflight refusal, a stage error) is reported and the next
-    task runs; the summary names each task's outcome."""
+    task runs; the summary names each task's outcome. On the schedule (not ``by_hand``), a
+    task with no records its champion did not train on keeps it and runs nothing
+    (``nothing_new``); run by hand, it runs whatever the data."""
     before = tasks_report.states(repo, params)
     shared = _run_stages(SHARED_STAGES, repo, params, parent_run_id, experiment_id)
     outcomes: dict[str, Any] = {}
     for name in chosen:
         view = params.for_task(name)
+        why = None if by_hand else nothing_new(view)
+        if why is not None:
+            get_run_logger().info("task %s: %s; it keeps its champion", name, why)
+            outcomes[name] = {"outcome": "unchanged", "reason": why}
+            continue
         with mlflow.start_run(
             run_name=name, nested=True, tags={runs.TAG_PIPELINE: "retrain", "task": name}
         ) as run:

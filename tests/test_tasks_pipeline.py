@@ -165,3 +165,39 @@ def test_one_task_is_run_by_hand_and_the_others_stay_as_they_were(
     row = next(line for line in report.splitlines() if line.startswith("| support |"))
     assert "| not run |" in row and "(untouched)" in row, row
     assert "Moved without running: none." in report
+
+
+def test_on_the_schedule_a_task_whose_champion_trained_on_all_its_records_keeps_it(
+    two_tasks: tuple[Path, dict[str, Any]],
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from flows.retrain import nothing_new
+    from tuneloop.judge import tasks_report
+    from tuneloop.tracking import registry, runs
+
+    repo, result = two_tasks
+    params = load_params(repo / "params.yaml")
+    support = params.for_task("support")
+    with runs.use_tracking_uri(f"sqlite:///{repo / 'mlflow.db'}"):
+        # The base as champion trained on nothing: there is something new to learn.
+        assert nothing_new(support) is None
+        # Support's candidate released: its champion trained on every support batch there is.
+        version = result["tasks"]["support"]["registration"]["version"]
+        name = support.tracking.registered_model
+        MlflowClient().set_registered_model_alias(name, registry.CHAMPION, str(version))
+        said = nothing_new(support)
+        assert said == (
+            f"no new records since {name} v{version}: it trained on all 1 pool batch(es) "
+            "of the task"
+        )
+        # Orders has records its champion (the base) never saw.
+        assert nothing_new(params.for_task("orders")) is None
+        # The report's row for a task left alone, and it did not count as moved.
+        state = tasks_report.states(repo, params)
+        text = tasks_report.report(
+            params, state, state, {"support": {"outcome": "unchanged", "reason": said}}
+        )
+    row = next(line for line in text.splitlines() if line.startswith("| support |"))
+    assert "| nothing new | " in row and said in row and "(untouched)" in row, row
+    assert "Moved without running: none." in text

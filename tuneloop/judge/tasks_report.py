@@ -85,6 +85,8 @@ def report(
             run, gate, scores = "not run", "-", "-"
         elif outcome.get("outcome") == "failed":
             run, gate, scores = "failed", "-", str(outcome.get("error", ""))[:200]
+        elif outcome.get("outcome") == "unchanged":
+            run, gate, scores = "nothing new", "-", str(outcome.get("reason", ""))
         else:
             run = "ran"
             gate = "PASS" if outcome["decision"]["passed"] else "FAIL"
@@ -96,7 +98,8 @@ def report(
     moved = [
         task
         for task in params.task_names()
-        if task not in outcomes and before.get(task) != after[task]
+        if outcomes.get(task, {}).get("outcome") in (None, "unchanged")
+        and before.get(task) != after[task]
     ]
     lines += ["", f"Moved without running: {', '.join(moved) or 'none'}.", ""]
     return "\n".join(lines)
