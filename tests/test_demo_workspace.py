@@ -13,13 +13,14 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from tests.helpers import ROOT, copy_project
 from tuneloop.demo import customers, workspace
-from tuneloop.params import parse_params
+from tuneloop.params import Params, parse_params
 
 
 def git(cwd: Path, *args: str) -> str:
@@ -29,12 +30,40 @@ def git(cwd: Path, *args: str) -> str:
     return done.stdout.strip()
 
 
-@pytest.mark.parametrize("name", [n for n, m in workspace.MODELS.items() if m.config])
-def test_each_demo_config_merged_into_params_yaml_is_valid_params(name: str) -> None:
+def merged_config(name: str) -> tuple[dict[str, Any], Params]:
     config = ROOT / str(workspace.MODELS[name].config)
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    merged = workspace.merged(params, yaml.safe_load(config.read_text()), config)
-    loaded = parse_params(merged, config)
+    return params, parse_params(
+        workspace.merged(params, yaml.safe_load(config.read_text()), config), config
+    )
+
+
+@pytest.mark.parametrize("name", [n for n, m in workspace.MODELS.items() if m.config])
+def test_each_demo_config_merged_into_params_yaml_is_valid_params(name: str) -> None:
+    params, loaded = merged_config(name)
+    # Keys it does not name keep params.yaml's values; every demo trains a LoRA.
+    assert loaded.clean == parse_params(params).clean
+    assert loaded.train.method == "lora"
+
+
+def test_the_two_task_demo_adds_its_tasks_on_the_embedded_base() -> None:
+    params, loaded = merged_config("tasks")
+    # `tasks` is the one group a config adds keys to: the project names its tasks.
+    assert loaded.task_names() == ("support", "orders")
+    assert tuple(loaded.for_task("orders").evaluate.suites) == ("orders_demo",)
+    assert loaded.for_task("orders").tracking.registered_model == "tuneloop-orders"
+    # The embedded base, taught to repeat the shop's text so that a LoRA can learn on it.
+    assert loaded.model.base == parse_params(params).model.base == "builtin:tiny"
+    assert loaded.model.tiny.copy_share > 0 == parse_params(params).model.tiny.copy_share
+    # Its release is the tiny demo's: short intervals, the same checks.
+    demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())["release"]
+    assert loaded.release.model_dump(include=set(demo)) == parse_params(
+        workspace.merged(params, {"release": demo}, Path("demo.yaml"))
+    ).release.model_dump(include=set(demo))
+
+
+def test_the_smollm2_demo_is_judged_and_served_by_vllm() -> None:
+    params, loaded = merged_config("smollm2")
     assert loaded.model.base == "builtin:smollm2-135m-instruct"
     assert loaded.train.method == "lora"
     # Judged and released as served: the engine is named, not left to auto.
@@ -43,6 +72,14 @@ def test_each_demo_config_merged_into_params_yaml_is_valid_params(name: str) -> 
     assert loaded.train.lora_r <= loaded.serve.max_lora_rank
     # Keys it does not name keep params.yaml's values.
     assert loaded.tracking == parse_params(params).tracking
+
+
+def test_an_entry_of_tasks_is_added_but_a_key_of_one_is_checked() -> None:
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    merged = workspace.merged(params, {"tasks": {"copy": {"suites": ["x"]}}}, Path("x.yaml"))
+    assert merged["tasks"] == {"copy": {"suites": ["x"]}}
+    with pytest.raises(workspace.BadConfig, match=r"x\.yaml: demo\.n_copies is not in params"):
+        workspace.merged(params, {"demo": {"n_copies": 1}}, Path("x.yaml"))
 
 
 def test_a_key_params_yaml_does_not_have_is_refused_by_name() -> None:

@@ -92,9 +92,12 @@ def _demo(args: argparse.Namespace) -> int:
 
     from flows import demo
     from tuneloop.demo.report import format_loop
+    from tuneloop.params import load_params
 
     history = demo.run(Path(args.repo), months, args.approval_wait, Path(args.release_overrides))
-    print(format_loop(history))
+    params = load_params(Path(args.repo) / "params.yaml")
+    views = [params.for_task(task) for task in params.task_names()] or [params]
+    print(format_loop(history, tuple(view.tracking.registered_model for view in views)))
     if args.json:
         print(json.dumps(history, indent=2, ensure_ascii=False, default=str))
     return 0
@@ -122,9 +125,9 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.add_argument(
         "--model",
         choices=sorted(MODELS),
-        default="tiny",
+        default="tasks",
         help="; ".join(f"{name}: {m.about}" for name, m in sorted(MODELS.items()))
-        + " (default tiny). Any but tiny runs in demos/<model>/ on its config file",
+        + " (default tasks, as `make demo`). Any but tiny runs in demos/<model>/ on its config",
     )
     demo.add_argument(
         "--months",

@@ -12,21 +12,33 @@ release on one machine (README, "Try a release on one machine").
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from tuneloop.demo import domain
+from tuneloop.demo import domain, orders
 
 log = logging.getLogger(__name__)
+
+# What the demo's customers of each demo task ask, from a seed and the month: one right
+# answer each. Support customers ask the shop's questions (a tenth about products it does not
+# sell); the order intake's callers send orders.
+ASKS: dict[str, Callable[[int, int], Callable[[], domain.Item]]] = {
+    "support": lambda seed, month: functools.partial(
+        domain.Generator(seed, "train", month).item, unknown_rate=0.1
+    ),
+    "orders": lambda seed, month: orders.Generator(seed, "train", month).item,
+}
 
 ARM_HEADER = "X-Tuneloop-Arm"
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -90,19 +102,20 @@ def run(
     timeout_s: float = 60.0,
     stop: threading.Event | None = None,
     stream: bool = False,
+    task: str = "support",
+    feedback_path: str = "/v1/feedback",
 ) -> TrafficReport:
     """Send ``requests`` chat requests from ``users`` sticky demo users; flag wrong answers.
 
     Without ``feedback_token`` nothing is flagged (traffic only). ``stop`` ends it early.
     ``stream``: the answers come streamed, as a chat window shows them, so the router times
-    each arm's first token (TTFT) for the release analysis.
+    each arm's first token (TTFT) for the release analysis. ``task``: what they ask
+    (``ASKS``), as ``model`` (a router of tasks: the task's public name); ``feedback_path``:
+    where flags go on the router (a router of tasks: ``/tasks/<task>/v1/feedback``).
     """
     rng = random.Random(f"traffic/{seed}/{month}")
-    gen = domain.Generator(seed + 11, "train", month)
-    plan = [
-        (f"demo-user-{rng.randrange(users):04d}", gen.item(unknown_rate=0.1))
-        for _ in range(requests)
-    ]
+    ask = ASKS[task](seed + 11, month)
+    plan = [(f"demo-user-{rng.randrange(users):04d}", ask()) for _ in range(requests)]
     report = TrafficReport()
     lock = threading.Lock()
     started = time.monotonic()
@@ -145,7 +158,7 @@ def run(
                 "request_id": response.headers.get(REQUEST_ID_HEADER),
                 "tags": ["demo-support-tool"],
             }
-            answer = client.post(f"{router_url}/v1/feedback", json=flag, headers=headers)
+            answer = client.post(f"{router_url}{feedback_path}", json=flag, headers=headers)
             flagged = answer.status_code in (200, 201, 202)
             if not flagged:
                 with lock:

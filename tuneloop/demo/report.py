@@ -8,19 +8,22 @@ approved, the outcome), and where to look next.
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 WHERE_TO_LOOK = """
 Where to look:
-  MLflow   .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000
+  MLflow   {bin}/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000
            -> http://127.0.0.1:5000: experiment 'tuneloop', tick the two `retrain-...` runs and
               press Compare (one month each); Models -> {model}: every version, its aliases
               (champion, previous-champion) and the lineage tags (tuneloop.tracking.init_from: what
               each month started from)
-  DVC      .venv/bin/dvc metrics diff tuneloop/results~1 tuneloop/results: the last two months
+  DVC      {bin}/dvc metrics diff tuneloop/results~1 tuneloop/results: the last two months
            (schedule.commit_results commits each month's dvc.lock and metrics/ to that branch,
            with a tag per retrain; `git tag -l 'retrain-*'`)
-  Prefect  PREFECT_API_URL=http://127.0.0.1:4200/api .venv/bin/prefect server start
+  Prefect  PREFECT_API_URL=http://127.0.0.1:4200/api {bin}/prefect server start
            -> http://127.0.0.1:4200: the retrain and release flow runs of every month
 """
 
@@ -63,44 +66,72 @@ def _release_lines(release: dict[str, Any]) -> list[str]:
     return lines
 
 
-def format_loop(history: list[dict[str, Any]], model: str = "tuneloop-support") -> str:
+def _retrain_lines(retrain: dict[str, Any]) -> list[str]:
+    """What one retrain (of the project, or of one task) brought, scored and decided."""
+    data, decision = retrain["data"], retrain["decision"]
+    by_source = data.get("by_source") or {}
+    sources = ", ".join(f"{n} {s}" for s, n in sorted(by_source.items()))
+    out = [
+        f"  data     {data['lines']} lines -> {data['accepted']} new records"
+        + (f" ({sources})" if sources else "")
+        + f"; pool {data['pool']}; train {data['train']} / val {data['val']}"
+    ]
+    train = retrain["train"]
+    out.append(
+        f"  train    from {train.get('init_from', 'base')}: loss {train['loss_first']:.3f} "
+        f"-> {train['loss_last']:.3f} in {train['steps']} steps"
+    )
+    evaluation = retrain["eval"]
+    for name in ("base", "champion", "candidate"):
+        if name in evaluation:
+            out.append(f"  eval     {name:<10} {_scores(evaluation, name)}")
+    verdict = "PASS" if decision["passed"] else str(decision["verdict"]).upper()
+    let_through = [u for u in decision.get("unsettled", []) if not u["blocking"]]
+    if let_through:
+        verdict += f", {len(let_through)} rule(s) unsettled (gate.on_inconclusive: warn)"
+    out.append(f"  gate     {verdict}")
+    out.extend(f"           {reason}" for reason in decision.get("reasons", []))
+    registration = retrain.get("registration") or {}
+    if registration.get("registered"):
+        out.append(
+            f"  registry {registration['name']} v{registration['version']} "
+            f"({registration['alias']})"
+        )
+    return out
+
+
+def _month_lines(entry: dict[str, Any]) -> list[str]:
+    """A month of one task: its retrain (or why it did not run), review and release."""
+    retrain = entry["retrain"]
+    if retrain.get("outcome") == "unchanged":
+        return [f"  retrain  not run: {retrain['reason']}; its champion stays"]
+    if retrain.get("outcome") == "failed":
+        return [f"  retrain  FAILED: {retrain['error']}"]
+    out = _retrain_lines(retrain)
+    review = entry.get("review")
+    if review:
+        out.append(f"  review   {review['summary']}")
+        out.extend(f"           {line}" for line in review["table"].splitlines() if line)
+    out.extend(_release_lines(entry.get("release") or {}))
+    return out
+
+
+def format_loop(
+    history: list[dict[str, Any]], models: tuple[str, ...] = ("tuneloop-support",)
+) -> str:
+    """The summary of ``history`` (``flows.demo.run``'s); ``models``: the registered models."""
     out = ["", "=== tuneloop: the loop, month by month ==="]
     for month in history:
-        retrain = month["retrain"]
-        data, decision = retrain["data"], retrain["decision"]
         out.append(f"\nmonth {month['month']} ({month['label']}), {month['seconds']:.0f} s")
-        by_source = data.get("by_source") or {}
-        sources = ", ".join(f"{n} {s}" for s, n in sorted(by_source.items()))
+        if "tasks" not in month:
+            out.extend(_month_lines(month))
+            continue
+        for task, entry in month["tasks"].items():
+            out.append(f"  --- task {task}")
+            out.extend(_month_lines(entry))
         out.append(
-            f"  data     {data['lines']} lines -> {data['accepted']} new records"
-            + (f" ({sources})" if sources else "")
-            + f"; pool {data['pool']}; train {data['train']} / val {data['val']}"
+            f"  tasks    {month['report']}: each task's adapter and champion, before and after"
         )
-        train = retrain["train"]
-        out.append(
-            f"  train    from {train.get('init_from', 'base')}: loss {train['loss_first']:.3f} "
-            f"-> {train['loss_last']:.3f} in {train['steps']} steps"
-        )
-        evaluation = retrain["eval"]
-        for name in ("base", "champion", "candidate"):
-            if name in evaluation:
-                out.append(f"  eval     {name:<10} {_scores(evaluation, name)}")
-        verdict = "PASS" if decision["passed"] else str(decision["verdict"]).upper()
-        let_through = [u for u in decision.get("unsettled", []) if not u["blocking"]]
-        if let_through:
-            verdict += f", {len(let_through)} rule(s) unsettled (gate.on_inconclusive: warn)"
-        out.append(f"  gate     {verdict}")
-        out.extend(f"           {reason}" for reason in decision.get("reasons", []))
-        registration = retrain.get("registration") or {}
-        if registration.get("registered"):
-            out.append(
-                f"  registry {registration['name']} v{registration['version']} "
-                f"({registration['alias']})"
-            )
-        review = month.get("review")
-        if review:
-            out.append(f"  review   {review['summary']}")
-            out.extend(f"           {line}" for line in review["table"].splitlines() if line)
-        out.extend(_release_lines(month.get("release") or {}))
-    out.append(WHERE_TO_LOOK.format(model=model))
+    bin_dir = os.path.relpath(Path(sys.executable).parent)
+    out.append(WHERE_TO_LOOK.format(model=", ".join(models), bin=bin_dir))
     return "\n".join(out)

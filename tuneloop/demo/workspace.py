@@ -49,6 +49,12 @@ class DemoModel:
 
 MODELS: dict[str, DemoModel] = {
     "tiny": DemoModel(None, 2, "the embedded tiny model, trained here in full (minutes a month)"),
+    "tasks": DemoModel(
+        Path("configs/demo-tasks.yaml"),
+        2,
+        "two tasks on the embedded model's one base, a LoRA adapter each: the support desk and "
+        "an order intake answering in JSON",
+    ),
     "smollm2": DemoModel(
         Path("configs/demo-smollm2.yaml"),
         1,
@@ -58,6 +64,8 @@ MODELS: dict[str, DemoModel] = {
 }
 # Folders of the environment, not of the pipeline: shared with the project, as absolute paths.
 SHARED_FOLDERS = (("paths", "downloads"), ("serve", "venv"))
+# Groups whose keys are the project's own names (params.yaml's `tasks: {}`): a config adds them.
+OPEN_GROUPS = frozenset({"tasks"})
 GIT = ["git", "-c", "user.name=tuneloop demo", "-c", "user.email=demo@tuneloop.invalid"]
 
 
@@ -67,17 +75,17 @@ class BadConfig(ValueError):
 
 def merged(params: dict[str, Any], overrides: dict[str, Any], source: Path) -> dict[str, Any]:
     """``params`` with ``overrides`` merged in key by key (nested groups too); an override of a
-    group or key ``params`` does not have is refused, naming it."""
+    group or key ``params`` does not have is refused, naming it, except in ``OPEN_GROUPS``."""
 
     def merge(base: dict[str, Any], extra: dict[str, Any], where: str) -> dict[str, Any]:
         out = dict(base)
         for key, value in extra.items():
-            if key not in base:
+            if key not in base and where.rstrip(".") not in OPEN_GROUPS:
                 raise BadConfig(
                     f"{source}: {where}{key} is not in params.yaml; the config file overrides "
                     "params.yaml's keys, it cannot add any"
                 )
-            if isinstance(value, dict) and isinstance(base[key], dict):
+            if isinstance(value, dict) and isinstance(base.get(key), dict):
                 out[key] = merge(base[key], value, f"{where}{key}.")
             else:
                 out[key] = value
