@@ -147,3 +147,26 @@ def test_a_streamed_answer_is_read_from_its_events() -> None:
     assert customers.streamed_text(payload + "data: [DONE]\n\n") == (
         "[warranty] The Orbit watch has a 24-month warranty."
     )
+
+
+def test_the_default_demo_runs_in_its_checkout_and_the_checkout_runs_it_there(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from tuneloop import cli
+
+    prepared: list[str] = []
+    started: list[list[str]] = []
+    monkeypatch.setattr(workspace, "prepare", lambda repo, name: prepared.append(name) or tmp_path)
+    monkeypatch.setattr(
+        subprocess,
+        "run",
+        lambda command, **_: started.append(command) or subprocess.CompletedProcess(command, 0),
+    )
+    assert cli.main(["demo"]) == 0
+    # make demo's: two tasks, in demos/tasks/; the checkout's process runs it where it is
+    # (else it would prepare a checkout inside the checkout, and so on).
+    assert prepared == ["tasks"]
+    assert started[0][3:] == [
+        "demo", "--repo", ".", "--here", "--months", "2", "--approval-wait", "20.0",
+        "--release-overrides", "configs/demo-tasks.yaml",
+    ]  # fmt: skip

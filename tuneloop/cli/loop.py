@@ -80,12 +80,12 @@ def _demo(args: argparse.Namespace) -> int:
 
     model = workspace.MODELS[args.model]
     months = args.months or model.months
-    if model.config is not None:
+    if model.config is not None and not args.here:
         # Its own checkout, where its params.yaml is; the demo runs there as the tiny one runs
         # here, on that checkout's code (python -m from its folder imports the checkout's).
         repo = workspace.prepare(Path(args.repo), args.model)
         print(f"The {args.model} demo runs in {repo}: {model.config} over params.yaml", flush=True)
-        command = [sys.executable, "-m", "tuneloop.cli", "demo", "--repo", "."]
+        command = [sys.executable, "-m", "tuneloop.cli", "demo", "--repo", ".", "--here"]
         command += ["--months", str(months), "--approval-wait", str(args.approval_wait)]
         command += ["--release-overrides", str(model.config), *(["--json"] if args.json else [])]
         return subprocess.run(command, cwd=repo, check=False).returncode
@@ -143,6 +143,8 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="the release's overrides of params.yaml (its `release` group), relative to --repo "
         "(default configs/demo.yaml: a release in minutes)",
     )
+    # The checkout's own run of a demo in demos/<model>/: on its params.yaml, where it is.
+    demo.add_argument("--here", action="store_true", help=argparse.SUPPRESS)
     demo.add_argument(
         "--approval-wait",
         type=float,
