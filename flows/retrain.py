@@ -230,16 +230,19 @@ def _retrain(repo: Path, params: Params, tasks: list[str] | None = None) -> dict
         metrics = _run_stages(stage_order(repo), repo, params, parent.info.run_id, experiment_id)
         result = _verdict(params, metrics, parent.info.run_id, experiment_id)
         if params.schedule.commit_results:
-            decision = result["decision"]
-            done = results.commit_results(
-                repo,
-                [Path("dvc.lock"), params.paths.metrics],
-                f"retrain {flow_run.name or 'local'}: gate "
-                f"{'passed' if decision['passed'] else 'failed'}",
-            )
-            mlflow.set_tags({"results.commit": done.commit, "results.tag": done.tag})
-            result["results"] = {"commit": done.commit, "tag": done.tag, "branch": done.branch}
+            passed = result["decision"]["passed"]
+            said = f"gate {'passed' if passed else 'failed'}"
+            result["results"] = _commit_results(repo, [params.paths.metrics], said)
         return result
+
+
+def _commit_results(repo: Path, metrics: list[Path], said: str) -> dict[str, str]:
+    """This month's dvc.lock and ``metrics`` folders onto the results branch, tagged."""
+    done = results.commit_results(
+        repo, [Path("dvc.lock"), *metrics], f"retrain {flow_run.name or 'local'}: {said}"
+    )
+    mlflow.set_tags({"results.commit": done.commit, "results.tag": done.tag})
+    return {"commit": done.commit, "tag": done.tag, "branch": done.branch}
 
 
 def _run_stages(
@@ -345,9 +348,16 @@ def _retrain_tasks(
     write_text(written, text)
     mlflow.log_text(text, tasks_report.REPORT)
     get_run_logger().info("%s", text)
-    return {
+    result = {
         "tasks": outcomes,
         "failed": failed,
         "report": str(repo / written),
         "mlflow_run_id": parent_run_id,
     }
+    if params.schedule.commit_results:
+        ran = sorted(t for t, o in outcomes.items() if o["outcome"] == "ran")
+        folders = [params.paths.metrics, *(params.for_task(t).paths.metrics for t in chosen)]
+        result["results"] = _commit_results(
+            repo, [*folders, written], f"tasks ran: {', '.join(ran) or 'none'}"
+        )
+    return result

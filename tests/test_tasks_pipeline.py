@@ -111,6 +111,13 @@ def test_each_task_runs_its_own_pipeline_and_registers_its_own_model(
     assert "| broken | failed |" in report and "Moved without running: none." in report
     for task in ("support", "orders"):
         assert f"| {task} | ran | none -> " in report
+    # The month on the results branch: the lock, each task's metrics, the report.
+    listed = subprocess.run(
+        ["git", "ls-tree", "-r", "--name-only", result["results"]["branch"]],
+        cwd=repo, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    for path in ("dvc.lock", "reports/tasks.md", "tasks/orders/metrics/decision.json"):
+        assert path in listed, path
     # Nothing of a task was written where the project's own (single-model) stages write.
     assert not (repo / "models/adapter").exists()
     assert not (repo / "data/clean").exists()

@@ -101,20 +101,29 @@ class Generator:
 
 
 def records(
-    seed: int, n: int, month: int = 1, *, replay_every: int = domain.REPLAY_EVERY
+    seed: int,
+    n: int,
+    month: int = 1,
+    *,
+    replay_every: int = domain.REPLAY_EVERY,
+    replay_turns: int = domain.REPLAY_TURNS,
 ) -> Iterator[dict[str, object]]:
     """The order intake's export: message -> JSON pairs, one in ``replay_every`` a
-    general-skill chat (source ``general-replay``), as the support export mixes them."""
+    general-skill chat of ``replay_turns`` questions (source ``general-replay``), mixed as the
+    support export mixes them."""
     gen = Generator(seed, "train", month)
-    replay = domain.replay_chats(seed + 101 + month, n // replay_every, 1)
+    replay = domain.replay_chats(seed + 101 + month, n // replay_every, replay_turns)
     for index in range(n):
         if index % replay_every == replay_every - 1:
             chat = next(replay)
-            yield {
-                "prompt": chat[0]["content"],
-                "response": chat[1]["content"],
-                "source": "general-replay",
-            }
+            if len(chat) == 2:  # one question: exported as a prompt/response pair
+                yield {
+                    "prompt": chat[0]["content"],
+                    "response": chat[1]["content"],
+                    "source": "general-replay",
+                }
+            else:
+                yield {"messages": chat, "source": "general-replay"}
         else:
             item = gen.item()
             yield {"prompt": item.question, "response": item.answer, "source": "orders-export"}
@@ -151,7 +160,11 @@ def seed_month(incoming: Path, params: DemoParams, month: int = 1) -> list[Path]
     label = domain.month_label(month)
     files = {
         incoming / f"orders-export-{label}.jsonl": lambda: records(
-            params.seed, params.n_orders, month, replay_every=params.replay_every
+            params.seed,
+            params.n_orders,
+            month,
+            replay_every=params.replay_every,
+            replay_turns=params.replay_turns,
         ),
         incoming / f"order-corrections-{label}.jsonl": lambda: badcase_records(
             params.seed, params.n_order_badcases, month
