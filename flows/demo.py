@@ -421,9 +421,9 @@ def release_month(
 ) -> dict[str, Any]:
     """Serve, release (with demo traffic and feedback), tear down; what happened.
 
-    ``releasing``: in a project of tasks, the tasks whose challenger is released, one after
-    another on one router of every task (``serve_tasks``), each task's customers asking all
-    along; what happened to each, by task.
+    ``releasing``: in a project of tasks, the tasks whose challenger is released, all at once
+    on one router of every task (``serve_tasks``), each task's customers asking all along;
+    what happened to each, by task.
     """
     from flows.release import release, release_outcome
 
@@ -450,26 +450,37 @@ def release_month(
     )
     for thread in (*askers, operator):
         thread.start()
-    outcomes: dict[str | None, dict[str, Any]] = {}
+    states: dict[str | None, Any] = {}
     try:
         overrides = demo_overrides(repo, stack.router_url, overrides_file)
-        for task in (releasing or []) if tasks else (None,):
-            if task is not None:
-                print(f"\n--- release of {task} ---", flush=True)
-            before = len(answered)  # one release at a time: what the operator approved is its
-            state = release(repo=repo, overrides=overrides, task=task, return_state=True)
-            outcome = release_outcome(state)
-            outcome["state"], outcome["message"] = state.name, state.message
-            outcome["demo_approvals"] = answered[before:]
-            outcomes[task] = outcome
+
+        def release_task(task: str | None) -> None:
+            states[task] = release(repo=repo, overrides=overrides, task=task, return_state=True)
+
+        # Every task's release at once, each its own flow run holding its task's lease on the
+        # router (serving.tasks): what a team does, and one release's time for all of them.
+        releases = [
+            threading.Thread(target=contextvars.copy_context().run, args=(release_task, task))
+            for task in ((releasing or []) if tasks else (None,))
+        ]
+        for thread in releases:
+            thread.start()
+        for thread in releases:
+            thread.join()
     finally:
         stop.set()
         for thread in askers:
             thread.join(timeout=120)
         operator.join(timeout=10)
         stack.stop()
-    for task, outcome in outcomes.items():
+    outcomes: dict[str | None, dict[str, Any]] = {}
+    for task, state in states.items():
+        run_id = str(state.state_details.flow_run_id)
+        outcome = release_outcome(state)
+        outcome["state"], outcome["message"] = state.name, state.message
+        outcome["demo_approvals"] = [a for a in answered if a.get("flow_run_id") == run_id]
         outcome["traffic"] = seen[task].as_dict() if task in seen else {}
+        outcomes[task] = outcome
     if not tasks:
         return outcomes[None]
     return {str(task): outcome for task, outcome in outcomes.items()}
