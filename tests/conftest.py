@@ -67,6 +67,7 @@ FAST_MODULES = {
     "test_chat",
     "test_clean_cache",
     "test_clean_dpo",
+    "test_demo_tasks",
     "test_demo_workspace",
     "test_orders_demo",
     "test_doctor",

@@ -1,0 +1,125 @@
+"""The two-task demo's own parts (``flows/demo.py`` with ``configs/demo-tasks.yaml``): each
+task's month seeded into its folder, the summary month by month per task, each task's
+customers. The whole demo is `make demo`; these hold its pieces without serving a model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from flows import demo
+from tests.helpers import ROOT
+from tuneloop.demo import customers, orders, workspace
+from tuneloop.demo.report import format_loop
+from tuneloop.params import Params, parse_params
+
+
+def tasks_params(incoming: Path, **tasks: dict[str, Any]) -> Params:
+    config = ROOT / "configs" / "demo-tasks.yaml"
+    params = workspace.merged(
+        yaml.safe_load((ROOT / "params.yaml").read_text()),
+        yaml.safe_load(config.read_text()),
+        config,
+    )
+    params["paths"]["incoming"] = str(incoming)
+    params["demo"] |= {"n_support": 30, "n_badcases": 3, "n_orders": 20, "n_order_badcases": 2}
+    if tasks:
+        params["tasks"] = tasks
+    return parse_params(params, config)
+
+
+def test_each_task_gets_its_month_in_its_folder_and_orders_only_its_first(
+    tmp_path: Path,
+) -> None:
+    params = tasks_params(tmp_path)
+    first = demo.seed_month(params, 1)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in first) == [
+        "orders/order-corrections-2026-10.jsonl",
+        "orders/orders-export-2026-10.jsonl",
+        "support/router-feedback-2026-10.jsonl",
+        "support/support-export-2026-10.jsonl",
+    ]
+    # The order intake sends nothing new in month 2: its pipeline has nothing to rerun on.
+    second = demo.seed_month(params, 2)
+    assert {p.parent.name for p in second} == {"support"}
+    assert sorted(p.name for p in (tmp_path / "orders").iterdir()) == [
+        "order-corrections-2026-10.jsonl",
+        "orders-export-2026-10.jsonl",
+    ]
+    # A task the demo has no data for is refused by name, before anything is written.
+    odd = tasks_params(
+        tmp_path / "odd", copy={"registered_model": "tuneloop-copy", "suites": ["x"]}
+    )
+    with pytest.raises(ValueError, match=r"not \['copy'\]"):
+        demo.seed_month(odd, 1)
+    assert not (tmp_path / "odd").exists()
+
+
+def test_order_customers_send_orders_and_support_customers_ask_the_desk() -> None:
+    order = customers.ASKS["orders"](11, 2)()
+    assert json.loads(order.answer)["product"] and order.intent == "order"
+    question = customers.ASKS["support"](11, 2)()
+    assert question.intent != "order" and not question.answer.startswith("{")
+    assert not demo.DEMO_TASKS["orders"].flags and demo.DEMO_TASKS["support"].flags
+
+
+def retrained(accuracy: float) -> dict[str, Any]:
+    return {
+        "outcome": "ran",
+        "data": {"lines": 10, "accepted": 9, "pool": 9, "train": 8, "val": 1},
+        "train": {"loss_first": 5.0, "loss_last": 1.0, "steps": 12, "init_from": "base"},
+        "eval": {"candidate": {"orders_demo": {"accuracy": accuracy}}},
+        "decision": {"passed": True, "verdict": "pass", "reasons": []},
+        "registration": {
+            "registered": True,
+            "name": "tuneloop-orders",
+            "version": "2",
+            "alias": "challenger",
+        },
+    }
+
+
+def test_the_summary_shows_each_task_month_by_month() -> None:
+    kept = "no new records since tuneloop-orders v2: it trained on all 1 pool batch(es) of the task"
+    history = [
+        {
+            "month": 1,
+            "label": "2026-10",
+            "seconds": 500,
+            "report": "reports/tasks.md",
+            "tasks": {
+                "orders": {
+                    "retrain": retrained(0.995),
+                    "release": {"outcome": "promoted", "reason": "v2 promoted at 100 %"},
+                },
+            },
+        },
+        {
+            "month": 2,
+            "label": "2026-11",
+            "seconds": 200,
+            "report": "reports/tasks.md",
+            "tasks": {
+                "orders": {
+                    "retrain": {"outcome": "unchanged", "reason": kept},
+                    "release": demo.not_released({"outcome": "unchanged", "reason": kept}),
+                },
+            },
+        },
+    ]
+    text = format_loop(history, ("tuneloop-support", "tuneloop-orders"))
+    months = text.split("\nmonth ")
+    assert "--- task orders" in months[1] and "orders_demo: accuracy 0.995" in months[1]
+    assert "release  promoted: v2 promoted at 100 %" in months[1]
+    assert f"retrain  not run: {kept}; its champion stays" in months[2]
+    assert "reports/tasks.md: each task's adapter and champion" in months[2]
+    assert "Models -> tuneloop-support, tuneloop-orders" in text
+    assert demo.not_released({"outcome": "failed", "error": "preflight refused"}) == {
+        "outcome": "not released",
+        "reason": {"reasons": ["preflight refused"]},
+    }
+    assert orders.FIELDS == ("product", "express")
