@@ -427,7 +427,7 @@ def release_month(
     """
     from flows.release import release, release_outcome
 
-    tasks = params.task_names()
+    tasks = tuple(params.tasks)  # none: a project of one task
     if tasks:
         stack = serve_tasks(params, repo, month, releasing or [])
     else:
@@ -644,7 +644,7 @@ def run(
             env=env,
             check=True,
         )
-        views = {task: params.for_task(task) for task in params.task_names()}
+        views = {task: params.for_task(task) for task in params.tasks}  # none: one task
         for view in views.values() if views else (params,):
             first = registry.register_base(view)
             print(f"registry: {first.reasons[0]}", flush=True)
