@@ -1,6 +1,8 @@
 """The loop, end to end on one machine: N monthly cycles of retrain -> release -> feedback.
 
-``tuneloop demo --months 2`` (what ``make demo`` runs). Each month:
+``tuneloop demo --months 2`` (``make demo`` runs it with two tasks: ``configs/demo-tasks.yaml``,
+the support desk and the order intake on one base; every step below is then per task, the
+releases at once on one router of both tasks, ``release_tasks``). Each month:
 
 1. the month's exports are seeded into ``incoming/`` (``tuneloop.demo.domain``: month 2 launches a
    product the champion does not know);

@@ -4,6 +4,7 @@ task reruns that task's stages alone."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -186,8 +187,9 @@ def test_on_the_schedule_a_task_whose_champion_trained_on_all_its_records_keeps_
     repo, result = two_tasks
     params = load_params(repo / "params.yaml")
     support = params.for_task("support")
-    with runs.use_tracking_uri(f"sqlite:///{repo / 'mlflow.db'}"):
-        # The base as champion trained on nothing: there is something new to learn.
+    # As the flow reads them: in the project (its paths are relative), from its store.
+    with contextlib.chdir(repo), runs.use_tracking_uri(f"sqlite:///{repo / 'mlflow.db'}"):
+        # No champion yet (the test registered no base): there is something new to learn.
         assert nothing_new(support) is None
         # Support's candidate released: its champion trained on every support batch there is.
         version = result["tasks"]["support"]["registration"]["version"]
