@@ -75,8 +75,6 @@ CONCURRENCY = 4
 # it must not depend on how long the release ran: a slower machine or a longer approval wait
 # repeats questions (clean keeps each correction once) instead of teaching month 2 more.
 BURSTS = 64
-# The demo's answers are one short sentence (~15 tokens); the random base would run on.
-MAX_TOKENS = 24
 
 
 def _free_port() -> int:
@@ -342,7 +340,7 @@ def keep_customers_coming(
     router of tasks, that task's customers (``customers.ASKS``), flagging wrong answers if its
     demo task has a feedback producer (``DEMO_TASKS``)."""
     total = customers.TrafficReport()
-    flags = task is None or DEMO_TASKS[task].flags
+    demo_task = DEMO_TASKS[task or "support"]  # a project of one task: the support desk
     burst = 0
     while not stop.is_set():
         seen = customers.run(
@@ -351,9 +349,9 @@ def keep_customers_coming(
             users=USERS,
             seed=burst % BURSTS,
             month=month + 1,  # customers ask about what the shop sells now, next month's world
-            feedback_token=stack.feedback_token if flags else None,
+            feedback_token=stack.feedback_token if demo_task.flags else None,
             concurrency=CONCURRENCY,
-            max_tokens=MAX_TOKENS if task != "orders" else ORDER_TOKENS,
+            max_tokens=demo_task.max_tokens,
             stop=stop,
             stream=stack.stream,
             task=task or "support",
@@ -490,23 +488,24 @@ def release_month(
 
 @dataclass(frozen=True)
 class DemoTask:
-    """A task the demo has data for: its month's exports, the months they come in, and
-    whether its customers flag wrong answers through the router."""
+    """A task the demo has data for: its month's exports, the months they come in, whether
+    its customers flag wrong answers through the router, and how long their answers run."""
 
     seed: Callable[[Path, DemoParams, int], list[Path]]
     months: tuple[int, ...]
     flags: bool
+    max_tokens: int
 
 
-# The two-task demo's tasks (configs/demo-tasks.yaml). The order intake exports once: in month
-# 2 its data does not change, so its pipeline does not rerun and its champion stays; its callers
-# are a batch job, which flags nothing.
+# The two-task demo's tasks (configs/demo-tasks.yaml; the one-task demo is the support desk).
+# The order intake exports once: in month 2 its data does not change, so its pipeline does not
+# rerun and its champion stays; its callers are a batch job, which flags nothing. The desk's
+# answers are one short sentence (~15 tokens; the random base would run on), an order's JSON
+# about 30 tokens of the tiny model's.
 DEMO_TASKS = {
-    "support": DemoTask(domain.seed_month, tuple(domain.MONTH_LABELS), flags=True),
-    "orders": DemoTask(orders.seed_month, (1,), flags=False),
+    "support": DemoTask(domain.seed_month, tuple(domain.MONTH_LABELS), flags=True, max_tokens=24),
+    "orders": DemoTask(orders.seed_month, (1,), flags=False, max_tokens=48),
 }
-# An order's JSON is about 30 tokens of the tiny model's.
-ORDER_TOKENS = 48
 
 
 # The month whose candidate a simulated panel reviews blind before its release.
@@ -646,9 +645,8 @@ def run(
             env=env,
             check=True,
         )
-        views = {task: params.for_task(task) for task in params.tasks}  # none: one task
-        for view in views.values() if views else (params,):
-            first = registry.register_base(view)
+        for task in params.task_names():  # a project of one task: its own params
+            first = registry.register_base(params.for_task(task))
             print(f"registry: {first.reasons[0]}", flush=True)
         for month in range(1, months + 1):
             started = time.monotonic()
@@ -657,7 +655,7 @@ def run(
             print(f"\n=== month {month} ({label}): {len(written)} export file(s) seeded ===")
             summary: dict[str, Any] = {"month": month, "label": label}
             retrained = retrain(repo=repo, params=params)
-            if views:
+            if params.tasks:
                 summary |= release_tasks(
                     repo, params, month, retrained, approval_wait_s, overrides_file
                 )

@@ -108,8 +108,7 @@ def test_copy_chats_repeat_a_span_of_a_message_and_train_the_embedding() -> None
         assert tiny.COPY_CHARS[0] <= len(span) <= tiny.COPY_CHARS[1]
     # Latin text is cut at words, Chinese at characters.
     latin = [a["content"] for _, a in chats if a["content"].isascii()]
-    assert latin and all(f" {s} " in f" {texts[0]} " or s in texts[0] for s in latin)
-    assert all(not s.startswith(("hip", "ephyr")) for s in latin)
+    assert latin and all(f" {s} " in f" {texts[0]} " for s in latin)
     # Mixed evenly: every batch holds its share of each kind, in order.
     mixed = tiny.interleave(list(range(6)), ["a", "b"])  # type: ignore[arg-type]
     assert mixed == [0, 1, 2, "a", 3, 4, 5, "b"]

@@ -96,8 +96,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     history = demo.run(Path(args.repo), months, args.approval_wait, Path(args.release_overrides))
     params = load_params(Path(args.repo) / "params.yaml")
-    views = [params.for_task(task) for task in params.task_names()] or [params]
-    print(format_loop(history, tuple(view.tracking.registered_model for view in views)))
+    models = tuple(params.for_task(t).tracking.registered_model for t in params.task_names())
+    print(format_loop(history, models))
     if args.json:
         print(json.dumps(history, indent=2, ensure_ascii=False, default=str))
     return 0

@@ -299,6 +299,18 @@ def replay_chats(seed: int, n: int, turns: int) -> Iterator[list[dict[str, str]]
         yield chat
 
 
+def replay_record(chat: list[dict[str, str]]) -> dict[str, object]:
+    """A general-skill replay chat as an export carries it (source ``general-replay``): one
+    question as a prompt/response pair, several as messages."""
+    if len(chat) == 2:
+        return {
+            "prompt": chat[0]["content"],
+            "response": chat[1]["content"],
+            "source": "general-replay",
+        }
+    return {"messages": chat, "source": "general-replay"}
+
+
 def support_records(
     seed: int,
     n: int,
@@ -319,15 +331,7 @@ def support_records(
         multi = gen.rng.random() < 0.25
         greeting = gen.rng.choice(GREETINGS[item.lang]) if multi else ""
         if index % replay_every == replay_every - 1:
-            chat = next(replay)
-            if len(chat) == 2:  # one question: exported as a prompt/response pair
-                yield {
-                    "prompt": chat[0]["content"],
-                    "response": chat[1]["content"],
-                    "source": "general-replay",
-                }
-            else:
-                yield {"messages": chat, "source": "general-replay"}
+            yield replay_record(next(replay))
         elif multi:
             yield {
                 "messages": [
@@ -436,7 +440,7 @@ def tokenizer_corpus(seed: int) -> Iterator[str]:
                 yield answer(product, intent, lang)
 
 
-def write_jsonl(
+def _write_jsonl(
     path: Path, records: Iterator[dict[str, object]], extra: tuple[str, ...] = ()
 ) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -487,7 +491,7 @@ def seed_incoming(
     for path, make in files.items():
         if not path.exists():
             extra = MALFORMED_LINES if "support" in path.name else ()
-            write_jsonl(path, make(), extra)
+            _write_jsonl(path, make(), extra)
             written.append(path)
     return written
 
@@ -519,4 +523,4 @@ def write_eval_suite(
         }
         for item in eval_items(seed, n, extra_unknown)
     )
-    return write_jsonl(path, iter(records))
+    return _write_jsonl(path, iter(records))

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Literal
 
 from tuneloop.demo import domain
 from tuneloop.demo.domain import Item, Lang
+from tuneloop.io import write_jsonl
 
 if TYPE_CHECKING:
     from tuneloop.params import DemoParams
@@ -115,15 +116,7 @@ def records(
     replay = domain.replay_chats(seed + 101 + month, n // replay_every, replay_turns)
     for index in range(n):
         if index % replay_every == replay_every - 1:
-            chat = next(replay)
-            if len(chat) == 2:  # one question: exported as a prompt/response pair
-                yield {
-                    "prompt": chat[0]["content"],
-                    "response": chat[1]["content"],
-                    "source": "general-replay",
-                }
-            else:
-                yield {"messages": chat, "source": "general-replay"}
+            yield domain.replay_record(next(replay))
         else:
             item = gen.item()
             yield {"prompt": item.question, "response": item.answer, "source": "orders-export"}
@@ -173,7 +166,7 @@ def seed_month(incoming: Path, params: DemoParams, month: int = 1) -> list[Path]
     written = []
     for path, make in files.items():
         if not path.exists():
-            domain.write_jsonl(path, make())
+            write_jsonl(path, make())
             written.append(path)
     return written
 
@@ -194,4 +187,4 @@ def write_eval_suite(path: Path, seed: int, n: int = EVAL_ITEMS) -> int:
         rows.append(
             {"question": item.question, "answer": item.answer, "lang": item.lang, "intent": "order"}
         )
-    return domain.write_jsonl(path, iter(rows))
+    return write_jsonl(path, rows)
