@@ -190,6 +190,11 @@ def retrain(
     """
     repo = repo.resolve()
     params = params or load_params(repo / "params.yaml")
+    if tasks is not None and params.schedule.task_models == "single":
+        raise ParamsError(
+            f"retrain tasks={tasks}: schedule.task_models is single, one adapter on every "
+            "task's data; run it without tasks"
+        )
     if tasks is not None:
         unknown = sorted(set(tasks) - set(params.tasks))
         if unknown or not tasks:
@@ -260,9 +265,14 @@ def _run_stages(
 
 
 def _verdict(
-    params: Params, metrics: dict[str, dict[str, Any]], run_id: str, experiment_id: str
+    params: Params,
+    metrics: dict[str, dict[str, Any]],
+    run_id: str,
+    experiment_id: str,
+    registering: bool = True,
 ) -> dict[str, Any]:
-    """The pipeline's summary on its run ``run_id`` (the active one), then its registration."""
+    """The pipeline's summary on its run ``run_id`` (the active one), then its registration
+    (none when not ``registering``: a single adapter judged beside the tasks' own)."""
     decision = read_json(params.paths.metrics / "decision.json")
     result = summary(metrics, decision)
     # The pipeline's data versions on its own run: its stage runs' DVC tags (oldest
@@ -277,7 +287,8 @@ def _verdict(
     runs.log_metrics(result["eval"], prefix="eval")
     mlflow.set_tag("gate.passed", str(decision["passed"]).lower())
     # The flow ends with the verdict: a registered version, or the gate's reasons.
-    result["registration"] = register(params, run_id)
+    if registering:
+        result["registration"] = register(params, run_id)
     result["mlflow_run_id"] = run_id
     return result
 
@@ -316,10 +327,11 @@ def _retrain_tasks(
     task runs; the summary names each task's outcome. On the schedule (not ``by_hand``), a
     task with no records its champion did not train on keeps it and runs nothing
     (``nothing_new``); run by hand, it runs whatever the data."""
+    mode = params.schedule.task_models
     before = tasks_report.states(repo, params)
     shared = _run_stages(SHARED_STAGES, repo, params, parent_run_id, experiment_id)
     outcomes: dict[str, Any] = {}
-    for name in chosen:
+    for name in chosen if mode != "single" else ():
         view = params.for_task(name)
         why = None if by_hand else nothing_new(view)
         if why is not None:
@@ -340,16 +352,28 @@ def _retrain_tasks(
                 get_run_logger().error("task %s failed: %s", name, error)
                 mlflow.set_tag("task.failed", str(error)[:5000])
                 outcomes[name] = {"outcome": "failed", "error": str(error)}
+    # The single adapter on every task's data: the month's model (single), or judged beside
+    # each task's adapter (both; not when tasks are run by hand).
+    single = None
+    if mode == "single" or (mode == "both" and not by_hand):
+        single = _retrain_single(repo, params, shared, experiment_id, mode == "single")
     failed = sorted(t for t, o in outcomes.items() if o["outcome"] == "failed")
     mlflow.set_tag("tasks.failed", ",".join(failed))
     # Every task's adapter and champion before and after: the others did not move.
     text = tasks_report.report(params, before, tasks_report.states(repo, params), outcomes)
+    if single is not None:
+        text += "\n" + tasks_report.single_line(params, single) + "\n"
+    if single is not None and single["outcome"] == "ran" and mode == "both":
+        ran = [t for t, o in outcomes.items() if o["outcome"] == "ran"]
+        single["compared"] = tasks_report.single_comparison(params, ran)
+        text += "\n" + tasks_report.single_section(single["compared"], params.gate.confidence)
     written = params.paths.reports / tasks_report.REPORT
     write_text(written, text)
     mlflow.log_text(text, tasks_report.REPORT)
     get_run_logger().info("%s", text)
     result = {
         "tasks": outcomes,
+        "single": single,
         "failed": failed,
         "report": str(repo / written),
         "mlflow_run_id": parent_run_id,
@@ -361,3 +385,29 @@ def _retrain_tasks(
             repo, [*folders, written], f"tasks ran: {', '.join(ran) or 'none'}"
         )
     return result
+
+
+def _retrain_single(
+    repo: Path,
+    params: Params,
+    shared: dict[str, dict[str, Any]],
+    experiment_id: str,
+    registering: bool,
+) -> dict[str, Any]:
+    """One adapter on every task's data: dvc.yaml's own stages after the shared ones, under a
+    run of its own, registered as ``tracking.registered_model`` when ``registering``."""
+    with mlflow.start_run(
+        run_name=tasks_report.SINGLE,
+        nested=True,
+        tags={runs.TAG_PIPELINE: "retrain", "task": tasks_report.SINGLE},
+    ) as run:
+        stages = tuple(s for s in stage_order(repo) if s not in SHARED_STAGES)
+        try:
+            metrics = _run_stages(stages, repo, params, run.info.run_id, experiment_id)
+            return _verdict(
+                params, shared | metrics, run.info.run_id, experiment_id, registering
+            ) | {"outcome": "ran"}
+        except (StageFailed, DvcLockTimeout, ParamsError, OSError) as error:
+            get_run_logger().error("the single adapter failed: %s", error)
+            mlflow.set_tag("task.failed", str(error)[:5000])
+            return {"outcome": "failed", "error": str(error)}

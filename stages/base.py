@@ -26,17 +26,31 @@ from tuneloop.tracking.runs import stage_run
 STAGE = "base"
 
 
+# Texts of each kind the copy chats draw spans from, and how often each name of the shop's
+# vocabulary stands alone among them.
 COPY_TEXTS = 3000
+COPY_NAME_TEXTS = 25
 
 
 def copy_corpus(seed: int) -> list[str]:
     """What the base's copy chats repeat spans of: customers' messages to the shop (support
-    questions and orders), as a base model has read text like them; never an answer."""
-    support = domain.Generator(seed + 7, "train")
+    questions of every month and orders), as a base model has read text like them, and every
+    name of the shop's vocabulary (``domain.vocabulary``); never an answer.
+
+    Every name, as a pretrained model has read every word: a name the base never wrote out
+    keeps its random embedding, and all such names look alike to a LoRA. Measured on the
+    two-task demo's month 2, with month 1's questions only: the product launched in month 2
+    was such a name, and the support adapter answered every product it had never read (the
+    eval suite's unknown ones) as that product, hallucination 1.000 against the champion's
+    0.552.
+    """
+    months = sorted(domain.MONTH_LABELS)
+    support = [domain.Generator(seed + 7, "train", month) for month in months]
     intake = orders.Generator(seed + 7, "train")
     return [
-        *(support.item().question for _ in range(COPY_TEXTS)),
+        *(support[i % len(months)].item().question for i in range(COPY_TEXTS)),
         *(intake.item().question for _ in range(COPY_TEXTS)),
+        *(name for name in domain.vocabulary() for _ in range(COPY_NAME_TEXTS)),
     ]
 
 

@@ -115,3 +115,25 @@ def test_a_wrong_task_is_refused_naming_it(tasks: Any, message: str) -> None:
     with pytest.raises(ParamsError) as raised:
         parse_params(with_tasks(tasks))
     assert message in str(raised.value), str(raised.value)
+
+
+def test_a_single_adapter_beside_the_tasks_needs_its_own_model_and_every_tasks_suites() -> None:
+    def data(mode: str, model: str, suites: list[str]) -> dict[str, Any]:
+        found = with_tasks(TASKS)
+        found["schedule"] = {**found["schedule"], "task_models": mode}
+        found["tracking"] = {**found["tracking"], "registered_model": model}
+        found["evaluate"] = {**found["evaluate"], "suites": suites}
+        return found
+
+    both = ["support_demo", "copy_demo"]
+    with pytest.raises(ParamsError, match=r"tracking\.registered_model 'tuneloop-support' is task"):
+        parse_params(data("single", "tuneloop-support", both))
+    with pytest.raises(ParamsError, match=r"evaluate.suites .* lacks \['copy_demo'\]: add them"):
+        parse_params(data("both", "tuneloop-all", ["support_demo"]))
+    # Single: the one model's suites are its own choice; both: every task's are there.
+    assert parse_params(data("single", "tuneloop-all", ["support_demo"])).tasks
+    params = parse_params(data("both", "tuneloop-all", both))
+    assert params.schedule.task_models == "both"
+    assert params.for_task("copy").tracking.registered_model == "tuneloop-copy"
+    # Per task (the default), the project's model may be a task's: nothing trains it.
+    assert parse_params(data("per_task", "tuneloop-support", ["support_demo"])).tasks

@@ -53,13 +53,19 @@ SMALL: dict[str, dict[str, Any]] = {
     "evaluate": {"limit": 12, "general_limit": 24},
 }
 
+# Each month also trains one adapter on every task's data, judged beside the tasks' own.
+SINGLE_TOO: dict[str, dict[str, Any]] = {
+    "schedule": {"task_models": "both"},
+    "tracking": {"registered_model": "tuneloop-all"},
+}
+
 # Always changed: each reads the registry's champion, which DVC cannot see.
 ALWAYS = {f"task-init@{task}" for task in TASKS}
 
 
 def changed_stages(repo: Path) -> set[str]:
     """The tasks' stages ``dvc status`` names as changed (not the project's own, the single
-    merged model, which this project never runs; nor init, ``ALWAYS``)."""
+    adapter on every task's data, which every task's records change; nor init, ``ALWAYS``)."""
     status = json.loads(dvc(repo, "status", "--json"))
     return {stage for stage in status if stage.startswith("task-")} - ALWAYS
 
@@ -71,7 +77,7 @@ def two_tasks(
     from flows.retrain import retrain
 
     repo = copy_project(tmp_path_factory.mktemp("two-tasks"))
-    write_params(repo, {"tasks": TASKS, **SMALL})
+    write_params(repo, {"tasks": TASKS, **SMALL, **SINGLE_TOO})
     subprocess.run(["git", "commit", "-qam", "two tasks"], cwd=repo, check=True)
     params = load_params(repo / "params.yaml")
     incoming = repo / params.paths.incoming
@@ -119,9 +125,23 @@ def test_each_task_runs_its_own_pipeline_and_registers_its_own_model(
     ).stdout.split()  # fmt: skip
     for path in ("dvc.lock", "reports/tasks.md", "tasks/orders/metrics/decision.json"):
         assert path in listed, path
-    # Nothing of a task was written where the project's own (single-model) stages write.
-    assert not (repo / "models/adapter").exists()
-    assert not (repo / "data/clean").exists()
+    # The single adapter trained on every task's records where the project's own stages
+    # write, judged and not registered, then set beside each task's adapter that ran.
+    single = result["single"]
+    assert single["outcome"] == "ran" and "registration" not in single, single
+    clean = json.loads((repo / "metrics/clean.json").read_text())
+    assert {b.rsplit("_", 1)[1] for b in clean["batches"]} == set(TASKS)
+    compared = {(row["task"], row["suite"], row["metric"]): row for row in single["compared"]}
+    assert {task for task, _, _ in compared} == {"support", "orders"}
+    row = compared[("orders", "support_demo", "accuracy")]
+    orders = json.loads((repo / "tasks/orders/metrics/evaluate.json").read_text())
+    mine = json.loads((repo / "metrics/evaluate.json").read_text())
+    assert row["value"] == pytest.approx(orders["candidate"]["support_demo"]["accuracy"])
+    assert row["reference_value"] == pytest.approx(mine["candidate"]["support_demo"]["accuracy"])
+    assert row["items"] == SMALL["evaluate"]["limit"]
+    assert row["better"] in ("adapter", "single", "no settled difference")
+    assert "One adapter on every task's data (tuneloop-all): ran, gate " in report
+    assert "not registered" in report and "| orders | support_demo/accuracy |" in report
 
 
 def test_a_change_to_one_task_reruns_only_that_tasks_stages(
@@ -144,9 +164,8 @@ def test_a_change_to_one_task_reruns_only_that_tasks_stages(
     assert not any(stage.endswith("@support") for stage in changed), changed
     assert "task-clean@orders" in changed
     # A param of one task: that task's stages, none of the other's.
-    write_params(
-        repo, {"tasks": {**TASKS, "support": {**TASKS["support"], "gate": {"min_gain": 0.5}}}}
-    )
+    support = {**TASKS["support"], "gate": {"min_gain": 0.5}}
+    write_params(repo, {"tasks": {**TASKS, "support": support}, **SMALL, **SINGLE_TOO})
     changed = changed_stages(repo)
     support = {stage for stage in changed if stage.endswith("@support")}
     assert support and "task-train@support" in support
@@ -164,6 +183,8 @@ def test_one_task_is_run_by_hand_and_the_others_stay_as_they_were(
     # orders has new records (the test before): its month reruns, support's does not.
     result = retrain(repo=repo, tasks=["orders"])
     assert set(result["tasks"]) == {"orders"} and result["failed"] == []
+    # By hand, the tasks named: the single adapter is the scheduled month's comparison.
+    assert result["single"] is None
     after = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     for stage in ("task-clean", "task-train", "task-evaluate"):
         assert after[f"{stage}@support"] == locked[f"{stage}@support"], stage

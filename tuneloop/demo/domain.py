@@ -93,9 +93,29 @@ def month_label(month: int) -> str:
     return MONTH_LABELS[month]
 
 
-# Products the shop does not sell: the model must refuse rather than invent.
-UNKNOWN_TRAIN = ("Quasar drone", "Velvet sofa", "Tundra boots", "Falcon bike", "Meadow rug")
-UNKNOWN_TRAIN_ZH = ("类星无人机", "丝绒沙发", "冻原靴子", "猎鹰单车", "草地地毯")
+# Products the shop does not sell: the model must refuse rather than invent. Customers ask
+# about any of hundreds (every pair of these words), as they ask a shop about whatever they
+# want: a model shown five such names learns those five, not "not in the catalogue", and
+# answers the eval suite's unknown products as catalogue ones. No word here is a catalogue
+# product's or an eval item's.
+UNKNOWN_WORDS = (
+    ("Quasar", "Velvet", "Tundra", "Falcon", "Meadow", "Willow", "Cobalt", "Maple", "Granite",
+     "Coral", "Thunder", "Lotus", "Saffron", "Onyx", "Juniper", "Sierra", "Basalt", "Amber",
+     "Boreal", "Ivory", "Marble", "Sparrow", "Indigo", "Canyon"),
+    ("drone", "sofa", "boots", "bike", "rug", "toaster", "printer", "mattress", "scooter",
+     "blanket", "heater", "mixer", "router", "keyboard", "jacket", "stroller", "oven",
+     "projector", "tablet", "wallet", "helmet", "kayak", "guitar", "mirror"),
+)  # fmt: skip
+UNKNOWN_WORDS_ZH = (
+    ("类星", "丝绒", "冻原", "猎鹰", "草地", "柳树", "钴蓝", "枫叶", "花岗", "珊瑚", "雷霆",
+     "莲花", "藏红", "玛瑙", "杜鹃", "山脉", "玄武", "琥珀", "北境", "象牙", "青铜", "麻雀",
+     "靛青", "峡谷"),
+    ("无人机", "沙发", "靴子", "单车", "地毯", "面包机", "打印机", "床垫", "滑板车", "毛毯",
+     "取暖器", "料理机", "路由器", "键盘", "夹克", "婴儿车", "烤箱", "投影仪", "平板", "钱包",
+     "头盔", "皮划艇", "吉他", "镜子"),
+)  # fmt: skip
+UNKNOWN_TRAIN = tuple(f"{a} {n}" for a in UNKNOWN_WORDS[0] for n in UNKNOWN_WORDS[1])
+UNKNOWN_TRAIN_ZH = tuple(a + n for a in UNKNOWN_WORDS_ZH[0] for n in UNKNOWN_WORDS_ZH[1])
 UNKNOWN_EVAL = ("Glacier fridge", "Ember grill", "Prism monitor")
 UNKNOWN_EVAL_ZH = ("冰川冰箱", "余烬烤架", "棱镜显示器")
 
@@ -420,6 +440,15 @@ def eval_items(seed: int, n: int, extra_unknown: int = 0) -> list[Item]:
             seen.add(item.question)
             items.append(item)
     return items
+
+
+def vocabulary() -> tuple[str, ...]:
+    """Every name the shop's text will ever hold: every month's products, the products it does
+    not sell and its customers' names, of both splits. The base model's tokenizer and its
+    pre-training read them all, as a pretrained model has read every word before any task."""
+    products = [name for p in catalogue(max(MONTH_LABELS)) for name in (p.en, p.zh)]
+    words = [word for group in (*UNKNOWN_WORDS, *UNKNOWN_WORDS_ZH) for word in group]
+    return (*products, *words, *UNKNOWN_EVAL, *UNKNOWN_EVAL_ZH, *NAMES_TRAIN, *NAMES_EVAL)
 
 
 def tokenizer_corpus(seed: int) -> Iterator[str]:

@@ -161,7 +161,7 @@ def _direction(directions: Directions, suite: str, metric: str) -> bool:
         ) from None
 
 
-class _Suite:
+class SuiteBootstrap:
     """One suite's bootstrap: every figure the gate needs, from one set of resamples."""
 
     def __init__(
@@ -353,7 +353,7 @@ def decide(
                 f"gate.primary_metric={primary!r} is not reported by suite {suite!r}; it "
                 f"reports {sorted(candidate.values)}"
             )
-        boot = _Suite(suite, found, (CANDIDATE, reference), gate)
+        boot = SuiteBootstrap(suite, found, (CANDIDATE, reference), gate)
         counts[suite] = boot.n
         for metric in sorted(candidate.values):
             higher = _direction(directions, suite, metric)
@@ -401,7 +401,7 @@ def decide(
     for suite in general:
         models = [m for m in (BASE, CHAMPION, CANDIDATE) if m in items]
         found = _aligned(items, suite, models)
-        boot = _Suite(suite, found, (), gate)
+        boot = SuiteBootstrap(suite, found, (), gate)
         counts[suite] = boot.n
         for metric in sorted(found[CANDIDATE].values):
             higher = _direction(directions, suite, metric)

@@ -6,20 +6,29 @@ shows it rather than asserting it. For every task it sets the adapter's DVC md5 
 out of ``task-train@<task>``) and the registry's champion before the run beside the same
 after it, with the task's outcome, gate and scores; a task whose adapter or champion moved
 without its pipeline running would stand out here.
+
+With ``schedule.task_models: both`` the month also trains one adapter on every task's data
+(the single model, dvc.yaml's own stages), and ``single_comparison`` sets each task's adapter
+beside it on the task's suites, item by item, with the gate's paired bootstrap: which of the
+two a team should serve, per task, measured rather than assumed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tuneloop.io import read_json
+from tuneloop.judge.gate import CANDIDATE, SuiteBootstrap
 from tuneloop.params import Params
 from tuneloop.tracking import lineage, registry
 
 # The file, in the project's reports folder, and its name among the run's MLflow artifacts.
 REPORT = "tasks.md"
+# The single adapter (every task's data) in a comparison with a task's own.
+SINGLE = "single"
 
 
 @dataclass(frozen=True)
@@ -103,3 +112,72 @@ def report(
     ]
     lines += ["", f"Moved without running: {', '.join(moved) or 'none'}.", ""]
     return "\n".join(lines)
+
+
+def single_line(params: Params, outcome: Mapping[str, Any]) -> str:
+    """What became of the single adapter (every task's data) this month, in a sentence."""
+    said = f"One adapter on every task's data ({params.tracking.registered_model}): "
+    if outcome["outcome"] == "failed":
+        return said + f"failed: {str(outcome.get('error', ''))[:200]}"
+    gate = "PASS" if outcome["decision"]["passed"] else "FAIL"
+    registration = outcome.get("registration")
+    if registration is None:
+        kept = "judged beside the tasks' adapters, not registered"
+    elif registration["registered"]:
+        kept = f"registered as v{registration['version']}"
+    else:
+        kept = "not registered"
+    return said + f"ran, gate {gate}, {kept}; {_scores(params, outcome)}."
+
+
+def single_comparison(params: Params, tasks: Sequence[str]) -> list[dict[str, Any]]:
+    """Each of ``tasks``' candidate adapter against the single adapter's candidate, on each of
+    the task's suites and metrics: the same items, paired, with the gate's bootstrap and
+    confidence (the task's ``gate``). ``better``: whose the interval says, if it settles it.
+    """
+    # lm-eval, which the scoring module imports, takes seconds; the flow imports this module.
+    from tuneloop.judge.scoring import read_items
+
+    single = read_items(params.paths.metrics / "eval-items" / f"{CANDIDATE}.jsonl")
+    directions = read_json(params.paths.metrics / "decision.json")["higher_is_better"]
+    rows = []
+    for task in tasks:
+        view = params.for_task(task)
+        own = read_items(view.paths.metrics / "eval-items" / f"{CANDIDATE}.jsonl")
+        for suite in view.evaluate.suites:
+            theirs = single[suite].aligned(own[suite].ids, f"the single adapter on {suite}")
+            boot = SuiteBootstrap(suite, {CANDIDATE: own[suite], SINGLE: theirs}, (), view.gate)
+            for metric in sorted(set(own[suite].values) & set(theirs.values)):
+                row = boot.compare(CANDIDATE, SINGLE, metric, directions[suite][metric])
+                found = row.pop("_interval")
+                better = "no settled difference"
+                if found is not None and found.low > 0:
+                    better = "adapter"
+                elif found is not None and found.high < 0:
+                    better = "single"
+                rows.append(row | {"task": task, "better": better})
+    return rows
+
+
+def single_section(rows: Sequence[Mapping[str, Any]], confidence: float) -> str:
+    """The comparison as a markdown table (``single_comparison``'s rows)."""
+    lines = [
+        "## Each task's adapter against one adapter on every task's data",
+        "",
+        f"Paired on the task's suites, the same items; better by (adapter - single, "
+        f"{confidence:.0%} interval), positive when the task's own adapter is better.",
+        "",
+        "| task | suite/metric | adapter | single | better by | better |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        shown = "-"
+        if r["diff"] is not None:
+            shown = f"{r['diff']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}]"
+        mine = "-" if r["value"] is None else f"{r['value']:.3f}"
+        theirs = "-" if r["reference_value"] is None else f"{r['reference_value']:.3f}"
+        lines.append(
+            f"| {r['task']} | {r['suite']}/{r['metric']} | {mine} | {theirs} | {shown} | "
+            f"{r['better']} |"
+        )
+    return "\n".join([*lines, ""])

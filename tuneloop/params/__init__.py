@@ -59,6 +59,7 @@ from tuneloop.params.tasks import (
     PER_TASK_PATHS,
     TASKS_SHAPE,
     TaskParams,
+    check_single,
     check_tasks,
     task_paths,
 )
@@ -144,6 +145,12 @@ class Params(_Group):
     @model_validator(mode="after")
     def _tasks_apart(self) -> Params:
         check_tasks(self.tasks, self.gate, self.train)
+        check_single(
+            self.tasks,
+            self.schedule.task_models,
+            self.tracking.registered_model,
+            self.evaluate.suites,
+        )
         return self
 
     @property

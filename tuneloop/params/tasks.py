@@ -125,6 +125,29 @@ def check_tasks(tasks: Mapping[str, TaskParams], gate: GateParams, train: TrainP
                 seen[value] = name
 
 
+def check_single(
+    tasks: Mapping[str, TaskParams], mode: str, registered_model: str, suites: tuple[str, ...]
+) -> None:
+    """A single adapter on every task's data (``schedule.task_models`` single or both) has a
+    registered model of its own, and with both, every task's suites among its own, where the
+    two are compared."""
+    if not tasks or mode == "per_task":
+        return
+    for name, task in tasks.items():
+        if task.registered_model == registered_model:
+            raise ValueError(
+                f"schedule.task_models {mode}: tracking.registered_model {registered_model!r} "
+                f"is task {name}'s; the single adapter needs a model of its own (its champion "
+                "and challenger), e.g. tracking.registered_model: tuneloop-all"
+            )
+    missing = sorted({s for task in tasks.values() for s in task.suites} - set(suites))
+    if mode == "both" and missing:
+        raise ValueError(
+            f"schedule.task_models both compares each task's adapter with the single one on "
+            f"the task's suites; evaluate.suites (the single adapter's) lacks {missing}: add them"
+        )
+
+
 def task_paths(paths: PathsParams, name: str) -> PathsParams:
     """``paths`` as task ``name`` writes: each of ``PER_TASK_PATHS`` under the task's own
     folder, ``<task_folders>/<task>/<path>`` (an absolute path: ``<path>/<task>``).
