@@ -30,6 +30,7 @@ from prefect.runtime import flow_run
 from tuneloop.data.records import pool_batches
 from tuneloop.io import read_json, write_text
 from tuneloop.judge import tasks_report
+from tuneloop.judge.gate import GateError
 from tuneloop.orchestration.dvcrun import DvcLockTimeout, run_dvc
 from tuneloop.params import Params, ParamsError, load_params
 from tuneloop.pipeline import SHARED_STAGES, stage_order, task_stages
@@ -365,8 +366,14 @@ def _retrain_tasks(
         text += "\n" + tasks_report.single_line(params, single) + "\n"
     if single is not None and single["outcome"] == "ran" and mode == "both":
         ran = [t for t, o in outcomes.items() if o["outcome"] == "ran"]
-        single["compared"] = tasks_report.single_comparison(params, ran)
-        text += "\n" + tasks_report.single_section(single["compared"], params.gate.confidence)
+        try:
+            single["compared"] = tasks_report.single_comparison(params, ran)
+            text += "\n" + tasks_report.single_section(single["compared"], params.gate.confidence)
+        # Scores the two cannot be compared on (a suite one of them could not run): said,
+        # and the month's results stand.
+        except (GateError, KeyError, OSError) as error:
+            get_run_logger().warning("the single adapter was not compared: %s", error)
+            text += f"\nNot compared with the tasks' adapters: {error!r}\n"
     written = params.paths.reports / tasks_report.REPORT
     write_text(written, text)
     mlflow.log_text(text, tasks_report.REPORT)

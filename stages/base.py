@@ -27,9 +27,11 @@ STAGE = "base"
 
 
 # Texts of each kind the copy chats draw spans from, and how often each name of the shop's
-# vocabulary stands alone among them.
+# vocabulary stands alone among them: a few times, so that every name is written out once in a
+# while and names do not crowd out the messages (at 25 each, a third of the texts, the support
+# adapter of one measured month answered 11 Chinese questions "[return]类30天内退货。").
 COPY_TEXTS = 3000
-COPY_NAME_TEXTS = 25
+COPY_NAME_TEXTS = 3
 
 
 def copy_corpus(seed: int) -> list[str]:
