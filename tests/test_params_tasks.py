@@ -62,7 +62,7 @@ def test_each_task_sees_its_model_suites_overrides_and_folders() -> None:
     for shared in ("incoming", "pool", "base_model", "downloads", "eval_suites"):
         assert getattr(copy.paths, shared) == getattr(params.paths, shared), shared
     # Its regression suite's items lie in its folder (the suite's loader reads them there).
-    assert copy.paths.fixed_badcases == Path("tasks/copy/eval/fixed_badcases")
+    assert copy.paths.fixed_badcases == Path("tasks/copy/data/fixed_badcases")
     # Its release, rollback and status reach its own router on each replica.
     assert copy.release.routers == tuple(
         f"{url.rstrip('/')}/tasks/copy" for url in params.release.routers

@@ -16,12 +16,14 @@ from tuneloop.data.text import normalise
 from tuneloop.judge.fixed_badcases import ITEMS_FOLDER_ENV
 
 HERE = Path(__file__).parent
+# The project's paths.fixed_badcases as params.yaml ships it, for lm-eval run by hand.
+SHIPPED = HERE.parent.parent / "data" / "fixed_badcases"
 
 
 def load(**_: object) -> datasets.DatasetDict:
-    # Resolved beside this file, so the suite runs from any working directory.
-    # A task's items lie in its own folder, which the evaluate stage names.
-    folder = Path(os.environ.get(ITEMS_FOLDER_ENV) or HERE)
+    # The items lie where the evaluate stage says (each task's in its own folder); by hand,
+    # where params.yaml ships them, from any working directory.
+    folder = Path(os.environ.get(ITEMS_FOLDER_ENV) or SHIPPED)
     return datasets.DatasetDict({"test": datasets.Dataset.from_json(str(folder / "test.jsonl"))})
 
 

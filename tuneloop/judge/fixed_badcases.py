@@ -2,9 +2,11 @@
 
 A corrected badcase (a pooled ``badcase`` with a ``corrected_response``, mostly router
 feedback) is training data in the month it arrives. Once a model trained on its month is
-the champion, it becomes a regression test: an item of ``paths.fixed_badcases``, an lm-eval
-task like the other suites (its ``<suite>.yaml`` and ``utils.py`` are source, its
-``test.jsonl`` is written here, a DVC out of the ``fixed_badcases`` stage). The suite grows
+the champion, it becomes a regression test: an item of an lm-eval task like the other suites
+(its ``<suite>.yaml`` and ``utils.py`` are source in ``eval/fixed_badcases``; its items, the
+``test.jsonl`` written here, a DVC out of the ``fixed_badcases`` stage, lie in
+``paths.fixed_badcases``, outside the suites' folder, so a month's new items rerun nothing that
+reads only the other suites). The suite grows
 with every month the champion has trained on, and DVC versions each month's items.
 
 Which items count is decided at the gate, not here: the suite holds every correction from a

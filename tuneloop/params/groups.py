@@ -194,7 +194,8 @@ class PathsParams(_Group):
     reports: Path
     eval_suites: Path
     fixed_badcases: Path = Field(
-        description="the fixed-badcase regression suite: an lm-eval task folder in eval_suites"
+        description="the fixed-badcase regression suite's items (test.jsonl), outside "
+        "eval_suites; the suite of its folder's name in eval_suites scores them"
     )
     checkpoints: Path = Field(
         description="the train stage's checkpoints and resume state; a fresh run clears its own"
@@ -231,12 +232,15 @@ class PathsParams(_Group):
         return self
 
     @model_validator(mode="after")
-    def _fixed_badcases_is_a_suite(self) -> PathsParams:
-        # lm-eval finds tasks under eval_suites only, and the suite's name is its folder's.
-        if self.fixed_badcases.parent != self.eval_suites:
+    def _fixed_badcases_outside_the_suites(self) -> PathsParams:
+        # clean, preflight and evaluate depend on eval_suites whole: the month's new items
+        # inside it would rerun them all, and with several tasks every task's for one task's
+        # items. The suite (its YAML and loader) is eval_suites/<its folder's name>.
+        if self.fixed_badcases.resolve().is_relative_to(self.eval_suites.resolve()):
             raise ValueError(
-                f"paths.fixed_badcases ({self.fixed_badcases}) must be a folder directly in "
-                f"paths.eval_suites ({self.eval_suites}), e.g. {self.eval_suites}/fixed_badcases"
+                f"paths.fixed_badcases ({self.fixed_badcases}) must lie outside "
+                f"paths.eval_suites ({self.eval_suites}), whose every change reruns clean, "
+                f"preflight and evaluate, e.g. data/{self.fixed_badcases.name}"
             )
         return self
 
