@@ -162,8 +162,9 @@ def test_corrections_in_the_suite_are_still_trained_on(project: Path, tmp_path: 
     }
     assert "My Aurora kettle leaks, may it still go back to you?" in trained
     assert "eval_contamination" not in report_.removed
-    # Against every suite, as a held-out one, the same correction would be removed.
-    everything = [q for _, q in suites.questions(params.paths.eval_suites)]
+    # Held out as the other suites are, the same corrections would be removed.
+    fixed = params.paths.fixed_badcases / "test.jsonl"
+    everything = [*questions, *(json.loads(line)["question"] for line in fixed.open())]
     shutil.rmtree(out)
     out.mkdir()
     leaked = clean_pool(
