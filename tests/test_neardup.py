@@ -246,7 +246,9 @@ def index_hits(pairs: list[tuple[str, str, float]], threshold: float) -> np.ndar
 
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_recall_at_the_params_thresholds_matches_datasketch(lang: str) -> None:
-    pairs = planted_pairs(lang, 700, seed=11)
+    # 2000 texts: at 700 the two recalls of one sample differed by up to 0.046 at 0.8 (220
+    # pairs near it, after the demo's data changed); at 2000, by 0.015 or less.
+    pairs = planted_pairs(lang, 2000, seed=11)
     jaccard = np.array([j for _, _, j in pairs])
     for threshold in THRESHOLDS:
         ours, theirs = index_hits(pairs, threshold), datasketch_hits(pairs, threshold)

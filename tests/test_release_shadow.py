@@ -161,7 +161,7 @@ def run_release(tmp_path: Path, challenger_text: str, answer: bool) -> dict[str,
                 "release": {**RELEASE, "routers": [url]},
                 "paths": {
                     "eval_suites": str(ROOT / "eval"),
-                    "fixed_badcases": str(ROOT / "eval" / "fixed_badcases"),
+                    "fixed_badcases": str(ROOT / "data" / "fixed_badcases"),
                 },
             },
         )
