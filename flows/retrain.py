@@ -364,7 +364,7 @@ def _retrain_tasks(
     text = tasks_report.report(params, before, tasks_report.states(repo, params), outcomes)
     if single is not None:
         text += "\n" + tasks_report.single_line(params, single) + "\n"
-    if single is not None and single["outcome"] == "ran" and mode == "both":
+    if mode == "both" and single is not None and single["outcome"] == "ran":
         ran = [t for t, o in outcomes.items() if o["outcome"] == "ran"]
         try:
             single["compared"] = tasks_report.single_comparison(params, ran)

@@ -443,9 +443,10 @@ def eval_items(seed: int, n: int, extra_unknown: int = 0) -> list[Item]:
 
 
 def vocabulary() -> tuple[str, ...]:
-    """Every name the shop's text will ever hold: every month's products, the products it does
-    not sell and its customers' names, of both splits. The base model's tokenizer and its
-    pre-training read them all, as a pretrained model has read every word before any task."""
+    """Every name the shop's text will ever hold: every month's products, the words of the
+    products it does not sell and its customers' names, of both splits. The base's copy
+    pre-training writes each out (``stages/base.py``), as a pretrained model has read every
+    word before any task."""
     products = [name for p in catalogue(max(MONTH_LABELS)) for name in (p.en, p.zh)]
     words = [word for group in (*UNKNOWN_WORDS, *UNKNOWN_WORDS_ZH) for word in group]
     return (*products, *words, *UNKNOWN_EVAL, *UNKNOWN_EVAL_ZH, *NAMES_TRAIN, *NAMES_EVAL)
