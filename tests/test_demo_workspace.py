@@ -167,6 +167,6 @@ def test_the_default_demo_runs_in_its_checkout_and_the_checkout_runs_it_there(
     # (else it would prepare a checkout inside the checkout, and so on).
     assert prepared == ["tasks"]
     assert started[0][3:] == [
-        "demo", "--repo", ".", "--here", "--months", "2", "--approval-wait", "20.0",
+        "demo", "--repo", ".", "--here", "--months", "2", "--approval-wait", "5.0",
         "--release-overrides", "configs/demo-tasks.yaml",
     ]  # fmt: skip

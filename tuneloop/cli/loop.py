@@ -148,8 +148,8 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.add_argument(
         "--approval-wait",
         type=float,
-        default=20.0,
+        default=5.0,
         help="seconds a release waits for your `tuneloop approve` before the demo approves as "
-        "demo-operator (default 20)",
+        "demo-operator (default 5; to answer yourself, give it minutes)",
     )
     demo.set_defaults(run=_demo)
