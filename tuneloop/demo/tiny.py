@@ -55,8 +55,8 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokeniz
     # after the `]` (`[return]�om soon be。`); with the space alone isolated, a Chinese answer
     # that begins with a digit still began with " 3" (26 broken as `[shipping]  38252天内发货。`),
     # and 17 Chinese questions about unsold products were answered as a catalogue product. On
-    # the demo's corpus this is 29 % more tokens (2.2x in Chinese), and the vocabulary's room
-    # goes to English words.
+    # the demo's tokenizer corpus this is 39 % more tokens than plain byte-level BPE (2.5x in
+    # Chinese), and the vocabulary's room goes to English words.
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(r"\s(?=[\p{Han}\p{N}])|\p{Han}"), behavior="isolated"),
