@@ -51,6 +51,18 @@ TINY_OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
+# Full training under which the tiny candidate learns the reply format and passes the gate on
+# format_compliance (the small loops in tests/test_loop.py and tests/test_team_stack.py). Since
+# each Chinese character is a token, 40 steps scored format 0.000 in month 1; 100 steps (5 s)
+# scored 1.000 on month 2's data.
+PASSING_TRAIN: dict[str, Any] = {
+    "method": "full",
+    "max_steps": 100,
+    "learning_rate": 3.0e-3,
+    "logging_steps": 10,
+}
+
+
 def write_params(folder: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Path:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     for source in (TINY_OVERRIDES, overrides or {}):

@@ -22,7 +22,14 @@ import yaml
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.tracking import MlflowClient
 
-from tests.helpers import CHROMIUM, chromium, copy_project, mlflow_server, write_params
+from tests.helpers import (
+    CHROMIUM,
+    PASSING_TRAIN,
+    chromium,
+    copy_project,
+    mlflow_server,
+    write_params,
+)
 from tuneloop.demo.report import format_loop
 from tuneloop.params import load_params
 from tuneloop.tracking import init_from, registry
@@ -30,16 +37,15 @@ from tuneloop.tracking import init_from, registry
 pytestmark = pytest.mark.slow
 
 MODEL = "tuneloop-support"
-# The tiny candidate learns the reply format in 100 steps of full training at this rate (a LoRA at
-# 1e-2 did until the general skill's phrasings changed, then answered "[] The."; the demo trains
-# the tiny model in full too; tests/test_evaluate.py judges on format_compliance). The base's
-# general skill after the tests' 10 pre-training steps is near chance, so the forgetting budget is
-# opened, and month 2 (trained further from month 1's model on 80 new chats a month) may drift on
-# the 12 items of a suite: the regression rule is run and reported, with room. The gate's rules
-# are tested on their own in tests/test_gate.py. Since each Chinese character is a token, 40
-# steps scored format 0.000 in month 1; 100 steps (5 s) scored 1.000 on month 2's data.
+# The tiny candidate learns the reply format in full training (helpers.PASSING_TRAIN; a LoRA
+# at 1e-2 did until the general skill's phrasings changed, then answered "[] The."; the one-task
+# demo trains the tiny model in full too; tests/test_evaluate.py judges on format_compliance).
+# The base's general skill after the tests' 10 pre-training steps is near chance, so the
+# forgetting budget is opened, and month 2 (trained further from month 1's model on 80 new chats
+# a month) may drift on the 12 items of a suite: the regression rule is run and reported, with
+# room. The gate's rules are tested on their own in tests/test_gate.py.
 LOOP = {
-    "train": {"method": "full", "max_steps": 100, "learning_rate": 3.0e-3, "logging_steps": 10},
+    "train": PASSING_TRAIN,
     "gate": {
         "primary_metric": "format_compliance",
         "min_gain": 0.05,

@@ -38,7 +38,15 @@ import httpx
 import psutil
 import pytest
 
-from tests.helpers import INITDB, ROOT, copy_project, postgres_bin, seed_demo_month, write_params
+from tests.helpers import (
+    INITDB,
+    PASSING_TRAIN,
+    ROOT,
+    copy_project,
+    postgres_bin,
+    seed_demo_month,
+    write_params,
+)
 from tuneloop.pipeline import stage_order
 
 pytestmark = pytest.mark.slow
@@ -46,13 +54,13 @@ pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 # Short enough for a test; the README's values are params.yaml's (60 s, 300 s).
 HEARTBEAT = {"heartbeat_s": 30, "crash_after_s": 60}
-# Settings under which the tiny candidate passes the gate: it learns the reply format in 100 steps
-# of full training (as tests/test_loop.py). The base's general skill after the tests' 10 pre-
-# training steps is near chance and is lost on the way (tests/test_evaluate.py measures forgetting
-# on a base pre-trained for real); this test is about the servers, so the forgetting budget is
-# opened.
+# Settings under which the tiny candidate passes the gate: it learns the reply format in full
+# training (helpers.PASSING_TRAIN, as tests/test_loop.py). The base's general skill after the
+# tests' 10 pre-training steps is near chance and is lost on the way (tests/test_evaluate.py
+# measures forgetting on a base pre-trained for real); this test is about the servers, so the
+# forgetting budget is opened.
 PASSING = {
-    "train": {"method": "full", "max_steps": 100, "learning_rate": 3.0e-3, "logging_steps": 10},
+    "train": PASSING_TRAIN,
     "gate": {"primary_metric": "format_compliance", "min_gain": 0.05, "max_forgetting": 1.0},
 }
 # Trust on loopback: a throwaway cluster with no password to leak.
