@@ -15,6 +15,8 @@ from flows import demo
 from tests.helpers import ROOT
 from tuneloop.demo import customers, orders, workspace
 from tuneloop.demo.report import format_loop
+from tuneloop.io import write_json, write_text
+from tuneloop.judge import tasks_report
 from tuneloop.params import Params, parse_params
 
 
@@ -83,14 +85,37 @@ def retrained(accuracy: float) -> dict[str, Any]:
     }
 
 
-def test_the_summary_shows_each_task_month_by_month() -> None:
+def test_the_summary_shows_each_task_month_by_month(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Month 2's interference report, as the flow writes it: orders did not run, its row shows
+    # the scores of its last evaluation and that dvc.lock ties them to its adapter.
+    monkeypatch.chdir(tmp_path)
+    params = tasks_params(tmp_path / "incoming")
+    view = params.for_task("orders")
+    metrics = {"candidate": {"orders_demo": {"accuracy": 0.995}}}
+    metrics["champion"] = {"orders_demo": {"accuracy": 0.0}}
+    write_json(view.paths.metrics / "evaluate.json", metrics)
+    write_json(view.paths.metrics / "decision.json", {"passed": True, "reference": "champion"})
+    orders_state = tasks_report.TaskState("5f0c8a1e2b.dir", "2", judged_this_adapter=True)
+    support_state = tasks_report.TaskState("77aa01bc3d.dir", "3")
+    before = {"orders": orders_state, "support": tasks_report.TaskState("0123456789.dir", "2")}
+    after = {"orders": orders_state, "support": support_state}
+    kept = "no new records since tuneloop-orders v2: it trained on all 1 pool batch(es) of the task"
+    report = tmp_path / "reports" / "tasks.md"
+    write_text(
+        report,
+        tasks_report.report(
+            params, before, after, {"orders": {"outcome": "unchanged", "reason": kept}}
+        ),
+    )
     kept = "no new records since tuneloop-orders v2: it trained on all 1 pool batch(es) of the task"
     history = [
         {
             "month": 1,
             "label": "2026-10",
             "seconds": 500,
-            "report": "reports/tasks.md",
+            "report": "reports/month-1/tasks.md",
             "tasks": {
                 "orders": {
                     "retrain": retrained(0.995),
@@ -102,7 +127,7 @@ def test_the_summary_shows_each_task_month_by_month() -> None:
             "month": 2,
             "label": "2026-11",
             "seconds": 200,
-            "report": "reports/tasks.md",
+            "report": str(report),
             "tasks": {
                 "orders": {
                     "retrain": {"outcome": "unchanged", "reason": kept},
@@ -116,7 +141,19 @@ def test_the_summary_shows_each_task_month_by_month() -> None:
     assert "--- task orders" in months[1] and "orders_demo: accuracy 0.995" in months[1]
     assert "release  promoted: v2 promoted at 100 %" in months[1]
     assert f"retrain  not run: {kept}; its champion stays" in months[2]
-    assert "reports/tasks.md: each task's adapter and champion" in months[2]
+    assert f"{report}: each task's adapter and champion" in months[2]
+    # The report's table under it: orders untouched, on the scores it was last judged with.
+    row = next(line for line in months[2].splitlines() if "| orders |" in line)
+    assert "| nothing new |" in row and "5f0c8a1e2b -> 5f0c8a1e2b (untouched)" in row, row
+    assert "| 2 -> 2 |" in row, row
+    assert "last judged (this adapter): orders_demo/accuracy 0.995 (champion 0.000)" in row
+    # Support: not run this month (no outcome), never judged (no files in its folder), and
+    # its adapter changed all the same: the report names it as moved without running.
+    row = next(line for line in months[2].splitlines() if "| support |" in line)
+    assert "| not run |" in row and "never judged" in row, row
+    assert "Moved without running: support." in months[2]
+    # Month 1 has no report file here: the path alone.
+    assert "| orders |" not in months[1]
     assert "Models -> tuneloop-support, tuneloop-orders" in text
     assert demo.not_released({"outcome": "failed", "error": "preflight refused"}) == {
         "outcome": "not released",

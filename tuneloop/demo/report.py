@@ -116,6 +116,15 @@ def _month_lines(entry: dict[str, Any]) -> list[str]:
     return out
 
 
+def _task_table(report: Path) -> list[str]:
+    """The interference report's table and its verdict line (``tasks_report.report``)."""
+    try:
+        lines = report.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    return [line for line in lines if line.startswith(("|", "Moved without running"))]
+
+
 def format_loop(
     history: list[dict[str, Any]], models: tuple[str, ...] = ("tuneloop-support",)
 ) -> str:
@@ -132,6 +141,7 @@ def format_loop(
         out.append(
             f"  tasks    {month['report']}: each task's adapter and champion, before and after"
         )
+        out.extend(f"           {line}" for line in _task_table(Path(month["report"])))
     bin_dir = os.path.relpath(Path(sys.executable).parent)
     out.append(WHERE_TO_LOOK.format(model=", ".join(models), bin=bin_dir))
     return "\n".join(out)

@@ -5,7 +5,9 @@ scores: the other's adapter is the same bytes and its champion the same version.
 shows it rather than asserting it. For every task it sets the adapter's DVC md5 (dvc.lock's
 out of ``task-train@<task>``) and the registry's champion before the run beside the same
 after it, with the task's outcome, gate and scores; a task whose adapter or champion moved
-without its pipeline running would stand out here.
+without its pipeline running would stand out here. A task that did not run shows the scores
+of its last evaluation, and whether dvc.lock ties that evaluation to the adapter it has now
+(train's adapter -> merge -> the merged model evaluate judged): the scores it still stands on.
 
 With ``schedule.task_models: both`` the month also trains one adapter on every task's data
 (the single model, dvc.yaml's own stages), and ``single_comparison`` sets each task's adapter
@@ -16,7 +18,7 @@ two a team should serve, per task, measured rather than assumed.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,9 @@ SINGLE = "single"
 class TaskState:
     adapter: str | None  # the adapter's DVC md5 in dvc.lock; None before its first run
     champion: str | None  # the registry's champion version; None before the first release
+    # Whether dvc.lock's last evaluation judged the merge of this very adapter (compared only
+    # between before and after through ``adapter``; not part of equality).
+    judged_this_adapter: bool = field(default=False, compare=False)
 
 
 def states(repo: Path, params: Params) -> dict[str, TaskState]:
@@ -43,11 +48,21 @@ def states(repo: Path, params: Params) -> dict[str, TaskState]:
     found = {}
     for task in params.task_names():
         view = params.for_task(task)
-        outs = lock.get(f"{lineage.TASK_STAGE_PREFIX}train@{task}", {}).get("outs", {})
+
+        def stage(name: str, kind: str, path: Path, task: str = task) -> str | None:
+            entry = lock.get(f"{lineage.TASK_STAGE_PREFIX}{name}@{task}", {})
+            return entry.get(kind, {}).get(path.as_posix())
+
+        adapter = stage("train", "outs", view.paths.adapter)
+        merged = stage("merge", "outs", view.paths.merged)
         champion = registry.find_alias(view.tracking.registered_model, registry.CHAMPION)
         found[task] = TaskState(
-            adapter=outs.get(view.paths.adapter.as_posix()),
+            adapter=adapter,
             champion=None if champion is None else str(champion.version),
+            judged_this_adapter=adapter is not None
+            and merged is not None
+            and stage("merge", "deps", view.paths.adapter) == adapter
+            and stage("evaluate", "deps", view.paths.merged) == merged,
         )
     return found
 
@@ -71,6 +86,18 @@ def _scores(params: Params, outcome: Mapping[str, Any]) -> str:
     return "; ".join(shown) or "-"
 
 
+def _last_judged(params: Params, state: TaskState) -> str:
+    """The scores of a task that did not run: its last evaluation, and what it judged."""
+    try:
+        evaluation = read_json(params.paths.metrics / "evaluate.json")
+        decision = read_json(params.paths.metrics / "decision.json")
+    except (OSError, ValueError):
+        return "never judged"
+    scores = _scores(params, {"eval": evaluation, "decision": decision})
+    on = "this adapter" if state.judged_this_adapter else "not the adapter it has now (dvc.lock)"
+    return f"last judged ({on}): {scores}"
+
+
 def report(
     params: Params,
     before: Mapping[str, TaskState],
@@ -82,7 +109,8 @@ def report(
         "# Tasks: what this retrain did to each",
         "",
         "Each task trains its own adapter: a task that did not run keeps its adapter (the same",
-        "DVC md5) and its champion, so its scores cannot have moved.",
+        "DVC md5) and its champion, so its scores cannot have moved; its row shows the scores",
+        "of its last evaluation and whether dvc.lock ties them to the adapter it has now.",
         "",
         "| task | run | adapter before -> after | champion before -> after | gate | scores |",
         "|---|---|---|---|---|---|",
@@ -90,16 +118,18 @@ def report(
     for task in params.task_names():
         was, now = before.get(task, TaskState(None, None)), after[task]
         outcome = outcomes.get(task)
+        view = params.for_task(task)
         if outcome is None:
-            run, gate, scores = "not run", "-", "-"
+            run, gate, scores = "not run", "-", _last_judged(view, now)
         elif outcome.get("outcome") == "failed":
             run, gate, scores = "failed", "-", str(outcome.get("error", ""))[:200]
         elif outcome.get("outcome") == "unchanged":
-            run, gate, scores = "nothing new", "-", str(outcome.get("reason", ""))
+            reason = str(outcome.get("reason", ""))
+            run, gate, scores = "nothing new", "-", f"{reason}; {_last_judged(view, now)}"
         else:
             run = "ran"
             gate = "PASS" if outcome["decision"]["passed"] else "FAIL"
-            scores = _scores(params.for_task(task), outcome)
+            scores = _scores(view, outcome)
         adapter = f"{_short(was.adapter)} -> {_short(now.adapter)}"
         adapter += "" if was.adapter != now.adapter else " (untouched)"
         champion = f"{was.champion or 'none'} -> {now.champion or 'none'}"
