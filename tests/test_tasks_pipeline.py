@@ -172,17 +172,25 @@ def test_a_change_to_one_task_reruns_only_that_tasks_stages(
 
 
 def test_one_task_is_run_by_hand_and_the_others_stay_as_they_were(
-    two_tasks: tuple[Path, dict[str, Any]],
+    two_tasks: tuple[Path, dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     from flows.retrain import retrain
+    from tuneloop.cli import main
 
     repo, _ = two_tasks
     locked = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     with pytest.raises(ParamsError, match=r"not there: \['nope'\]"):
         retrain(repo=repo, tasks=["nope"])
-    # orders has new records (the test before): its month reruns, support's does not.
-    result = retrain(repo=repo, tasks=["orders"])
+    # orders has new records (the test before): its month reruns, support's does not. By
+    # hand, as an operator runs it: `tuneloop retrain --task orders`.
+    capsys.readouterr()
+    assert main(["retrain", "--repo", str(repo), "--task", "orders", "--json"]) == 0
+    summary, _, dumped = capsys.readouterr().out.partition("\n{\n")
+    result = json.loads("{\n" + dumped)
     assert set(result["tasks"]) == {"orders"} and result["failed"] == []
+    # The summary: the task that ran, its gate, and the report's row of the one that did not.
+    assert "--- task orders" in summary and "\ngate   " in summary, summary
+    assert "--- task support" not in summary and "| support | not run |" in summary, summary
     # By hand, the tasks named: the single adapter is the scheduled month's comparison.
     assert result["single"] is None
     after = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
@@ -194,6 +202,10 @@ def test_one_task_is_run_by_hand_and_the_others_stay_as_they_were(
     row = next(line for line in report.splitlines() if line.startswith("| support |"))
     assert "| not run |" in row and "(untouched)" in row, row
     assert "Moved without running: none." in report
+    # Its scores: those of its last evaluation, which dvc.lock ties to the adapter it has.
+    judged = json.loads((repo / "tasks/support/metrics/evaluate.json").read_text())
+    accuracy = judged["candidate"]["support_demo"]["accuracy"]
+    assert f"last judged (this adapter): support_demo/accuracy {accuracy:.3f}" in row, row
 
 
 def test_on_the_schedule_a_task_whose_champion_trained_on_all_its_records_keeps_it(

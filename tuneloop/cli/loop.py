@@ -23,9 +23,10 @@ def _seed_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_summary(result: dict[str, Any]) -> None:
+def _print_pipeline(result: dict[str, Any]) -> None:
+    """One pipeline's data, training, scores, gate and registration: the project's, or one
+    task's when params.yaml lists ``tasks:``."""
     data, train, decision = result["data"], result["train"], result["decision"]
-    print("\n=== tuneloop retrain: summary ===")
     print(
         f"data   {data['lines']} lines in -> {data['accepted']} accepted, "
         f"{data['quarantined']} quarantined, {data['duplicates']} duplicates; "
@@ -54,6 +55,30 @@ def _print_summary(result: dict[str, Any]) -> None:
         print("model  not registered:")
         for reason in registration.get("reasons", []):
             print(f"       {reason}")
+
+
+def _print_summary(result: dict[str, Any]) -> None:
+    print("\n=== tuneloop retrain: summary ===")
+    if "tasks" not in result:
+        _print_pipeline(result)
+    for task, outcome in result.get("tasks", {}).items():
+        print(f"\n--- task {task}")
+        if outcome["outcome"] == "unchanged":
+            print(f"not run: {outcome['reason']}; its champion stays")
+        elif outcome["outcome"] == "failed":
+            print(f"FAILED: {outcome['error']}")
+        else:
+            _print_pipeline(outcome)
+    single = result.get("single")
+    if single is not None:  # schedule.task_models: single or both
+        print("\n--- one adapter on every task's data")
+        if single["outcome"] == "failed":
+            print(f"FAILED: {single['error']}")
+        else:
+            _print_pipeline(single)
+    if "report" in result:  # every task, what ran and what did not move (tasks_report)
+        print()
+        print(Path(result["report"]).read_text(encoding="utf-8"))
     print(
         "\nSee it:\n"
         "  MLflow  .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000"
@@ -68,7 +93,7 @@ def _print_summary(result: dict[str, Any]) -> None:
 def _retrain(args: argparse.Namespace) -> int:
     from flows.retrain import retrain
 
-    result = retrain(repo=Path(args.repo))
+    result = retrain(repo=Path(args.repo), tasks=args.task)
     _print_summary(result)
     if args.json:
         print(json.dumps(result, indent=2, ensure_ascii=False))
@@ -121,6 +146,13 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     for command in (retrain, demo):
         command.add_argument("--repo", default=".", help="the tuneloop project folder")
         command.add_argument("--json", action="store_true", help="also print the full result")
+    retrain.add_argument(
+        "--task",
+        action="append",
+        help="with tasks: in params.yaml, run this task alone, whatever its data (repeat for "
+        "several); the others keep their adapters and champions. Default: every task, as the "
+        "monthly schedule runs them",
+    )
     retrain.set_defaults(run=_retrain)
     demo.add_argument(
         "--model",
