@@ -613,7 +613,12 @@ def release_tasks(
         )
     for task, entry in tasks.items():
         entry["release"] = released.get(task) or not_released(entry["retrain"])
-    return {"tasks": tasks, "report": retrained["report"], "failed": retrained["failed"]}
+    return {
+        "tasks": tasks,
+        "report": retrained["report"],
+        "report_text": retrained["report_text"],
+        "failed": retrained["failed"],
+    }
 
 
 def run(

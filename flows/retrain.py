@@ -383,6 +383,8 @@ def _retrain_tasks(
         "single": single,
         "failed": failed,
         "report": str(repo / written),
+        # The month's own text: the file is rewritten by the next retrain.
+        "report_text": text,
         "mlflow_run_id": parent_run_id,
     }
     if params.schedule.commit_results:

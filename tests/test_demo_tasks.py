@@ -102,20 +102,25 @@ def test_the_summary_shows_each_task_month_by_month(
     before = {"orders": orders_state, "support": tasks_report.TaskState("0123456789.dir", "2")}
     after = {"orders": orders_state, "support": support_state}
     kept = "no new records since tuneloop-orders v2: it trained on all 1 pool batch(es) of the task"
-    report = tmp_path / "reports" / "tasks.md"
-    write_text(
-        report,
-        tasks_report.report(
-            params, before, after, {"orders": {"outcome": "unchanged", "reason": kept}}
-        ),
+    second = tasks_report.report(
+        params, before, after, {"orders": {"outcome": "unchanged", "reason": kept}}
     )
-    kept = "no new records since tuneloop-orders v2: it trained on all 1 pool batch(es) of the task"
+    # Month 1's, when orders ran: the file at the same path, rewritten by month 2.
+    first = tasks_report.report(
+        params,
+        {"support": before["support"]},
+        {"orders": tasks_report.TaskState("5f0c8a1e2b.dir", "1"), "support": before["support"]},
+        {"orders": retrained(0.995)},
+    )
+    report = tmp_path / "reports" / "tasks.md"
+    write_text(report, second)
     history = [
         {
             "month": 1,
             "label": "2026-10",
             "seconds": 500,
-            "report": "reports/month-1/tasks.md",
+            "report": str(report),
+            "report_text": first,
             "tasks": {
                 "orders": {
                     "retrain": retrained(0.995),
@@ -128,6 +133,7 @@ def test_the_summary_shows_each_task_month_by_month(
             "label": "2026-11",
             "seconds": 200,
             "report": str(report),
+            "report_text": second,
             "tasks": {
                 "orders": {
                     "retrain": {"outcome": "unchanged", "reason": kept},
@@ -152,8 +158,10 @@ def test_the_summary_shows_each_task_month_by_month(
     row = next(line for line in months[2].splitlines() if "| support |" in line)
     assert "| not run |" in row and "never judged" in row, row
     assert "Moved without running: support." in months[2]
-    # Month 1 has no report file here: the path alone.
-    assert "| orders |" not in months[1]
+    # Month 1 shows its own table, not the file month 2 rewrote: orders ran, from no adapter.
+    row = next(line for line in months[1].splitlines() if "| orders |" in line)
+    assert "| ran |" in row and "none -> 5f0c8a1e2b |" in row and "| none -> 1 |" in row, row
+    assert "orders_demo/accuracy 0.995" in row and "Moved without running: none." in months[1]
     assert "Models -> tuneloop-support, tuneloop-orders" in text
     assert demo.not_released({"outcome": "failed", "error": "preflight refused"}) == {
         "outcome": "not released",

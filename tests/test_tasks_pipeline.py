@@ -115,6 +115,7 @@ def test_each_task_runs_its_own_pipeline_and_registers_its_own_model(
         assert clean["batches"] and all(b.endswith(f"_{task}") for b in clean["batches"])
     # The interference report: a row per task, each adapter new, nothing moved unrun.
     report = Path(result["report"]).read_text()
+    assert result["report_text"] == report  # the month's own, kept when the file is rewritten
     assert "| broken | failed |" in report and "Moved without running: none." in report
     for task in ("support", "orders"):
         assert f"| {task} | ran | none -> " in report

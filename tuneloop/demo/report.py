@@ -116,12 +116,9 @@ def _month_lines(entry: dict[str, Any]) -> list[str]:
     return out
 
 
-def _task_table(report: Path) -> list[str]:
+def _task_table(report: str) -> list[str]:
     """The interference report's table and its verdict line (``tasks_report.report``)."""
-    try:
-        lines = report.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return []
+    lines = report.splitlines()
     return [line for line in lines if line.startswith(("|", "Moved without running"))]
 
 
@@ -140,8 +137,10 @@ def format_loop(
             out.extend(_month_lines(entry))
         out.append(
             f"  tasks    {month['report']}: each task's adapter and champion, before and after"
+            " the retrain (the release follows it)"
         )
-        out.extend(f"           {line}" for line in _task_table(Path(month["report"])))
+        # The month's text as its retrain wrote it: the file holds the last month's only.
+        out.extend(f"           {line}" for line in _task_table(month.get("report_text", "")))
     bin_dir = os.path.relpath(Path(sys.executable).parent)
     out.append(WHERE_TO_LOOK.format(model=", ".join(models), bin=bin_dir))
     return "\n".join(out)
