@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tuneloop.cli import main
 from tuneloop.params import DEFAULT_TASK, PER_TASK_PATHS, ParamsError, load_params, parse_params
 
 TASKS = {
@@ -78,6 +79,19 @@ def test_a_params_file_from_before_tasks_is_shown_the_new_shape() -> None:
     del data["tasks"]
     with pytest.raises(ParamsError, match=r"tasks: required key is missing \(write `tasks: \{\}`"):
         parse_params(data)
+
+
+def test_the_command_line_says_what_is_wrong_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = shipped()
+    del data["tasks"]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path)
+    assert main(["status"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith("tuneloop status: ") and "write `tasks: {}`" in said, said
+    assert "Traceback" not in said and len(said.splitlines()) <= 3, said
 
 
 def test_an_absolute_path_of_a_task_is_its_own_subfolder() -> None:

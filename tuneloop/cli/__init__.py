@@ -65,4 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     parser.epilog = "more: " + "; ".join(f"{k}: {text}" for k, (_, text) in PASSTHROUGH.items())
     args = parser.parse_args(argv)
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except ValueError as error:
+        # A wrong params.yaml is the operator's to fix: its message names the key, a
+        # traceback would bury it. Imported here: `tuneloop --help` stays light.
+        from tuneloop.params import ParamsError
+
+        if not isinstance(error, ParamsError):
+            raise
+        print(f"tuneloop {args.command}: {error}", file=sys.stderr)
+        return 2
