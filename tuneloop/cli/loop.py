@@ -76,9 +76,9 @@ def _print_summary(result: dict[str, Any]) -> None:
             print(f"FAILED: {single['error']}")
         else:
             _print_pipeline(single)
-    if "report" in result:  # every task, what ran and what did not move (tasks_report)
+    if "report_text" in result:  # every task, what ran and what did not move (tasks_report)
         print()
-        print(Path(result["report"]).read_text(encoding="utf-8"))
+        print(result["report_text"])
     print(
         "\nSee it:\n"
         "  MLflow  .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000"

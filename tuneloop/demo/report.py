@@ -118,8 +118,7 @@ def _month_lines(entry: dict[str, Any]) -> list[str]:
 
 def _task_table(report: str) -> list[str]:
     """The interference report's table and its verdict line (``tasks_report.report``)."""
-    lines = report.splitlines()
-    return [line for line in lines if line.startswith(("|", "Moved without running"))]
+    return [line for line in report.splitlines() if line.startswith(("|", "Moved without running"))]
 
 
 def format_loop(
@@ -140,7 +139,7 @@ def format_loop(
             " the retrain (the release follows it)"
         )
         # The month's text as its retrain wrote it: the file holds the last month's only.
-        out.extend(f"           {line}" for line in _task_table(month.get("report_text", "")))
+        out.extend(f"           {line}" for line in _task_table(month["report_text"]))
     bin_dir = os.path.relpath(Path(sys.executable).parent)
     out.append(WHERE_TO_LOOK.format(model=", ".join(models), bin=bin_dir))
     return "\n".join(out)
