@@ -144,13 +144,28 @@ def test_a_gguf_with_a_damaged_header_is_refused_naming_it(
     assert not any(out.iterdir())
 
 
+# Where a download or a copy can stop: inside the 24-byte header, inside the metadata (the
+# vocabulary alone is megabytes), inside the tensors, a few bytes short of the end.
+CUTS = {
+    "in_header": lambda size: 10,
+    "in_metadata": lambda size: 1_000,
+    "deep_in_metadata": lambda size: 500_000,
+    "in_tensors": lambda size: size // 2,
+    "before_the_end": lambda size: size - 10,
+}
+
+
 @pytest.mark.slow
-def test_a_truncated_gguf_is_refused_naming_it(gguf: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("cut", CUTS)
+def test_a_truncated_gguf_is_refused_naming_it(gguf: Path, tmp_path: Path, cut: str) -> None:
     bad = tmp_path / gguf.name
     with gguf.open("rb") as source:
-        bad.write_bytes(source.read(gguf.stat().st_size // 2))
+        bad.write_bytes(source.read(CUTS[cut](gguf.stat().st_size)))
+    out = tmp_path / "out"
+    out.mkdir()
     with pytest.raises(pretrained.GgufError, match=rf"{bad}: not a readable GGUF checkpoint"):
-        pretrained.convert_gguf(bad, tmp_path, "float32")
+        pretrained.convert_gguf(bad, out, "float32")
+    assert not any(out.iterdir())
 
 
 @pytest.mark.slow

