@@ -39,16 +39,17 @@ def main() -> None:
     pool = params.paths.pool
     with pool_writes.locked(pool), logged_after(STAGE, params):
         pool_writes.recover(pool)
-        known, pooled = ingest.known_hashes(pool)
+        tasks = tuple(params.tasks) or None
+        known, pooled = ingest.known_hashes(pool, tasks)
         now = dt.datetime.now(dt.UTC)
         result = ingest.ingest_folder(
             params.paths.incoming,
             known,
             params.ingest.max_line_bytes,
             now.isoformat(timespec="seconds"),
-            tasks=tuple(params.tasks) or None,
+            tasks=tasks,
         )
-        metrics = ingest.metrics(result, pooled)
+        metrics = ingest.metrics(result, pooled, tasks)
         log.info(
             "ingest: %d lines -> %d accepted, %d quarantined, %d duplicates",
             result.lines,

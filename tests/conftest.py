@@ -78,6 +78,7 @@ FAST_MODULES = {
     "test_gate",
     "test_general",
     "test_ingest",
+    "test_ingest_places",
     "test_io",
     "test_layout",
     "test_merge_units",

@@ -3,7 +3,16 @@
 The logic of stage ``ingest`` (``stages/ingest.py``, which holds the pool's lock, loads the
 params and writes the metrics). Every non-blank line ends in exactly one of: accepted,
 quarantined, or counted as a duplicate of a record already in the pool, so
-``lines = accepted + quarantined + duplicates`` holds on every run.
+``lines = accepted + quarantined + duplicates`` holds on every run, and for each task's
+folder on its own.
+
+A line is decided by what it means, never by where it stands: by its bytes (a byte-order
+mark before a line is dropped wherever it stands) and by the task its folder gives it
+(``<incoming>/<task>/``). The same bytes in two tasks' folders are two records, one per
+task, each deduplicated within its task. "Seen before" is the pair (folder's task, bytes)
+too: a quarantined line is not ingested again from the same task's folder (the same
+mistake twice is a duplicate), but refiled where its reason says (another task's folder,
+or corrected) it is a new line and is decided anew.
 
 PII (e-mail, phone numbers, Chinese resident IDs, bank cards, IP addresses) is replaced by
 typed placeholders before anything is hashed or stored: every text and metadata field of a
@@ -53,6 +62,9 @@ Tasks = tuple[str, ...] | None
 EXCERPT_CHARS = 200
 REASON_CHARS = 300
 TOO_DEEP = "JSON nested too deeply to read; records are a few levels deep"
+# A line's outcomes, and the name ``metrics`` gives the lines in no task's folder.
+OUTCOMES = ("accepted", "quarantined", "duplicates", "blank")
+ELSEWHERE = "elsewhere"
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,11 @@ class IngestResult:
     blank: int = 0
     reasons: Counter[str] = field(default_factory=Counter)
     pii: Counter[str] = field(default_factory=Counter)
+    # Each line's outcome by the task whose folder it lies in (None: no task's folder).
+    by_folder: dict[str | None, Counter[str]] = field(default_factory=dict)
+
+    def count(self, folder: str | None, outcome: str) -> None:
+        self.by_folder.setdefault(folder, Counter())[outcome] += 1
 
     @property
     def lines(self) -> int:
@@ -104,8 +121,10 @@ def _text(line: Line, max_line_bytes: int) -> str:
             "line_too_long",
             f"line over the size limit: {len(raw)} bytes > ingest.max_line_bytes={max_line_bytes}",
         )
-    if line.number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]  # a UTF-8 byte-order mark that some exporters write
+    # A UTF-8 byte-order mark that some exporters write; on any line, not only a file's
+    # first: files joined with `cat` carry one where each began, and the same bytes must
+    # mean the same record wherever they stand.
+    raw = raw.removeprefix(b"\xef\xbb\xbf")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -204,9 +223,18 @@ def pool_line(record: PlainRecord, digest: str, provenance: dict[str, Any]) -> b
 
 
 def quarantine_entry(
-    line: Line, error: InvalidRecord, digest: str, max_line_bytes: int, now: str
+    line: Line,
+    error: InvalidRecord,
+    digest: str,
+    max_line_bytes: int,
+    now: str,
+    folder: str | None = None,
 ) -> tuple[dict[str, Any], Counter[str]]:
     """What the quarantine keeps of a rejected line: where it is, why, and a scrubbed excerpt.
+
+    ``digest`` is the line's ``raw:<sha256>``; with ``folder`` (the task its folder gives it)
+    the entry marks the line as seen in that task's folder only (``seen_key``): the same
+    bytes refiled elsewhere are ingested anew.
 
     The whole line is scrubbed before it is cut, so the cut cannot keep half an
     address the scrubber would no longer recognise. A line over the size limit
@@ -232,6 +260,7 @@ def quarantine_entry(
         "kind": error.kind,
         "excerpt": excerpt,
         "sha256": digest,
+        "folder_task": folder,
         "ingested_at": now,
     }
     return entry, found
@@ -247,9 +276,31 @@ PARALLEL_MIN_BYTES = 6 << 20
 WINDOW_LINES = 40_000
 
 
-def route(record: PlainRecord, file: str, tasks: Tasks) -> None:
-    """Set the task ``record`` is for, from its ``task`` field or its folder, or raise
-    InvalidRecord saying why it belongs to none of ``tasks``.
+@functools.lru_cache(maxsize=4096)
+def folder_task(file: str, tasks: Tasks) -> str | None:
+    """The task a file's place gives its lines: ``<task>/...`` is that task's, and in a
+    project of one listed task every file is its; None: no task's folder (or no tasks)."""
+    if tasks is None:
+        return None
+    parts = Path(file).parts
+    if len(parts) > 1 and parts[0] in tasks:
+        return parts[0]
+    return tasks[0] if len(tasks) == 1 else None
+
+
+def seen_key(raw_hash: str, folder: str | None) -> str:
+    """What marks a line as seen before: its bytes' sha256 and its folder's task.
+
+    The same bytes in another task's folder are another line (a record refiled where its
+    quarantine reason said); without a folder's task the key is the bytes' alone, as it
+    always was, so the quarantine of earlier runs still marks its lines.
+    """
+    return f"raw:{raw_hash}" if folder is None else f"raw:{folder}/{raw_hash}"
+
+
+def route(record: PlainRecord, folder: str | None, tasks: Tasks) -> None:
+    """Set the task ``record`` is for, from its ``task`` field or its ``folder``'s task
+    (``folder_task``), or raise InvalidRecord saying why it belongs to none of ``tasks``.
 
     A file under ``<incoming>/<task>/`` (where the router of several tasks writes each
     task's flags) is that task's; a record may name its task itself, and must then agree
@@ -264,8 +315,6 @@ def route(record: PlainRecord, file: str, tasks: Tasks) -> None:
                 "under tasks:, or drop the record's 'task'",
             )
         return
-    parts = Path(file).parts
-    folder = parts[0] if len(parts) > 1 and parts[0] in tasks else None
     if named is not None and named not in tasks:
         raise InvalidRecord(
             "unknown_task", f"task {named!r} is none of params.yaml's tasks {list(tasks)}"
@@ -273,9 +322,11 @@ def route(record: PlainRecord, file: str, tasks: Tasks) -> None:
     if named is not None and folder is not None and named != folder:
         raise InvalidRecord(
             "task_mismatch",
-            f"the record is for task {named!r} but lies in {folder}/, task {folder!r}'s folder",
+            f"the record is for task {named!r} but lies in {folder}/, task {folder!r}'s "
+            f"folder: move the line to {named}/ (it is ingested anew there), or correct its "
+            "'task'",
         )
-    task = named or folder or (tasks[0] if len(tasks) == 1 else None)
+    task = named or folder
     if task is None:
         raise InvalidRecord(
             "no_task",
@@ -289,7 +340,7 @@ def sort_one(line: Line, max_line_bytes: int, now: str, tasks: Tasks = None) -> 
     """What a line is on its own, before the run's deduplication decides whether it counts."""
     try:
         record = parse_line(line, max_line_bytes)
-        route(record, line.file, tasks)
+        route(record, folder_task(line.file, tasks), tasks)
     except InvalidRecord as error:
         return ("invalid", error.kind, str(error))
     record, found = scrub_plain(record)
@@ -320,9 +371,9 @@ def ingest(
 ) -> IngestResult:
     """Sort every line into accepted, quarantined or duplicate.
 
-    ``known`` holds the content hashes of the pool's records and the raw-line
-    hashes of lines quarantined before: a line seen before, good or bad, is a
-    duplicate, so ingesting the same file twice adds nothing.
+    ``known`` holds the content hashes of the pool's records and the ``seen_key`` of lines
+    quarantined before: a line seen before, good or bad, is a duplicate, so ingesting the
+    same file twice adds nothing.
 
     With ``workers`` > 1 a window of lines is screened first (blank, seen before, a repeat
     of a line already sent): the rest are sorted by ``sort_one`` in worker processes, and
@@ -331,50 +382,57 @@ def ingest(
     """
     result = IngestResult()
     seen = set(known)
-    # A line whose bytes were parsed earlier in this run (into a record, so its record's hash
-    # is in ``seen``) is a duplicate with the same PII counts: those are remembered, by the
-    # line's digest, rather than worked out again. Not for a file's first line, where a
-    # byte-order mark is dropped (the same bytes elsewhere are not the same record).
-    earlier: dict[bytes, tuple[tuple[str, int], ...]] = {}
+    # A line whose bytes were parsed earlier in this run in the same task's folder (into a
+    # record, so its record's hash is in ``seen``) is a duplicate with the same PII counts:
+    # those are remembered, by the line's ``seen_key``, rather than worked out again. The
+    # folder's task is part of the key: the same bytes in another task's folder are another
+    # record, and may be another outcome (a task mismatch in one, accepted in the other).
+    earlier: dict[str, tuple[tuple[str, int], ...]] = {}
 
-    def decide(line: Line, raw_hash: bytes | None = None, outcome: Sorted | None = None) -> None:
+    def key_of(line: Line) -> str:
+        raw_hash = hashlib.sha256(line.raw.rstrip(b"\r\n")).hexdigest()
+        return seen_key(raw_hash, folder_task(line.file, tasks))
+
+    def decide(line: Line, key: str | None = None, outcome: Sorted | None = None) -> None:
         """The line's fate, in order; ``outcome`` is its ``sort_one`` if a worker did it."""
+        folder = folder_task(line.file, tasks)
         if not line.raw.strip():
             result.blank += 1
+            result.count(folder, "blank")
             return
-        if raw_hash is None:
-            raw_hash = hashlib.sha256(line.raw.rstrip(b"\r\n")).digest()
-        raw_digest = "raw:" + raw_hash.hex()
-        if raw_digest in seen:
+        if key is None:
+            key = key_of(line)
+        remembered = earlier.get(key)
+        if key in seen or remembered is not None:
+            result.pii.update(dict(remembered or ()))
             result.duplicates += 1
-            return
-        remembered = earlier.get(raw_hash) if line.number != 1 else None
-        if remembered is not None:
-            result.pii.update(dict(remembered))
-            result.duplicates += 1
+            result.count(folder, "duplicates")
             return
         if outcome is None:
             outcome = sort_one(line, max_line_bytes, now, tasks)
         if outcome[0] == "invalid":
             error = InvalidRecord(outcome[1], outcome[2])
             result.reasons[error.kind] += 1
-            seen.add(raw_digest)
-            entry, found = quarantine_entry(line, error, raw_digest, max_line_bytes, now)
+            seen.add(key)
+            raw_digest = "raw:" + hashlib.sha256(line.raw.rstrip(b"\r\n")).hexdigest()
+            entry, found = quarantine_entry(line, error, raw_digest, max_line_bytes, now, folder)
             result.pii.update(found)
             result.quarantined.append(entry)
+            result.count(folder, "quarantined")
             return
         _, digest, found_items, pooled, source, task = outcome
         result.pii.update(dict(found_items))
-        if line.number != 1:
-            earlier[raw_hash] = found_items
+        earlier[key] = found_items
         if digest in seen:
             result.duplicates += 1
+            result.count(folder, "duplicates")
             return
         seen.add(digest)
         result.accepted.append(pooled)
         result.accepted_ids.append(digest)
         result.accepted_tasks.append(task)
         result.by_source[source] += 1
+        result.count(folder, "accepted")
 
     if workers <= 1:
         for line in lines:
@@ -388,21 +446,18 @@ def ingest(
         lines, lines seen before and repeats of a line already sent are not sent. It may
         run on the state of a window ago, which only sends a little more work.
         """
-        hashes: list[bytes | None] = []
+        keys: list[str | None] = []
         todo: list[int] = []
-        sent: set[bytes] = set()
+        sent: set[str] = set()
         for index, line in enumerate(window):
             if not line.raw.strip():
-                hashes.append(None)
+                keys.append(None)
                 continue
-            raw_hash = hashlib.sha256(line.raw.rstrip(b"\r\n")).digest()
-            hashes.append(raw_hash)
-            if "raw:" + raw_hash.hex() in seen or (line.number != 1 and raw_hash in earlier):
+            key = key_of(line)
+            keys.append(key)
+            if key in seen or key in earlier or key in sent:
                 continue
-            if line.number != 1:
-                if raw_hash in sent:
-                    continue
-                sent.add(raw_hash)
+            sent.add(key)
             todo.append(index)
         share = -(-len(todo) // workers) or 1
         parts = [
@@ -411,13 +466,13 @@ def ingest(
             )
             for k in range(0, len(todo), share)
         ]
-        return Sending(window, hashes, todo, parts)
+        return Sending(window, keys, todo, parts)
 
     def settle(sending: Sending) -> None:
         outcomes = (outcome for part in sending.parts for outcome in part.result())
         done = dict(zip(sending.todo, outcomes, strict=True))
         for index, line in enumerate(sending.window):
-            decide(line, sending.hashes[index], done.pop(index, None))
+            decide(line, sending.keys[index], done.pop(index, None))
 
     context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as executor:
@@ -438,18 +493,24 @@ class Sending:
     """A window of lines whose own work is with the workers."""
 
     window: list[Line]
-    hashes: list[bytes | None]  # each line's raw hash (None: blank)
+    keys: list[str | None]  # each line's seen_key (None: blank)
     todo: list[int]  # the window's lines sent, in order
     parts: list[Future[list[Sorted]]]  # their outcomes, a consecutive share of todo each
 
 
-def known_hashes(pool: Path) -> tuple[set[str], int]:
-    """Content hashes of pooled records and raw hashes of quarantined lines; how many of
-    them are pooled records."""
+def known_hashes(pool: Path, tasks: Tasks = None) -> tuple[set[str], int]:
+    """Content hashes of pooled records and the ``seen_key`` of each quarantined line; how
+    many of them are pooled records.
+
+    An entry written before entries named their folder's task (``folder_task``) gets it
+    from its file's place, as ``ingest`` would give it today.
+    """
     known = pool_ids(pool)
     pooled = len(known)
     for path in sorted((pool / "quarantine").glob("*.jsonl")):
-        known.update(entry["sha256"] for entry in read_jsonl(path))
+        for entry in read_jsonl(path):
+            folder = entry.get("folder_task", folder_task(entry["file"], tasks))
+            known.add(seen_key(entry["sha256"].removeprefix("raw:"), folder))
     return known, pooled
 
 
@@ -463,7 +524,7 @@ def ingest_folder(
     return ingest(read_lines(incoming), known, max_line_bytes, now, workers=workers, tasks=tasks)
 
 
-def metrics(result: IngestResult, pooled: int) -> dict[str, Any]:
+def metrics(result: IngestResult, pooled: int, tasks: Tasks = None) -> dict[str, Any]:
     """The run's numbers for ``metrics/ingest.json``; ``pooled`` records were in the pool before."""
     return {
         "lines": result.lines,
@@ -477,6 +538,16 @@ def metrics(result: IngestResult, pooled: int) -> dict[str, Any]:
         "quarantine_reasons": dict(result.reasons),
         "pii_scrubbed": {kind: result.pii.get(kind, 0) for kind in pii.PII_TYPES},
         "pool_records": pooled + len(result.accepted),
+        # Lines = accepted + quarantined + duplicates + blank, for each task's folder
+        # ("elsewhere": no task's folder); only in a project with tasks.
+        "by_task_folder": {
+            folder or ELSEWHERE: {
+                "lines": sum(counts.values()),
+                **{outcome: counts.get(outcome, 0) for outcome in OUTCOMES},
+            }
+            for folder, counts in sorted(result.by_folder.items(), key=lambda i: i[0] or "")
+            if tasks
+        },
     }
 
 
