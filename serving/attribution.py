@@ -90,8 +90,8 @@ class RequestIds:
         signature = _mac(key, _DOMAIN, payload)[:_SIGNATURE_BYTES]
         return f"{PREFIX}.{_b64(payload)}.{_b64(signature)}"
 
-    def verify(self, request_id: str, now: float | None = None) -> tuple[Attribution | None, str]:
-        """(what the id attests, "") for a valid id; (None, why not) otherwise."""
+    def _signed(self, request_id: str) -> tuple[bytes | None, str]:
+        """(the id's payload, "") when this key signed it, whatever its age; (None, why not)."""
         key = self._key
         if key is None:
             return None, "this router signs no request ids (its secret is not set)"
@@ -105,6 +105,17 @@ class RequestIds:
         expected = _mac(key, _DOMAIN, payload)[:_SIGNATURE_BYTES]
         if not hmac.compare_digest(signature, expected):
             return None, "request id signature does not match (forged or altered)"
+        return payload, ""
+
+    def signed(self, request_id: str) -> bool:
+        """Whether this key signed ``request_id`` (another task's router asks: was it yours?)."""
+        return self._signed(request_id)[0] is not None
+
+    def verify(self, request_id: str, now: float | None = None) -> tuple[Attribution | None, str]:
+        """(what the id attests, "") for a valid id; (None, why not) otherwise."""
+        payload, why = self._signed(request_id)
+        if payload is None:
+            return None, why
         try:
             nonce, issued_at, arm, user_key, version = payload.decode().split("|", 4)
             attribution = Attribution(nonce, int(issued_at), arm, version, user_key)

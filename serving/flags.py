@@ -1,9 +1,10 @@
 """``POST /v1/feedback``: a producer flags an answer, and it becomes next month's badcase.
 
 In this order: the producer's token (401), its rate (429), the body's size and shape
-(413, 400), the request id's signature, then the scrubbed line is written
-(``serving.feedback``) and, when the id attributes it to an arm's current model
-version, counted against that arm for the release analysis.
+(413, 400), the request id's signature (an id another task of the same router signed: 409,
+nothing written, so a flag only ever trains the task that answered it), then the scrubbed
+line is written (``serving.feedback``) and, when the id attributes it to an arm's current
+model version, counted against that arm for the release analysis.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from serving.attribution import Attribution
 from serving.auth import Producer
 from serving.feedback import FeedbackRequest, badcase_record, check_sizes, encode_line
 from serving.limits import Refused, read_model
-from serving.live import Live, logger
+from serving.live import Live, RouterState, logger
 from tuneloop.data.records import InvalidRecord
 from tuneloop.release import ARMS
 
@@ -40,6 +41,8 @@ async def feedback(request: Request, state: Live, producer: Producer) -> JSONRes
     why = "no request_id given"
     if flag.request_id is not None:
         attribution, why = state.ids.verify(flag.request_id)
+        if attribution is None:
+            refuse_another_tasks(state, flag.request_id)
     if attribution is not None and attribution.arm not in ARMS:
         why = f"request id names no arm of this router ({attribution.arm})"
         attribution = None
@@ -95,3 +98,16 @@ async def feedback(request: Request, state: Live, producer: Producer) -> JSONRes
         },
         status_code=201,
     )
+
+
+def refuse_another_tasks(state: RouterState, request_id: str) -> None:
+    """Refuse (409) a flag whose request id another task's router signed: that task answered
+    it, so it is that task's badcase, and written here it would train this task on it."""
+    for task, ids in state.sibling_ids.items():
+        if ids.signed(request_id):
+            raise Refused(
+                409,
+                f"request id was issued for task {task!r}, not this one: nothing was written; "
+                f"send the flag to /tasks/{task}{FEEDBACK}",
+                "wrong_task",
+            )

@@ -100,6 +100,9 @@ class RouterState:
     refused: Counter[tuple[str, int]] = field(default_factory=Counter)
     admin_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     background: set[asyncio.Task[None]] = field(default_factory=set)
+    # The request-id keys of the other tasks one router serves (serving.tasks), by task: a
+    # flag whose id one of them signed is that task's, never this one's training data.
+    sibling_ids: dict[str, RequestIds] = field(default_factory=dict)
 
     def versions(self) -> dict[str, str]:
         return {arm: self.config.arms[arm].model_version for arm in ARMS}

@@ -140,7 +140,10 @@ def create_tasks_app(config: TasksConfig) -> FastAPI:
     apps = {task: create_app(own) for task, own in config.tasks.items()}
     app.state.tasks = config
     app.state.apps = apps
-    app.state.states = {task: sub.state.router for task, sub in apps.items()}
+    states: dict[str, RouterState] = {task: sub.state.router for task, sub in apps.items()}
+    app.state.states = states
+    for task, state in states.items():
+        state.sibling_ids = {other: s.ids for other, s in states.items() if other != task}
     app.include_router(router)
     for task, sub in apps.items():
         app.mount(f"/tasks/{task}", sub)

@@ -164,12 +164,25 @@ def test_feedback_lands_in_the_tasks_own_folder_and_never_counts_across_tasks(
             json={"model": "copy", "user": "alice", "messages": flag["messages"]},
         )
         request_id = reply.headers["x-request-id"]
-        # Flagged at the other task (whose versions are the same numbers): no attribution.
+        # Flagged at the other task (whose versions are the same numbers): refused, and
+        # nothing written where support's ingest would make it support's training data.
         elsewhere = client.post(
             "/tasks/support/v1/feedback", json={**flag, "request_id": request_id}, headers=PRODUCER
         )
-        assert elsewhere.status_code == 201
-        assert elsewhere.json()["attributed"] is False
+        assert elsewhere.status_code == 409, elsewhere.text
+        assert elsewhere.json()["kind"] == "wrong_task"
+        assert "issued for task 'copy'" in elsewhere.json()["detail"]
+        assert "/tasks/copy/v1/feedback" in elsewhere.json()["detail"]
+        assert not list((tmp_path / "incoming").rglob("*.jsonl"))
+        # Without a request id, or with one no task of this router signed: the endpoint's
+        # task's unattributed badcase, as before.
+        for request_id_given in (None, request_id[:-4] + "AAAA"):
+            unattributed = client.post(
+                "/tasks/support/v1/feedback",
+                json={**flag, "request_id": request_id_given},
+                headers=PRODUCER,
+            )
+            assert unattributed.status_code == 201 and unattributed.json()["attributed"] is False
         own = client.post(
             "/tasks/copy/v1/feedback", json={**flag, "request_id": request_id}, headers=PRODUCER
         )
@@ -181,7 +194,8 @@ def test_feedback_lands_in_the_tasks_own_folder_and_never_counts_across_tasks(
         stats = client.get("/tasks/support/admin/stats", headers=admin_token).json()
         assert stats["arms"]["champion"]["badcases"] == 0
     assert len(list((tmp_path / "incoming" / "copy").glob("router-feedback-*.jsonl"))) == 1
-    assert len(list((tmp_path / "incoming" / "support").glob("router-feedback-*.jsonl"))) == 1
+    [support] = (tmp_path / "incoming" / "support").glob("router-feedback-*.jsonl")
+    assert [json.loads(line)["arm"] for line in support.read_text().splitlines()] == [None, None]
 
 
 @pytest.mark.parametrize(
