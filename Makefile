@@ -88,10 +88,10 @@ demo-real: setup serve-setup
 # others that start it), so it builds vLLM's environment first; a second time this is a no-op.
 test: setup serve-setup
 	$(IN_VENV) $(BIN)/python -c "import importlib as i, importlib.util as u; u.find_spec('deepspeed') and i.import_module('deepspeed.comm.torch').build_shm_op()"
-	$(IN_VENV) $(BIN)/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(IN_VENV) $(BIN)/pytest -n $(TEST_WORKERS) -m "fast or slow" $(PYTEST_ARGS)
 
-# The inner loop: unit and property tests, no pipeline, server or rank (tests/conftest.py
-# names the fast modules); at most 3 minutes. `make test` still runs everything.
+# The inner loop: unit and property tests, no pipeline, server or rank (each module's
+# `pytestmark`); at most 3 minutes, as a bare `pytest` runs it. `make test` runs both tiers.
 test-fast: setup
 	$(IN_VENV) $(BIN)/pytest -n $(TEST_WORKERS) -m fast $(PYTEST_ARGS)
 

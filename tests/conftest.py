@@ -17,7 +17,11 @@ from tests.helpers import (  # noqa: F401
     seed_demo_month,
     write_params,
 )
+from tests.tiers import fast_by_default, untiered
 from tests.vllm_helpers import vllm_shared, vllm_tiny  # noqa: F401
+
+# pytester: tests/test_tiers.py runs pytest on a project of two modules, one per tier.
+pytest_plugins = ("pytester",)
 
 if "PYTEST_XDIST_WORKER" in os.environ:
     # Workers keep every core busy: a second torch thread in a worker or in the stages it
@@ -55,101 +59,6 @@ LONG_FIRST = (
 )
 
 
-# The two tiers, by module: `make test-fast` runs FAST_MODULES (marked `fast` at collection),
-# `make test` runs both. A fast module starts no pipeline (`dvc repro`, a flow), no server
-# (uvicorn, `transformers serve`, vLLM, MLflow, Prefect, PostgreSQL, Chromium), no training
-# rank and no stage in a subprocess; a short `python -c` process or a git command is allowed.
-# A module of stage runs alone (`main()` in a temp dir) is a stage test, in the whole suite;
-# one that also holds unit or property tests is fast. Every tests/test_*.py is in exactly one
-# of the two sets (tests/test_tiers.py).
-FAST_MODULES = {
-    "test_cards",
-    "test_chat",
-    "test_clean_cache",
-    "test_clean_dpo",
-    "test_demo_tasks",
-    "test_demo_workspace",
-    "test_orders_demo",
-    "test_doctor",
-    "test_dvc_yaml",
-    "test_eval_engine",
-    "test_experiment",
-    "test_fixed_badcases",
-    "test_gate",
-    "test_general",
-    "test_ingest",
-    "test_ingest_places",
-    "test_io",
-    "test_layout",
-    "test_merge_units",
-    "test_neardup",
-    "test_pack_cache",
-    "test_packing",
-    "test_params",
-    "test_params_tasks",
-    "test_pii",
-    "test_preflight",
-    "test_results",
-    "test_review_store",
-    "test_review_tally",
-    "test_suite_cpu",
-    "test_tiers",
-    "test_tokencache",
-    "test_train_units",
-    "test_watchdog",
-}
-# In `make test` only, each for what it starts.
-WHOLE_SUITE_MODULES = {
-    "test_approval",  # the Prefect test server
-    "test_data_stages",  # the data stages imported in subprocesses; MLflow runs
-    "test_dvcrun",  # dvc repro
-    "test_eval_vllm",  # a vLLM server of its own where .venv-serve is built, lm_eval
-    "test_evaluate",  # the evaluate stage on trained models, lm_eval
-    "test_flow",  # the retrain flow under dvc (the tiny project)
-    "test_ingest_safety",  # the ingest stage on hostile files, nothing but stage runs
-    "test_ingest_tasks",  # the ingest stage on files for several tasks
-    "test_lineage",  # dvc repro
-    "test_loop",  # months of the loop, transformers serve, Chromium
-    "test_merge",  # pre-trains the tiny base, merges and exports it
-    "test_mlflow_ui",  # the MLflow UI in Chromium
-    "test_pool",  # ingest in child processes killed mid-commit
-    "test_preflight_stage",  # torchrun ranks, dvc repro
-    "test_pretrained",  # a real base fetched and converted
-    "test_real_lora",  # a real base converted, trained with LoRA, merged, exported
-    "test_recovery",  # the Prefect test server
-    "test_registry",  # dvc repro, the base stage
-    "test_release",  # release on transformers serve backends
-    "test_release_by_hand",  # the release flow in a subprocess
-    "test_release_flow",  # the Prefect test server, transformers serve
-    "test_release_lease",  # routers and releases in subprocesses
-    "test_release_replicas",  # router replicas, transformers serve
-    "test_release_shadow",  # the Prefect test server, routers
-    "test_release_vllm",  # a vLLM server (shared with test_vllm_serving), routers
-    "test_review_live",  # the review page on uvicorn, restarted; Chromium; PostgreSQL
-    "test_router",  # routers on uvicorn
-    "test_router_abuse",  # a running router, attacked
-    "test_router_backends",  # transformers serve
-    "test_router_feedback",  # routers on uvicorn
-    "test_router_guards",  # routers on uvicorn
-    "test_router_samples",  # routers on uvicorn
-    "test_router_tasks",  # a router of two tasks on uvicorn, the CLI against it
-    "test_schedule",  # the Prefect test server
-    "test_stages",  # the tiny project (the retrain flow)
-    "test_stage_overhead",  # a local MLflow server, stages as processes
-    "test_tasks_pipeline",  # two tasks' pipelines under the retrain flow, dvc repro
-    "test_team_stack",  # PostgreSQL, MLflow and Prefect servers
-    "test_train_stage",  # training, torchrun ranks, dvc repro
-    "test_vllm_serving",  # a vLLM server where .venv-serve is built
-    "test_watchdog_hang",  # torchrun ranks that hang
-}
-
-
-def pytest_itemcollected(item: pytest.Item) -> None:
-    """Mark the fast tier's tests before ``-m fast`` selects (at the end of collection)."""
-    if Path(item.nodeid.split("::", 1)[0]).stem in FAST_MODULES:
-        item.add_marker(pytest.mark.fast)
-
-
 def group_of(nodeid: str) -> str:
     """The worker's unit of a test under ``pytest -n``: its module, the tiny project's, or
     the shared vLLM's."""
@@ -181,7 +90,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest groups first (xdist hands out groups in collection order)."""
+    """Every test in one tier; the fast tier alone for a bare `pytest`; the longest groups
+    first (xdist hands out groups in collection order)."""
+    if wrong := untiered(items):
+        raise pytest.UsageError(
+            "each test module needs `pytestmark = pytest.mark.fast` or `pytest.mark.slow` "
+            f"(one tier; tests/conftest.py says which): {', '.join(wrong)}"
+        )
+    fast_by_default(config, items)
 
     def rank(item: pytest.Item) -> int:
         group = group_of(item.nodeid)

@@ -32,6 +32,9 @@ from tuneloop.cli import build_parser
 from tuneloop.cli import main as cli
 from tuneloop.release import approval
 
+# The whole suite (`make test`): the Prefect test server
+pytestmark = pytest.mark.slow
+
 
 def test_the_cli_takes_approve_reject_and_status() -> None:
     parser = build_parser()

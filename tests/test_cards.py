@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.helpers import ROOT
@@ -17,6 +18,9 @@ from tuneloop.io import write_json
 from tuneloop.judge import cards, gate
 from tuneloop.judge.gate import BASE, CANDIDATE, FP8, SuiteItems
 from tuneloop.params import load_params
+
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
 
 SUITE = "support_demo"
 DIRECTIONS = {SUITE: {"accuracy": True}}

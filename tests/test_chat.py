@@ -27,6 +27,9 @@ from tuneloop.data.chat import (
 from tuneloop.demo import domain, tiny
 from tuneloop.models import load_tokenizer
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 RICH_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}"
     "{{ bos_token }}<|im_start|>system\n{{ messages[0]['content'] | trim }}<|im_end|>\n"

@@ -30,6 +30,9 @@ from tuneloop.demo import domain, tiny
 from tuneloop.io import write_jsonl
 from tuneloop.params import CleanParams
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 EVAL = [item.question for item in domain.eval_items(0, 40)]
 
 

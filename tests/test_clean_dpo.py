@@ -21,6 +21,9 @@ from tuneloop.data.clean import DPO_CODE, dpo_pair, pair_verdicts
 from tuneloop.data.clean_cache import CleanReport, clean_pool
 from tuneloop.demo import domain, tiny
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 GOOD = "[return] The Aurora kettle can be returned within 30 days."
 EVAL_QUESTION = domain.eval_items(0, 1)[0].question
 

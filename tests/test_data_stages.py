@@ -20,6 +20,9 @@ from tests.helpers import ROOT, write_params
 from tuneloop.params import load_params
 from tuneloop.stage import logged_after, write_metrics
 
+# The whole suite (`make test`): the data stages imported in subprocesses; MLflow runs
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("stage", ["ingest", "clean", "pack", "preflight"])
 def test_data_stage_imports_nothing_heavy(stage: str) -> None:

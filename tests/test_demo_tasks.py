@@ -19,6 +19,9 @@ from tuneloop.io import write_json, write_text
 from tuneloop.judge import tasks_report
 from tuneloop.params import Params, parse_params
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 
 def tasks_params(incoming: Path, **tasks: dict[str, Any]) -> Params:
     config = ROOT / "configs" / "demo-tasks.yaml"

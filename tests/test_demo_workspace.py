@@ -22,6 +22,9 @@ from tests.helpers import ROOT, copy_project
 from tuneloop.demo import customers, workspace
 from tuneloop.params import Params, parse_params
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 
 def git(cwd: Path, *args: str) -> str:
     done = subprocess.run(

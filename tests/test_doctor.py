@@ -36,6 +36,9 @@ from tuneloop.preflight.doctor import (
     run_checks,
 )
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 
 def _nvml_works() -> bool:
     try:

@@ -18,6 +18,9 @@ import yaml
 from tuneloop.params import PER_TASK_PATHS
 from tuneloop.pipeline import SHARED_STAGES, stage_order, task_stages
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_PACKAGES = ("tuneloop", "stages")
 DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())

@@ -23,6 +23,9 @@ import yaml
 
 from tuneloop.orchestration.dvcrun import DvcLockTimeout, lock_holder, run_dvc
 
+# The whole suite (`make test`): dvc repro
+pytestmark = pytest.mark.slow
+
 ENV = os.environ | {"DVC_NO_ANALYTICS": "1"}
 
 # Holds DVC's repo lock for argv[1] seconds, then notes it let go, then lets go.

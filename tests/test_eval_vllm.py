@@ -30,7 +30,8 @@ SHAPE = TinyModel(
 SUITE, GENERAL = "support_demo", "general_demo"
 PRETRAIN_STEPS = 60
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# The whole suite (`make test`): a vLLM server of its own where .venv-serve is built, lm_eval
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,8 @@ def read(folder: Path, name: str) -> Any:
     return json.loads((folder / "metrics" / name).read_text())
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# The whole suite (`make test`): the evaluate stage on trained models, lm_eval
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")

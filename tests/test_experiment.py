@@ -14,6 +14,9 @@ from flows.experiment import check_sets, copy_paths, experiment_sets, override_t
 from tests.helpers import ROOT, write_params
 from tuneloop.params import load_params
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 PARAMS = ROOT / "params.yaml"
 
 

@@ -37,6 +37,9 @@ from tuneloop.judge.gate import (
 from tuneloop.judge.gate_report import report
 from tuneloop.params import load_params
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 FIXED = "fixed_badcases"
 MONTH1, MONTH2 = "20260001T000000000000Z", "20260101T000000000000Z"  # write_pool's names
 

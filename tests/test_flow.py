@@ -22,6 +22,9 @@ from mlflow.tracking import MlflowClient
 from tests.helpers import ROOT, flow_runs
 from tuneloop.pipeline import stage_order
 
+# The whole suite (`make test`): the retrain flow under dvc (the tiny project)
+pytestmark = pytest.mark.slow
+
 STAGES = stage_order(ROOT)
 
 

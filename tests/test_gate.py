@@ -29,6 +29,9 @@ from tuneloop.params import BlindReviewParams, GateParams
 from tuneloop.review.store import VoteRow
 from tuneloop.review.tally import tally
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 
 def judge(
     models: dict[str, SuiteItems],

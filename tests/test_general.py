@@ -17,6 +17,9 @@ from tuneloop.demo import domain, general, tiny
 from tuneloop.io import read_jsonl
 from tuneloop.params import load_params
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 
 def test_the_committed_suites_are_what_the_generators_write(tmp_path: Path) -> None:
     general.write_suite(tmp_path / "general.jsonl")

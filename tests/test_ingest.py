@@ -31,6 +31,9 @@ from tuneloop.data.records import (
 )
 from tuneloop.io import read_jsonl
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 GOOD = {"prompt": "Can I return the Aurora kettle?", "response": "[return] Yes, within 30 days."}
 
 

@@ -17,11 +17,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tuneloop.data import ingest
 from tuneloop.data.records import content_hash, parse_record, plain, pool_records
+
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
 
 TASKS = ("support", "orders")
 PLACES = (*TASKS, "")  # a task's folder, or the incoming folder itself

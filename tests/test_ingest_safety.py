@@ -21,6 +21,9 @@ from stages import ingest
 from tests.helpers import write_params
 from tuneloop.data.records import pool_records
 
+# The whole suite (`make test`): the ingest stage on hostile files, nothing but stage runs
+pytestmark = pytest.mark.slow
+
 EMAIL = "zhang.wei.8841@example.com"
 EMAIL_PLUS = "li_na+vip@mail.example.cn"
 EMAIL_ESCAPED = "wang.fang@example.org"

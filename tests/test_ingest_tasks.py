@@ -7,12 +7,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from stages import ingest as ingest_stage
 from tests.helpers import write_params
 from tuneloop.data.records import pool_records
 from tuneloop.io import read_jsonl
+
+# The whole suite (`make test`): the ingest stage on files for several tasks
+pytestmark = pytest.mark.slow
 
 KETTLE = {"prompt": "Can I return the Aurora kettle?", "response": "[return] Yes, within 30 days."}
 LISTING = {"prompt": "Write the Aurora kettle's listing.", "response": "Aurora kettle: 1.7 l."}

@@ -10,6 +10,9 @@ import pytest
 
 from tuneloop import io
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture
 def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:

@@ -14,6 +14,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY_POINTS = ("stages", "flows", "serving")
 CLI = ROOT / "tuneloop" / "cli"

@@ -26,6 +26,9 @@ from tuneloop.params import ParamsError, parse_params
 from tuneloop.pipeline import StageOrderError, stage_order
 from tuneloop.tracking import lineage
 
+# The whole suite (`make test`): dvc repro
+pytestmark = pytest.mark.slow
+
 # Enough lines that the demo's malformed ones stay under ingest.max_reject_rate.
 SMALL = {"demo": {"n_support": 120, "n_badcases": 8}}
 

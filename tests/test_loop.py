@@ -34,6 +34,7 @@ from tuneloop.demo.report import format_loop
 from tuneloop.params import load_params
 from tuneloop.tracking import init_from, registry
 
+# The whole suite (`make test`): months of the loop, transformers serve, Chromium
 pytestmark = pytest.mark.slow
 
 MODEL = "tuneloop-support"

@@ -27,7 +27,8 @@ from tuneloop.models import load_causal_lm, load_tokenizer
 from tuneloop.params import load_params
 from tuneloop.training import merge
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# The whole suite (`make test`): pre-trains the tiny base, merges and exports it
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def metrics(folder: Path, stage: str) -> dict[str, Any]:

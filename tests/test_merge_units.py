@@ -12,6 +12,9 @@ import pytest
 
 from tuneloop.training import merge
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 
 def test_probes_are_spread_over_every_suite(tmp_path: Path) -> None:
     for suite, count in (("a", 30), ("b", 10)):

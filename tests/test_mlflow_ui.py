@@ -18,7 +18,11 @@ from tests.helpers import CHROMIUM, chromium, mlflow_server, write_params
 from tuneloop.params import Params, load_params
 from tuneloop.tracking import lineage, runs
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium")
+# The whole suite (`make test`): the MLflow UI in Chromium
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium"),
+]
 
 
 DATASET, DIGEST = "data/pool", "0f3c6e1a9b2d4c5e8f7a6b5c4d3e2f1a.dir"

@@ -16,6 +16,9 @@ from tuneloop.data.neardup import NearDupIndex, _distinct, dedup, shingle_text, 
 from tuneloop.data.text import normalise
 from tuneloop.demo import domain
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 EN = (
     "To reset your password, open Settings, choose Account, and tap Reset Password. "
     "A confirmation e-mail arrives within five minutes."

@@ -14,6 +14,9 @@ from tests.helpers import ROOT
 from tuneloop.demo import orders
 from tuneloop.params import load_params
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 
 def suite_utils() -> ModuleType:
     path = ROOT / "eval/orders_demo/utils.py"

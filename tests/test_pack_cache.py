@@ -23,6 +23,9 @@ from tuneloop.data.pack_cache import Packed, pack_file, part_ranges
 from tuneloop.data.shards import IGNORE_INDEX
 from tuneloop.demo import domain, tiny
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 SEQ_LEN = 96
 
 

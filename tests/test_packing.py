@@ -29,6 +29,9 @@ from tuneloop.data.pack import (
 )
 from tuneloop.data.shards import IGNORE_INDEX
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 OVERLONG: tuple[Overlong, ...] = ("truncate", "drop", "split")
 
 

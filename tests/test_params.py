@@ -7,6 +7,9 @@ import yaml
 
 from tuneloop.params import ParamsError, load_params, parse_params
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

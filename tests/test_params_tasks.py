@@ -11,6 +11,9 @@ import yaml
 from tuneloop.cli import main
 from tuneloop.params import DEFAULT_TASK, PER_TASK_PATHS, ParamsError, load_params, parse_params
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 TASKS = {
     "support": {"registered_model": "tuneloop-support", "suites": ["support_demo"]},
     "copy": {

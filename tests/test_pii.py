@@ -24,6 +24,9 @@ from tuneloop.data.pii import (
     scrub_fields,
 )
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 # The textbook example ID (Beijing, born 1949-12-31) and test card numbers
 # published by the card schemes.
 VALID_ID = "11010519491231002X"

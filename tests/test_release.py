@@ -65,6 +65,9 @@ from tuneloop.release.readings import (
 )
 from tuneloop.release.shadow import judges as suite_judges
 
+# The whole suite (`make test`): release on transformers serve backends
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -21,6 +21,7 @@ from mlflow.tracking import MlflowClient
 from tests.byhand_helpers import MODEL, OVERLAY, block_env, localised_block, make_project
 from tests.helpers import write_params
 
+# The whole suite (`make test`): the release flow in a subprocess
 pytestmark = pytest.mark.slow
 
 

@@ -50,6 +50,7 @@ from tuneloop.review.store import ReviewItem, ReviewStore, create_invite, create
 
 logger = logging.getLogger(__name__)
 
+# The whole suite (`make test`): the Prefect test server, transformers serve
 pytestmark = pytest.mark.slow
 
 TOKEN = "release-test-token"

@@ -46,6 +46,7 @@ from tests.router_helpers import (
 )
 from tuneloop.release import approval
 
+# The whole suite (`make test`): routers and releases in subprocesses
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]

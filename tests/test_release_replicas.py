@@ -51,6 +51,7 @@ from tests.helpers import free_port, write_params
 from tuneloop.demo.customers import ARM_HEADER, USER_HEADER
 from tuneloop.release import approval
 
+# The whole suite (`make test`): router replicas, transformers serve
 pytestmark = pytest.mark.slow
 
 # Longer than a router takes to restart on a busy 2-core machine beside two CPU backends

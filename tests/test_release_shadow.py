@@ -45,6 +45,7 @@ from tests.router_helpers import (
 from tuneloop.cli import main as cli
 from tuneloop.release import approval
 
+# The whole suite (`make test`): the Prefect test server, routers
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]

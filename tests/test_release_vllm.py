@@ -55,6 +55,9 @@ from tuneloop.release.serve import (
 from tuneloop.release.vllm_engine import AdapterRefused
 from tuneloop.tracking import registry
 
+# The whole suite (`make test`): a vLLM server (shared with test_vllm_serving), routers
+pytestmark = pytest.mark.slow
+
 logger = logging.getLogger(__name__)
 
 BASE = ("builtin:tiny", "md5-of-the-base")
@@ -289,7 +292,6 @@ def ask(router: httpx.Client, user: str) -> tuple[str, str, str]:
     return reply.headers["x-tuneloop-arm"], models.pop(), text
 
 
-@pytest.mark.slow
 def test_two_adapters_loaded_at_run_time_are_the_arms_of_one_server(arms: Arms) -> None:
     url = arms.server.url
     assert vllm_engine.served_models(url) == [BASE_NAME, *arms.models.values()]
@@ -306,7 +308,6 @@ def test_two_adapters_loaded_at_run_time_are_the_arms_of_one_server(arms: Arms) 
     logger.info("switch to the challenger adapter, load to first answer: %.3f s", arms.switch_s)
 
 
-@pytest.mark.slow
 def test_the_routers_weight_splits_traffic_between_the_adapters_with_ttft_for_both(
     arms: Arms, admin_token: dict[str, str]
 ) -> None:
@@ -335,7 +336,6 @@ def test_the_routers_weight_splits_traffic_between_the_adapters_with_ttft_for_bo
     assert 0 < ttft["challenger"] < 60_000 and 0 < ttft["champion"] < 60_000
 
 
-@pytest.mark.slow
 def test_a_release_moves_traffic_to_the_other_adapter_and_rolls_back_in_under_a_second(
     arms: Arms, admin_token: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

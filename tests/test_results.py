@@ -11,6 +11,9 @@ import pytest
 
 from tuneloop.tracking import results
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 
 def git(repo: Path, *args: str) -> str:
     return subprocess.run(

@@ -40,6 +40,9 @@ from tuneloop.review.tally import compute_results
 from tuneloop.review.web import COOKIE, create_review_app
 from tuneloop.tracking import runs
 
+# The whole suite (`make test`): the review page on uvicorn, restarted; Chromium; PostgreSQL
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium")
 

@@ -28,6 +28,9 @@ from tuneloop.review.store import (
 from tuneloop.review.tally import compute_results
 from tuneloop.review.web import COOKIE, MAX_BODY, MAX_COMMENT, create_review_app
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 BASE = "http://review.test"
 
 

@@ -10,6 +10,9 @@ import pytest
 from tuneloop.review.store import VoteRow, plan
 from tuneloop.review.tally import fleiss_kappa, pairwise_agreement, tally, wilson
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 
 def test_wilson_by_hand() -> None:
     # 8 of 10 at 95 %: z = 1.959964, z^2 = 3.841459;

@@ -50,6 +50,9 @@ from tests.router_helpers import (  # noqa: F401 (fixtures)
 )
 from tuneloop.data.records import parse_record
 
+# The whole suite (`make test`): routers on uvicorn
+pytestmark = pytest.mark.slow
+
 # --- pure parts -------------------------------------------------------------------------------
 
 

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
+# The whole suite (`make test`): a running router, attacked
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
 def test_the_router_abuse_script_passes() -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "router_abuse.py"), "--quick"],

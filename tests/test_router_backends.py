@@ -24,6 +24,9 @@ from tuneloop.release.backends import (
     wait_healthy,
 )
 
+# The whole suite (`make test`): transformers serve
+pytestmark = pytest.mark.slow
+
 logger = logging.getLogger(__name__)
 
 
@@ -124,7 +127,6 @@ def test_wait_healthy_stops_when_the_backend_exits() -> None:
         wait_healthy("http://127.0.0.1:9", timeout=30, process=process)
 
 
-@pytest.mark.slow
 def test_transformers_serve_behind_the_router(tmp_path: Path) -> None:
     """The CPU backend for real: the tiny model, launched by our command, behind the router."""
     from tests.router_helpers import make_config, running_router  # the loopback helpers

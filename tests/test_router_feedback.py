@@ -34,6 +34,9 @@ from tuneloop.data import pii
 from tuneloop.data.records import parse_record
 from tuneloop.params import load_params
 
+# The whole suite (`make test`): routers on uvicorn
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 QUESTION = [{"role": "user", "content": "Can I return the Aurora kettle?"}]

@@ -30,6 +30,9 @@ from tests.router_helpers import (
     served_arm,
 )
 
+# The whole suite (`make test`): routers on uvicorn
+pytestmark = pytest.mark.slow
+
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 
 

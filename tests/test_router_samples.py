@@ -29,6 +29,9 @@ from tests.router_helpers import (  # noqa: F401 (fixtures)
 )
 from tuneloop.release.readings import tally
 
+# The whole suite (`make test`): routers on uvicorn
+pytestmark = pytest.mark.slow
+
 
 def samples(client: httpx.Client, headers: dict[str, str], since: int = 0, **query: Any) -> Any:
     reply = client.get("/admin/samples", params={"since": since, **query}, headers=headers)

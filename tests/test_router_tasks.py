@@ -30,6 +30,9 @@ from tests.router_helpers import (  # noqa: F401 (fixtures)
 )
 from tuneloop.release.admin import AdminError, RouterAdmin
 
+# The whole suite (`make test`): a router of two tasks on uvicorn, the CLI against it
+pytestmark = pytest.mark.slow
+
 ADAPTERS = {
     "support": {"champion": ("support-v1", "1"), "challenger": ("support-v2", "2")},
     "copy": {"champion": ("copy-v1", "1"), "challenger": ("copy-v2", "2")},

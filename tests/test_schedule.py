@@ -28,6 +28,9 @@ from tuneloop.orchestration.schedule import (
 )
 from tuneloop.params import ParamsError, load_params
 
+# The whole suite (`make test`): the Prefect test server
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = yaml.safe_load((ROOT / "prefect.yaml").read_text())
 

@@ -25,6 +25,9 @@ from tuneloop import stage
 from tuneloop.params import load_params
 from tuneloop.tracking import aliases, init_from, registry, runs, server
 
+# The whole suite (`make test`): a local MLflow server, stages as processes
+pytestmark = pytest.mark.slow
+
 NAME = "tuneloop-support"  # params.yaml's tracking.registered_model
 
 

@@ -17,6 +17,9 @@ from tests.helpers import ROOT, flow_runs
 from tuneloop.demo import domain
 from tuneloop.pipeline import stage_order
 
+# The whole suite (`make test`): the tiny project (the retrain flow)
+pytestmark = pytest.mark.slow
+
 STAGES = [importlib.import_module(f"stages.{name}") for name in stage_order(ROOT)]
 
 

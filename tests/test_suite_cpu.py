@@ -10,7 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from benchmarks.suite_cpu import HOOK, kind_of
+
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
 
 
 def hooked(log: Path) -> dict[str, str]:

@@ -19,6 +19,9 @@ from tests.helpers import copy_project, write_params
 from tuneloop.demo import domain
 from tuneloop.params import ParamsError, load_params
 
+# The whole suite (`make test`): two tasks' pipelines under the retrain flow, dvc repro
+pytestmark = pytest.mark.slow
+
 TASKS = {
     "support": {"registered_model": "tuneloop-support", "suites": ["support_demo"]},
     # A task whose run preflight refuses (a learning rate that diverges): it fails alone.

@@ -49,6 +49,7 @@ from tests.helpers import (
 )
 from tuneloop.pipeline import stage_order
 
+# The whole suite (`make test`): PostgreSQL, MLflow and Prefect servers
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent

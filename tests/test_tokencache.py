@@ -12,6 +12,9 @@ from tuneloop.data.chat import ChatTokenizer
 from tuneloop.data.token_cache import Tokens
 from tuneloop.demo import domain, tiny
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:

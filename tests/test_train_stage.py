@@ -35,6 +35,9 @@ from tuneloop.training import checkpoints, methods
 from tuneloop.training import run as train_run
 from tuneloop.training.plan import Environment, resolve_plan
 
+# The whole suite (`make test`): training, torchrun ranks, dvc repro
+pytestmark = pytest.mark.slow
+
 # A few steps each; checkpoints (and validation) every 3 so resume and best-model paths run.
 FAST = {"max_steps": 6, "save_steps": 3, "logging_steps": 1}
 ADAPTER_FILES = {
@@ -478,7 +481,6 @@ def test_sigkill_mid_run_then_rerun_continues_to_the_same_final_step(
     assert [by_step[s] for s in after] == pytest.approx([expected[s] for s in after], rel=1e-3)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(
     torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs"
 )

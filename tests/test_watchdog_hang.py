@@ -29,6 +29,9 @@ from tuneloop.telemetry.actions import find_py_spy
 from tuneloop.telemetry.heartbeat import read_heartbeats
 from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE
 
+# The whole suite (`make test`): torchrun ranks that hang
+pytestmark = pytest.mark.slow
+
 DDP_HANG = Path(__file__).parent / "fixtures" / "ddp_hang.py"
 SETSID_RANK = Path(__file__).parent / "fixtures" / "setsid_rank.py"
 DEADLOCK_AFTER_S = 10.0
