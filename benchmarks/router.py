@@ -46,9 +46,9 @@ from fastapi.responses import Response
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from serving.app import create_app
 from serving.config import RouterConfig
-from serving.router import create_app
-from serving.state import arm_for_bucket, bucket
+from serving.routing import arm_for_bucket, bucket
 
 logger = logging.getLogger("benchmarks.router")
 

@@ -47,8 +47,8 @@ from fastapi.responses import Response
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from serving.app import create_app
 from serving.config import RouterConfig
-from serving.router import create_app
 from tuneloop.data.records import parse_record
 
 logger = logging.getLogger("benchmarks.router_abuse")

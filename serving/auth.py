@@ -15,7 +15,7 @@ from fastapi import Depends, Header
 
 from serving.config import RouterConfig
 from serving.limits import Refused
-from serving.live import Live
+from serving.router_state import Live
 
 
 def _bearer(authorization: str | None) -> bytes | None:

@@ -17,10 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serving.auth import ADMIN
 from serving.limits import Body, Refused, read_model
-from serving.live import Live, RouterState, change, logger
 from serving.metrics import render_prometheus
+from serving.router_state import Live, RouterState, change, logger
+from serving.routing import FastFail, Lease, utc_iso
 from serving.samples import MAX_PAGE
-from serving.state import FastFail, Lease, utc_iso
 from tuneloop.release import ARMS
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

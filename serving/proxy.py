@@ -27,8 +27,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving.config import RouterConfig
 from serving.limits import Refused, read_object
-from serving.live import Live, RouterState, logger, state_of
 from serving.metrics import ArmStats, ErrorKind
+from serving.router_state import Live, RouterState, logger, state_of
+from serving.routing import arm_for_bucket, bucket
 from serving.samples import (
     Answer,
     Sample,
@@ -38,7 +39,6 @@ from serving.samples import (
     prompt_text,
     stream_text,
 )
-from serving.state import arm_for_bucket, bucket
 from tuneloop.release import ARMS
 
 PROXIED = ("/v1/chat/completions", "/v1/completions")

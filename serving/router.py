@@ -19,7 +19,7 @@ Nginx split, a Gateway API weighted route, a generic LLM gateway):
   says which arm and model version served it, so ``/v1/feedback`` (from
   authenticated producers only) turns a flagged response into a scrubbed
   badcase record charged to the right model and written where next month's
-  ingest reads it (``serving.attribution``, ``serving.feedback``);
+  ingest reads it (``serving.attribution``, ``serving.badcases``);
 - per-arm errors, latency, time to first token and badcases for the release
   controller's analysis, per request and read by cursor (``serving.samples``),
   and a rollback that holds from the very next request;
@@ -35,89 +35,23 @@ Every body is size-capped before it is read and parsed defensively
 (``serving.limits``): bad input is a 4xx with the reason, never a 500.
 
 The parts, each a FastAPI router sharing one ``RouterState`` through the app
-(``serving.live``): ``serving.proxy`` (the OpenAI endpoints and the shadow mirror),
-``serving.flags`` (``/v1/feedback``), ``serving.control`` (``/admin/*``, ``/metrics``),
-with ``serving.auth`` for the tokens and ``serving.limits`` for bodies and rates.
+(``serving.router_state``), assembled by ``serving.app``: ``serving.proxy`` (the OpenAI
+endpoints and the shadow mirror), ``serving.feedback`` (``/v1/feedback``),
+``serving.control`` (``/admin/*``, ``/metrics``), with ``serving.auth`` for the tokens and
+``serving.limits`` for bodies and rates.
 
-Run it with ``python -m serving.router --config router.yaml``; tests and the
-benchmark build it with ``create_app(config)``. A config with ``tasks:`` runs one router for
-several tasks on one base, each task's router at ``/tasks/<task>`` (``serving.tasks``).
+Run it with ``python -m serving.router --config router.yaml``; tests and the benchmark
+build it with ``serving.app.create_app(config)``. A config with ``tasks:`` runs one router
+for several tasks on one base, each task's router at ``/tasks/<task>`` (``serving.tasks``).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-
-from serving import control, flags, proxy
-from serving.config import RouterConfig
-from serving.limits import Refused
-from serving.live import RouterState, new_state, state_of
-from tuneloop.release import ARMS
-
-
-def create_app(config: RouterConfig) -> FastAPI:
-    """The router as an ASGI app; its backend connection pools open and close with the app."""
-    app = FastAPI(
-        title="tuneloop canary router",
-        lifespan=_lifespan,
-        exception_handlers={Refused: _refused},
-    )
-    state = new_state(config)
-    state.urls = proxy.backend_urls(config)
-    app.state.router = state
-    app.include_router(proxy.router)
-    app.include_router(flags.router)
-    app.include_router(control.router)
-    return app
-
-
-@asynccontextmanager
-async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    state: RouterState = app.state.router
-    state.clients = {arm: proxy.backend_client(state.config) for arm in ARMS}
-    watcher = asyncio.get_running_loop().create_task(state.watch_lease())
-    try:
-        yield
-    finally:
-        watcher.cancel()
-        # Mirrors are answers nobody waits for: not worth a slow shutdown.
-        for mirror in list(state.mirrors):
-            mirror.cancel()
-        for task in list(state.background):
-            await task
-        for client in state.clients.values():
-            await client.aclose()
-        state.clients = {}
-
-
-async def _refused(request: Request, error: Refused) -> Response:
-    """A refusal as the endpoint's clients expect it, counted per endpoint and status."""
-    state = state_of(request)
-    path = request.url.path
-    state.refused[path if path in (*proxy.PROXIED, flags.FEEDBACK) else "/admin", error.status] += 1
-    return refusal(path, error)
-
-
-def refusal(path: str, error: Refused) -> Response:
-    """A refusal as the endpoint's clients expect it: OpenAI's error shape on its endpoints."""
-    if path in proxy.PROXIED:
-        response: Response = proxy.openai_error(
-            error.status, error.reason, "invalid_request_error", error.kind
-        )
-    else:
-        response = JSONResponse(
-            {"detail": error.reason, "kind": error.kind}, status_code=error.status
-        )
-    response.headers.update(error.headers)
-    return response
+from serving.tasks import create_any_app, load_config
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -140,9 +74,6 @@ def main(argv: list[str] | None = None) -> None:
 
     args = _parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    # Imported here: serving.tasks builds on create_app above.
-    from serving.tasks import create_any_app, load_config
-
     config = load_config(args.config)
     uvicorn.run(
         create_any_app(config),

@@ -46,12 +46,12 @@ from fastapi import APIRouter, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 
 from serving import control, proxy
+from serving.app import create_app, refusal
 from serving.auth import check_admin
 from serving.config import RouterConfig, RouterConfigError, read_config_file, router_config
-from serving.flags import FEEDBACK
+from serving.feedback import FEEDBACK
 from serving.limits import Refused, read_object
-from serving.live import RouterState
-from serving.router import create_app, refusal
+from serving.router_state import RouterState
 
 TASK_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
 # What a task may set for itself; everything else is the router's, shared by every task.

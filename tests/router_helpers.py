@@ -25,8 +25,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from serving.app import create_app
 from serving.config import RouterConfig
-from serving.router import create_app
 
 TOKEN = "s3cret-admin-token"
 MODELS = {"champion": "champ-model", "challenger": "chall-model"}

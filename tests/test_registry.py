@@ -120,23 +120,37 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.chdir(previous)
 
 
-def test_no_registered_model_means_no_champion(project: Path) -> None:
-    assert registry.find_alias(NAME, registry.CHAMPION, client(project)) is None
-
-
-def test_a_passed_candidate_is_registered_with_its_lineage_and_report(
-    project: Path, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def v1(project: Path) -> tuple[registry.Registration, str]:
+    """The passed candidate registered as v1 under a run of the flow's; and that run's id."""
     params = load_params()
     store = client(project)
     experiment = store.get_experiment_by_name(params.tracking.experiment)
     assert experiment is not None
     retrain = store.create_run(experiment.experiment_id, run_name="retrain")  # the flow's run
     done = registry.register_candidate(params, run_id=retrain.info.run_id, flow_run_id="flow-42")
+    return done, retrain.info.run_id
 
+
+@pytest.fixture(scope="module")
+def champion(project: Path, v1: tuple[registry.Registration, str]) -> str:
+    """v1 released: the champion alias on it (as a promotion leaves it)."""
+    client(project).set_registered_model_alias(NAME, registry.CHAMPION, "1")
+    return "1"
+
+
+def test_no_registered_model_means_no_champion(project: Path) -> None:
+    assert registry.find_alias(NAME, registry.CHAMPION, client(project)) is None
+
+
+def test_a_passed_candidate_is_registered_with_its_lineage_and_report(
+    project: Path, tmp_path: Path, v1: tuple[registry.Registration, str]
+) -> None:
+    store = client(project)
+    done, run_id = v1
     assert done.registered and done.created and (done.version, done.alias) == ("1", "challenger")
     version = store.get_model_version_by_alias(NAME, "challenger")
-    assert str(version.version) == "1" and version.run_id == retrain.info.run_id
+    assert str(version.version) == "1" and version.run_id == run_id
     commit = subprocess.run(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -156,7 +170,7 @@ def test_a_passed_candidate_is_registered_with_its_lineage_and_report(
     assert tags[init_from.TAG_NEW_BATCHES] == BATCHES[1]
     assert tags[init_from.TAG_REPLAY] == "0.25"
     assert version.description == (project / "reports/eval.md").read_text()
-    logged = {a.path for a in store.list_artifacts(retrain.info.run_id, "evaluation")}
+    logged = {a.path for a in store.list_artifacts(run_id, "evaluation")}
     assert logged == {
         f"evaluation/{name}"
         for name in (
@@ -183,7 +197,9 @@ def test_a_passed_candidate_is_registered_with_its_lineage_and_report(
     assert isinstance(answers, list) and len(answers) == 1 and isinstance(answers[0], str)
 
 
-def test_registering_the_same_candidate_again_adds_no_version(project: Path) -> None:
+def test_registering_the_same_candidate_again_adds_no_version(
+    project: Path, v1: tuple[registry.Registration, str]
+) -> None:
     done = registry.register_candidate(load_params())
     assert done.registered and done.version == "1"
     assert not done.created  # so the flow does not announce it, and start a release, again
@@ -191,28 +207,27 @@ def test_registering_the_same_candidate_again_adds_no_version(project: Path) -> 
     assert len(client(project).search_model_versions(f"name = '{NAME}'")) == 1
 
 
-def test_the_champion_is_found_and_downloaded(project: Path, tmp_path: Path) -> None:
+def test_the_champion_is_found_and_downloaded(project: Path, tmp_path: Path, champion: str) -> None:
     store = client(project)
-    store.set_registered_model_alias(NAME, registry.CHAMPION, "1")
-    champion = registry.find_alias(NAME, registry.CHAMPION, store)
-    assert champion is not None and str(champion.version) == "1"
-    assert registry.describe(champion) == {
+    found = registry.find_alias(NAME, registry.CHAMPION, store)
+    assert found is not None and str(found.version) == "1"
+    assert registry.describe(found) == {
         "name": NAME,
         "version": "1",
-        "run_id": champion.run_id,
-        "source": champion.source,
+        "run_id": found.run_id,
+        "source": found.source,
     }
-    merged = registry.download_folder(champion, registry.MERGED, tmp_path / "m")
+    merged = registry.download_folder(found, registry.MERGED, tmp_path / "m")
     assert (merged / "model.safetensors").read_bytes() == (
         project / "models/merged/model.safetensors"
     ).read_bytes()
-    fp8 = registry.download_folder(champion, registry.FP8, tmp_path / "f")
+    fp8 = registry.download_folder(found, registry.FP8, tmp_path / "f")
     config = json.loads((fp8 / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
 
 
-def test_init_from_champion_fetches_the_champion_once(project: Path) -> None:
-    # The champion alias is on v1 (previous test); its merged folder is models/merged.
+def test_init_from_champion_fetches_the_champion_once(project: Path, champion: str) -> None:
+    # The champion is v1, whose merged folder is models/merged.
     params = load_params()
     assert params.train.init_from == "champion"
     start = registry.resolve_start(params, params.paths.init)
@@ -230,7 +245,7 @@ def test_init_from_champion_fetches_the_champion_once(project: Path) -> None:
     assert before == after
 
 
-def test_init_from_base_ignores_the_champion(project: Path) -> None:
+def test_init_from_base_ignores_the_champion(project: Path, champion: str) -> None:
     params = load_params()
     from_base = params.model_copy(
         update={"train": params.train.model_copy(update={"init_from": "base"})}
@@ -261,8 +276,10 @@ def test_a_candidate_without_clean_metrics_is_not_registered(project: Path) -> N
         path.write_bytes(kept)
 
 
-def test_a_champion_that_moved_after_the_gate_blocks_registration(project: Path) -> None:
-    # decision.json compared with no champion; the registry has one now (previous test).
+def test_a_champion_that_moved_after_the_gate_blocks_registration(
+    project: Path, champion: str
+) -> None:
+    # decision.json compared with no champion; the registry has one now.
     with pytest.raises(registry.ChampionChanged, match=r"dvc repro --force --single-item evaluate"):
         registry.register_candidate(load_params())
 
@@ -278,7 +295,9 @@ def test_a_decision_about_another_candidate_blocks_registration(project: Path) -
         write_json(params.paths.metrics / "decision.json", decision)
 
 
-def test_a_candidate_worse_than_the_champion_is_not_registered(project: Path) -> None:
+def test_a_candidate_worse_than_the_champion_is_not_registered(
+    project: Path, champion: str
+) -> None:
     params = load_params()
     (params.paths.merged / "manifest.json").write_text('{"stage": "merge", "run": 2}')
     write_evaluation(params, planted(0.60, champion=0.75), champion="1")

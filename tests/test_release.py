@@ -25,8 +25,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from prefect.input import RunInput
 
+from serving.app import create_app
 from serving.metrics import new_stats
-from serving.router import create_app
 from tests.helpers import free_port, write_params
 from tests.router_helpers import (
     SECRET_ENV,

@@ -29,8 +29,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from prefect.states import State
 
+from serving.app import create_app
 from serving.config import RouterConfig
-from serving.router import create_app
 from tests.helpers import free_port, write_params
 from tests.registry_helpers import register_versions
 from tests.router_helpers import (

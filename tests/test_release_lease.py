@@ -31,7 +31,7 @@ import httpx
 import pytest
 import yaml
 
-from serving.state import load_state
+from serving.routing import load_state
 from tests.helpers import free_port, write_params
 from tests.registry_helpers import register_champion_and_challenger
 from tests.router_helpers import (

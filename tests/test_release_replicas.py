@@ -38,7 +38,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from serving.state import arm_for_bucket, bucket, load_state
+from serving.routing import arm_for_bucket, bucket, load_state
 from tests.byhand_helpers import (
     MODEL,
     OVERLAY,

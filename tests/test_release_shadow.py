@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import pytest
 
+from serving.app import create_app
 from serving.config import RouterConfig
-from serving.router import create_app
 from tests.helpers import write_params
 from tests.registry_helpers import register_champion_and_challenger
 from tests.router_helpers import (

@@ -26,8 +26,8 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
 from serving.config import RouterConfig
+from serving.routing import arm_for_bucket, bucket
 from serving.samples import holds_token
-from serving.state import arm_for_bucket, bucket
 from tests.helpers import ROOT
 from tests.router_helpers import (  # noqa: F401 (fixtures)
     TOKEN,

@@ -22,10 +22,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from serving.app import create_app
 from serving.config import RouterConfig, RouterConfigError, load_router_config
 from serving.metrics import percentile
-from serving.router import create_app
-from serving.state import SavedState, arm_for_bucket, bucket, load_state, save_state
+from serving.routing import SavedState, arm_for_bucket, bucket, load_state, save_state
 from tests.router_helpers import (  # noqa: F401 (fixtures)
     MODELS,
     PRODUCER,
@@ -248,13 +248,13 @@ def test_a_rollback_during_a_slow_weight_change_wins_at_once(
     admin_token: dict[str, str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import serving.live
+    import serving.router_state
 
     def slow_save(path: Path, state: SavedState) -> None:
         time.sleep(0.5)  # a slow disk under the admin lock
         save_state(path, state)
 
-    monkeypatch.setattr(serving.live, "save_state", slow_save)
+    monkeypatch.setattr(serving.router_state, "save_state", slow_save)
     state_file = tmp_path / "state.json"
     config = make_config(backends, tmp_path, percent=100, state_file=state_file)
 

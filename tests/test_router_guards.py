@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from serving.config import RouterConfig
-from serving.state import FastFail, Lease, SavedState, load_state, save_state
+from serving.routing import FastFail, Lease, SavedState, load_state, save_state
 from tests.router_helpers import (
     TOKEN,
     VERSIONS,

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from serving.config import RouterConfigError
-from serving.state import bucket
+from serving.routing import bucket
 from serving.tasks import TasksConfig, create_tasks_app, load_config, tasks_config
 from tests.router_helpers import (  # noqa: F401 (fixtures)
     PRODUCER,

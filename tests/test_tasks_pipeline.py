@@ -148,21 +148,29 @@ def test_each_task_runs_its_own_pipeline_and_registers_its_own_model(
     assert "not registered" in report and "| orders | support_demo/accuracy |" in report
 
 
-def test_a_change_to_one_task_reruns_only_that_tasks_stages(
-    two_tasks: tuple[Path, dict[str, Any]],
-) -> None:
+@pytest.fixture(scope="module")
+def orders_month_2(two_tasks: tuple[Path, dict[str, Any]]) -> tuple[set[str], set[str]]:
+    """New records for orders alone, ingested; the stages DVC saw changed before and after."""
     repo, _ = two_tasks
-    # What ran is up to date; the broken task's refused stage and those after it are not.
-    assert {s for s in changed_stages(repo) if not s.endswith("@broken")} == set()
+    before = changed_stages(repo)
     params = load_params(repo / "params.yaml")
-    # New records for orders alone: after ingest, only orders' stages see new data.
     domain.seed_month(
         repo / params.paths.incoming / "orders",
         params.demo.model_copy(update={"seed": 8, "n_support": 40, "n_badcases": 4}),
         month=2,
     )
     dvc(repo, "repro", "--single-item", "ingest")
-    changed = changed_stages(repo)
+    return before, changed_stages(repo)
+
+
+def test_a_change_to_one_task_reruns_only_that_tasks_stages(
+    two_tasks: tuple[Path, dict[str, Any]], orders_month_2: tuple[set[str], set[str]]
+) -> None:
+    repo, _ = two_tasks
+    before, changed = orders_month_2
+    # What ran is up to date; the broken task's refused stage and those after it are not.
+    assert {s for s in before if not s.endswith("@broken")} == set()
+    # New records for orders alone: after ingest, only orders' stages see new data.
     assert changed, "the new records changed nothing"
     assert all(stage.endswith(("@orders", "@broken")) for stage in changed), changed
     assert not any(stage.endswith("@support") for stage in changed), changed
@@ -176,7 +184,9 @@ def test_a_change_to_one_task_reruns_only_that_tasks_stages(
 
 
 def test_one_task_is_run_by_hand_and_the_others_stay_as_they_were(
-    two_tasks: tuple[Path, dict[str, Any]], capsys: pytest.CaptureFixture[str]
+    two_tasks: tuple[Path, dict[str, Any]],
+    orders_month_2: tuple[set[str], set[str]],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from flows.retrain import retrain
     from tuneloop.cli import main
@@ -185,7 +195,7 @@ def test_one_task_is_run_by_hand_and_the_others_stay_as_they_were(
     locked = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     with pytest.raises(ParamsError, match=r"not there: \['nope'\]"):
         retrain(repo=repo, tasks=["nope"])
-    # orders has new records (the test before): its month reruns, support's does not. By
+    # orders has new records (orders_month_2): its month reruns, support's does not. By
     # hand, as an operator runs it: `tuneloop retrain --task orders`.
     capsys.readouterr()
     assert main(["retrain", "--repo", str(repo), "--task", "orders", "--json"]) == 0

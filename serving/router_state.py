@@ -29,12 +29,11 @@ from fastapi import Depends, Request
 from fastapi.concurrency import run_in_threadpool
 
 from serving.attribution import RequestIds, SeenKeys
+from serving.badcases import FeedbackWriter
 from serving.config import RouterConfig
-from serving.feedback import FeedbackWriter
 from serving.limits import TokenBucket
 from serving.metrics import ArmStats, new_stats
-from serving.samples import Ring, SampleLog, ShadowPair
-from serving.state import (
+from serving.routing import (
     ErrorBurst,
     Lease,
     SavedState,
@@ -43,6 +42,7 @@ from serving.state import (
     starting_state,
     utc_iso,
 )
+from serving.samples import Ring, SampleLog, ShadowPair
 from tuneloop.release import ARMS
 
 # One logger for the whole router, whichever module writes: operators and tests
