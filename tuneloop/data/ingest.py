@@ -380,112 +380,23 @@ def ingest(
     the window is then decided line by line in order exactly as one process decides it, so
     the pool and quarantine get the same bytes either way (``tests/test_ingest.py``).
     """
-    result = IngestResult()
-    seen = set(known)
-    # A line whose bytes were parsed earlier in this run in the same task's folder (into a
-    # record, so its record's hash is in ``seen``) is a duplicate with the same PII counts:
-    # those are remembered, by the line's ``seen_key``, rather than worked out again. The
-    # folder's task is part of the key: the same bytes in another task's folder are another
-    # record, and may be another outcome (a task mismatch in one, accepted in the other).
-    earlier: dict[str, tuple[tuple[str, int], ...]] = {}
-
-    def key_of(line: Line) -> str:
-        raw_hash = hashlib.sha256(line.raw.rstrip(b"\r\n")).hexdigest()
-        return seen_key(raw_hash, folder_task(line.file, tasks))
-
-    def decide(line: Line, key: str | None = None, outcome: Sorted | None = None) -> None:
-        """The line's fate, in order; ``outcome`` is its ``sort_one`` if a worker did it."""
-        folder = folder_task(line.file, tasks)
-        if not line.raw.strip():
-            result.blank += 1
-            result.count(folder, "blank")
-            return
-        if key is None:
-            key = key_of(line)
-        remembered = earlier.get(key)
-        if key in seen or remembered is not None:
-            result.pii.update(dict(remembered or ()))
-            result.duplicates += 1
-            result.count(folder, "duplicates")
-            return
-        if outcome is None:
-            outcome = sort_one(line, max_line_bytes, now, tasks)
-        if outcome[0] == "invalid":
-            error = InvalidRecord(outcome[1], outcome[2])
-            result.reasons[error.kind] += 1
-            seen.add(key)
-            raw_digest = "raw:" + hashlib.sha256(line.raw.rstrip(b"\r\n")).hexdigest()
-            entry, found = quarantine_entry(line, error, raw_digest, max_line_bytes, now, folder)
-            result.pii.update(found)
-            result.quarantined.append(entry)
-            result.count(folder, "quarantined")
-            return
-        _, digest, found_items, pooled, source, task = outcome
-        result.pii.update(dict(found_items))
-        earlier[key] = found_items
-        if digest in seen:
-            result.duplicates += 1
-            result.count(folder, "duplicates")
-            return
-        seen.add(digest)
-        result.accepted.append(pooled)
-        result.accepted_ids.append(digest)
-        result.accepted_tasks.append(task)
-        result.by_source[source] += 1
-        result.count(folder, "accepted")
-
+    run = _Run(set(known), max_line_bytes, now, tasks)
     if workers <= 1:
         for line in lines:
-            decide(line)
-        return result
-
-    def send(window: list[Line]) -> Sending:
-        """Screen a window and hand the lines that need their own work to the workers.
-
-        The screen is conservative (``decide`` makes the exact decision, in order): blank
-        lines, lines seen before and repeats of a line already sent are not sent. It may
-        run on the state of a window ago, which only sends a little more work.
-        """
-        keys: list[str | None] = []
-        todo: list[int] = []
-        sent: set[str] = set()
-        for index, line in enumerate(window):
-            if not line.raw.strip():
-                keys.append(None)
-                continue
-            key = key_of(line)
-            keys.append(key)
-            if key in seen or key in earlier or key in sent:
-                continue
-            sent.add(key)
-            todo.append(index)
-        share = -(-len(todo) // workers) or 1
-        parts = [
-            executor.submit(
-                _sort_many, [window[i] for i in todo[k : k + share]], max_line_bytes, now, tasks
-            )
-            for k in range(0, len(todo), share)
-        ]
-        return Sending(window, keys, todo, parts)
-
-    def settle(sending: Sending) -> None:
-        outcomes = (outcome for part in sending.parts for outcome in part.result())
-        done = dict(zip(sending.todo, outcomes, strict=True))
-        for index, line in enumerate(sending.window):
-            decide(line, sending.keys[index], done.pop(index, None))
-
+            run.decide(line)
+        return run.result
     context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as executor:
         # Window N+1 is sorted by the workers while this process decides window N.
         in_flight: Sending | None = None
         for window in iter(lambda: list(itertools.islice(lines, WINDOW_LINES)), []):
-            sending = send(window)
+            sending = run.send(window, executor, workers)
             if in_flight is not None:
-                settle(in_flight)
+                run.settle(in_flight)
             in_flight = sending
         if in_flight is not None:
-            settle(in_flight)
-    return result
+            run.settle(in_flight)
+    return run.result
 
 
 @dataclass
@@ -496,6 +407,105 @@ class Sending:
     keys: list[str | None]  # each line's seen_key (None: blank)
     todo: list[int]  # the window's lines sent, in order
     parts: list[Future[list[Sorted]]]  # their outcomes, a consecutive share of todo each
+
+
+@dataclass
+class _Run:
+    """One ingest's decisions, line by line in order, and what they remember."""
+
+    seen: set[str]
+    max_line_bytes: int
+    now: str
+    tasks: Tasks
+    result: IngestResult = field(default_factory=IngestResult)
+    # A line whose bytes were parsed earlier in this run in the same task's folder (into a
+    # record, so its record's hash is in ``seen``) is a duplicate with the same PII counts:
+    # those are remembered, by the line's ``seen_key``, rather than worked out again. The
+    # folder's task is part of the key: the same bytes in another task's folder are another
+    # record, and may be another outcome (a task mismatch in one, accepted in the other).
+    earlier: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+
+    def key_of(self, line: Line) -> str:
+        raw_hash = hashlib.sha256(line.raw.rstrip(b"\r\n")).hexdigest()
+        return seen_key(raw_hash, folder_task(line.file, self.tasks))
+
+    def decide(self, line: Line, key: str | None = None, outcome: Sorted | None = None) -> None:
+        """The line's fate, in order; ``outcome`` is its ``sort_one`` if a worker did it."""
+        folder = folder_task(line.file, self.tasks)
+        result = self.result
+        if not line.raw.strip():
+            result.blank += 1
+            result.count(folder, "blank")
+            return
+        key = key or self.key_of(line)
+        remembered = self.earlier.get(key)
+        if key in self.seen or remembered is not None:
+            result.pii.update(dict(remembered or ()))
+            self.duplicate(folder)
+            return
+        if outcome is None:
+            outcome = sort_one(line, self.max_line_bytes, self.now, self.tasks)
+        if outcome[0] == "invalid":
+            self.quarantine(line, InvalidRecord(outcome[1], outcome[2]), key, folder)
+            return
+        _, digest, found_items, pooled, source, task = outcome
+        result.pii.update(dict(found_items))
+        self.earlier[key] = found_items
+        if digest in self.seen:
+            self.duplicate(folder)
+            return
+        self.seen.add(digest)
+        result.accepted.append(pooled)
+        result.accepted_ids.append(digest)
+        result.accepted_tasks.append(task)
+        result.by_source[source] += 1
+        result.count(folder, "accepted")
+
+    def duplicate(self, folder: str | None) -> None:
+        self.result.duplicates += 1
+        self.result.count(folder, "duplicates")
+
+    def quarantine(self, line: Line, error: InvalidRecord, key: str, folder: str | None) -> None:
+        self.result.reasons[error.kind] += 1
+        self.seen.add(key)
+        raw_digest = "raw:" + hashlib.sha256(line.raw.rstrip(b"\r\n")).hexdigest()
+        entry, found = quarantine_entry(
+            line, error, raw_digest, self.max_line_bytes, self.now, folder
+        )
+        self.result.pii.update(found)
+        self.result.quarantined.append(entry)
+        self.result.count(folder, "quarantined")
+
+    def send(self, window: list[Line], executor: ProcessPoolExecutor, workers: int) -> Sending:
+        """Screen a window and hand the lines that need their own work to the workers.
+
+        The screen is conservative (``decide`` makes the exact decision, in order): blank
+        lines, lines seen before and repeats of a line already sent are not sent. It may
+        run on the state of a window ago, which only sends a little more work.
+        """
+        keys: list[str | None] = []
+        todo: list[int] = []
+        sent: set[str] = set()
+        for index, line in enumerate(window):
+            key = self.key_of(line) if line.raw.strip() else None
+            keys.append(key)
+            if key is None or key in self.seen or key in self.earlier or key in sent:
+                continue
+            sent.add(key)
+            todo.append(index)
+        share = -(-len(todo) // workers) or 1
+        args = (self.max_line_bytes, self.now, self.tasks)
+        parts = [
+            executor.submit(_sort_many, [window[i] for i in todo[k : k + share]], *args)
+            for k in range(0, len(todo), share)
+        ]
+        return Sending(window, keys, todo, parts)
+
+    def settle(self, sending: Sending) -> None:
+        outcomes = (outcome for part in sending.parts for outcome in part.result())
+        done = dict(zip(sending.todo, outcomes, strict=True))
+        for index, line in enumerate(sending.window):
+            self.decide(line, sending.keys[index], done.pop(index, None))
 
 
 def known_hashes(pool: Path, tasks: Tasks = None) -> tuple[set[str], int]:
