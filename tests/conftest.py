@@ -64,6 +64,7 @@ LONG_FIRST = (
 # of the two sets (tests/test_tiers.py).
 FAST_MODULES = {
     "test_cards",
+    "test_docs",
     "test_chat",
     "test_clean_cache",
     "test_clean_dpo",
