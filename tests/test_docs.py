@@ -24,6 +24,7 @@ from tuneloop.params import load_params, with_overrides
 README = ROOT / "README.md"
 TUTORIAL = ROOT / "docs" / "tutorial" / "your-model.md"
 # A fenced block and the title in its info string: ```bash title="step 1: set up"
+REFERENCE = ("params", "cli", "stages", "mlflow")
 FENCE = re.compile(r'^```(\w+)(?: title="([^"]*)")?\n(.*?)^```', re.S | re.M)
 
 
@@ -72,6 +73,13 @@ def test_stages_reference_follows_dvc_yaml() -> None:
     assert "(no docstring)" not in page
 
 
+def test_mlflow_reference_finds_what_the_stages_write() -> None:
+    page = reference.mlflow_page(ROOT)
+    for key in ("gate.verdict", "tuneloop.train.stop_rule", "watchdog/accounting.json"):
+        assert f"| `{key}` |" in page
+    assert "| `gpu_hours.<state>` |" in page, "an f-string key shows its computed part"
+
+
 def _tutorial_blocks() -> list[tuple[str, str, str]]:
     return FENCE.findall(TUTORIAL.read_text(encoding="utf-8"))
 
@@ -107,6 +115,6 @@ def test_site_builds_strict(tmp_path: Path) -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    for page in ("index.html", "reference/params/index.html", "reference/cli/index.html"):
+    for page in ("index.html", *(f"reference/{name}/index.html" for name in REFERENCE)):
         assert (tmp_path / "site" / page).is_file()
     assert "train.learning_rate" in (tmp_path / "site/reference/params/index.html").read_text()

@@ -25,7 +25,12 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-PAGES = ("reference/params.md", "reference/cli.md", "reference/stages.md")
+PAGES = (
+    "reference/params.md",
+    "reference/cli.md",
+    "reference/stages.md",
+    "reference/mlflow.md",
+)
 
 
 @dataclass(frozen=True)
@@ -273,6 +278,142 @@ def stages_page(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- MLflow
+
+# MLflow's writing calls (fluent, client and tuneloop's own wrappers), by what they write.
+WRITES = {
+    "set_tag": "tag",
+    "set_tags": "tag",
+    "log_metric": "metric",
+    "log_metrics": "metric",
+    "log_param": "param",
+    "log_params": "param",
+    "log_artifact": "artifact",
+    "log_artifacts": "artifact",
+    "log_dict": "artifact",
+    "log_text": "artifact",
+    "log_figure": "artifact",
+    "log_inputs": "dataset",
+}
+# Where the key is among a call's arguments (after MlflowClient's run id): an artifact's
+# folder or file name comes last.
+KEY_AT = {"artifact": -1, "dataset": -1}
+
+
+@dataclass(frozen=True)
+class Write:
+    """One call that writes to an MLflow run: what kind, its key, and where it is."""
+
+    kind: str
+    key: str
+    where: str
+
+
+def _constants(path: Path) -> dict[str, str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            for target in node.targets:
+                if isinstance(target, ast.Name) and isinstance(node.value.value, str):
+                    found[target.id] = node.value.value
+    return found
+
+
+def _module_aliases(tree: ast.Module, root: Path) -> dict[str, Path]:
+    """``from tuneloop.tracking import runs`` -> {"runs": tuneloop/tracking/runs.py}."""
+    aliases: dict[str, Path] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                path = root / (node.module.replace(".", "/") + f"/{alias.name}.py")
+                if path.is_file():
+                    aliases[alias.asname or alias.name] = path
+    return aliases
+
+
+def _key_text(node: ast.expr, local: dict[str, str], aliases: dict[str, Path]) -> str:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(
+            str(part.value) if isinstance(part, ast.Constant) else f"<{ast.unparse(part.value)}>"  # type: ignore[attr-defined]
+            for part in node.values
+        )
+    if isinstance(node, ast.Name) and node.id in local:
+        return local[node.id]
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in aliases
+    ):
+        value = _constants(aliases[node.value.id]).get(node.attr)
+        if value is not None:
+            return value
+    return f"<{ast.unparse(node)}>"
+
+
+def _keys(call: ast.Call, kind: str, local: dict[str, str], aliases: dict[str, Path]) -> list[str]:
+    args = list(call.args)
+    if args and ast.unparse(args[0]).endswith("run_id"):  # MlflowClient: (run_id, key, ...)
+        args = args[1:]
+    args += [k.value for k in call.keywords if k.arg in ("artifact_path", "artifact_file")]
+    if not args:
+        return []
+    node = args[KEY_AT[kind]] if kind in KEY_AT else args[0]
+    if isinstance(node, ast.Dict):
+        return [_key_text(k, local, aliases) for k in node.keys if k is not None]
+    if isinstance(node, ast.DictComp):
+        return [_key_text(node.key, local, aliases)]
+    return [_key_text(node, local, aliases)]
+
+
+def mlflow_writes(root: Path) -> list[Write]:
+    """Every call in the library, stages and flows that writes to an MLflow run."""
+    writes: list[Write] = []
+    for folder in ("tuneloop", "stages", "flows"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if path.is_relative_to(root / "tuneloop" / "cli"):
+                continue
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            local, aliases = _constants(path), _module_aliases(tree, root)
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                    continue
+                kind = WRITES.get(node.func.attr)
+                receiver = ast.unparse(node.func.value)
+                if kind is None or receiver in ("self", "cls"):
+                    continue
+                where = f"{path.relative_to(root).as_posix()}:{node.lineno}"
+                writes += [Write(kind, key, where) for key in _keys(node, kind, local, aliases)]
+    return writes
+
+
+def mlflow_page(root: Path) -> str:
+    lines = [
+        "# MLflow: tags, metrics, params and artifacts",
+        "",
+        "Every call in `tuneloop/`, `stages/` and `flows/` that writes to an MLflow run, with the",
+        "key as the code writes it, found in the source when this site is built. `<...>` is",
+        "a part the code computes at run time: a stage's metrics come from its",
+        "`metrics/<stage>.json` (`<metrics>`), the lineage tags from `lineage_tags` (git commit,",
+        "`dvc.dep.<path>` and `dvc.out.<path>` md5s, `params.hash`, the flow run).",
+    ]
+    titles = {
+        "tag": "Tags",
+        "metric": "Metrics",
+        "param": "Params",
+        "artifact": "Artifacts",
+        "dataset": "Dataset inputs",
+    }
+    writes = mlflow_writes(root)
+    for kind, title in titles.items():
+        rows = sorted({(w.key, w.where) for w in writes if w.kind == kind})
+        lines += ["", f"## {title}", "", "| key | written at |", "|---|---|"]
+        lines += [f"| `{key}` | `{where}` |" for key, where in rows]
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------- checks
 
 
@@ -290,4 +431,5 @@ def missing_descriptions() -> list[str]:
 
 def pages(root: Path) -> dict[str, str]:
     """Each reference page's path under docs/ and its Markdown."""
-    return dict(zip(PAGES, (params_page(root), cli_page(), stages_page(root)), strict=True))
+    texts = (params_page(root), cli_page(), stages_page(root), mlflow_page(root))
+    return dict(zip(PAGES, texts, strict=True))
