@@ -32,7 +32,7 @@ export HF_HOME ?= $(CURDIR)/.hf
 # MkDocs 1.6 prints a notice about its successor at every build.
 export NO_MKDOCS_2_WARNING ?= 1
 
-.PHONY: setup serve-setup demo demo-real test test-fast lint typecheck docs docs-serve clean
+.PHONY: setup serve-setup demo demo-real test test-fast lint typecheck docs docs-serve docs-screenshots clean
 
 setup: $(VENV)/.installed
 
@@ -105,6 +105,12 @@ docs: setup
 
 docs-serve: setup
 	$(IN_VENV) $(BIN)/mkdocs serve
+
+# The manual's screenshots, taken by headless Chromium from the test suite's two-month loop
+# (tests/test_loop.py: the MLflow compare view, docs/mlflow-compare.png). Runs the loop first.
+docs-screenshots: setup
+	@command -v chromium >/dev/null || { echo "needs Debian's chromium: apt-get install chromium"; exit 1; }
+	TUNELOOP_SCREENSHOTS=$(CURDIR)/docs $(IN_VENV) $(BIN)/pytest -p no:cacheprovider tests/test_loop.py -k mlflow_ui
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
