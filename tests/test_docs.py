@@ -3,14 +3,16 @@
 The reference pages are generated from the code (``tuneloop/cli/reference.py``), so what can
 drift is a field or flag added without a description; the site is built with ``--strict`` (a
 few seconds), so a broken link or page fails here. The tutorial's ``params.yaml`` block is
-validated by the params models, its steps by ``bash -n``, and every command it names must
-exist; running its month end to end is not part of this module.
+validated by the params models, its steps by ``bash -n``, every command it names must exist,
+and its data and suite steps run as written; running its month is not part of this module.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +103,31 @@ def test_tutorial_steps_are_bash_and_name_real_commands() -> None:
         subprocess.run(["bash", "-n"], input=body, text=True, check=True)
         for command in re.findall(r"^\s*tuneloop ([a-z-]+)", body, re.M):
             assert command in known, f"the tutorial runs `tuneloop {command}`, which is no command"
+
+
+def test_tutorial_data_and_suite_steps_run_as_written(tmp_path: Path) -> None:
+    """Steps 2 and 3 in a copy of the project: the page's own lines are records to ingest
+    (the demo month it adds holds malformed lines on purpose)."""
+    from tuneloop.data.ingest import read_lines, sort_one
+
+    shutil.copy(ROOT / "params.yaml", tmp_path)
+    shutil.copytree(ROOT / "eval", tmp_path / "eval")
+    steps = {title.split(":")[0]: body for _, title, body in _tutorial_blocks() if title}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    for step in ("step 2", "step 3"):
+        bash = subprocess.run(["bash", "-e"], input=steps[step], text=True, cwd=tmp_path, env=env)
+        assert bash.returncode == 0, step
+    lines = list(read_lines(tmp_path / "data" / "badcases" / "incoming"))
+    own = [line for line in lines if line.file.startswith("2026-12/")]
+    assert len(own) == 3 and len(lines) > 100, "the page's lines and the demo month"
+    for line in own:
+        kind, *detail = sort_one(line, 1_000_000, "2026-12-01T00:00:00Z")
+        assert kind == "record", (line.file, line.number, detail)
+    suite = tmp_path / "eval" / "my_support"
+    assert "task: my_support" in (suite / "my_support.yaml").read_text()
+    items = [json.loads(line) for line in (suite / "test.jsonl").read_text().splitlines()]
+    assert all({"question", "answer", "answerable"} <= set(item) for item in items)
 
 
 def test_site_builds_strict(tmp_path: Path) -> None:
