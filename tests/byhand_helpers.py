@@ -1,9 +1,9 @@
-"""What the tests of the README's "Try a release on one machine" share: its block, its project.
+"""What the tests of the manual's "A release by hand" share: its block, its project.
 
-The fenced block of that section is read from README.md, so the doc cannot drift from what
-works. It runs in a temp project folder holding what ``make demo`` leaves for a release: a
-registry with champion v1 and challenger v2 (two tiny models of one shape, registered the way
-``tuneloop.tracking.registry`` registers them, without training), and a
+The fenced block of that page is read from docs/how-to/release-by-hand.md, so the doc cannot
+drift from what works. It runs in a temp project folder holding what ``make demo`` leaves for a
+release: a registry with champion v1 and challenger v2 (two tiny models of one shape,
+registered the way ``tuneloop.tracking.registry`` registers them, without training), and a
 ``configs/demo.yaml`` with short intervals. Three substitutions, none in what a command does: free
 ports instead of
 8001/8002/8080 (other tests run beside these), and the test session's Prefect server instead
@@ -55,12 +55,14 @@ OVERLAY: dict[str, dict[str, Any]] = {
 PORTS = ("8001", "8002", "8080")
 
 
-def readme_block(number: int = 0) -> str:
-    """The section's ``number``-th bash block: 0 the release, 1 a second router replica."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text.split("## Try a release on one machine", 1)[1].split("\n## ", 1)[0]
-    found = re.findall(r"```bash\n(.*?)```", section, re.S)
-    assert len(found) > number, f"the README's release section has no ```bash block {number}"
+PAGE = ROOT / "docs" / "how-to" / "release-by-hand.md"
+
+
+def page_block(number: int = 0) -> str:
+    """The page's ``number``-th bash block: 0 the release, 1 a second router replica."""
+    text = PAGE.read_text(encoding="utf-8")
+    found = re.findall(r"```bash\n(.*?)```", text, re.S)
+    assert len(found) > number, f"{PAGE.name} has no ```bash block {number}"
     return str(found[number])
 
 
@@ -92,13 +94,13 @@ def make_project(tmp_path: Path, overlay: dict[str, dict[str, Any]]) -> Path:
 
 
 def localised_block() -> tuple[str, dict[str, str]]:
-    """The README's block for this test session, and the free port that replaces each port."""
+    """The page's block for this test session, and the free port that replaces each port."""
     from prefect.settings import PREFECT_API_URL
 
     api = str(PREFECT_API_URL.value()).rstrip("/")
     ports = {port: str(free_port()) for port in PORTS}
     script = "\n".join(
-        line for line in readme_block().splitlines() if not line.startswith("prefect server start")
+        line for line in page_block().splitlines() if not line.startswith("prefect server start")
     )
     script = script.replace("http://127.0.0.1:4200/api", api)
     for old, new in ports.items():

@@ -239,7 +239,7 @@ def test_the_mlflow_ui_compares_the_two_months(
 ) -> None:
     """The compare view of the two retrain runs, rendered by a real browser.
 
-    ``TUNELOOP_SCREENSHOTS=docs`` keeps the screenshot (the README's is made so).
+    ``TUNELOOP_SCREENSHOTS=docs`` keeps the screenshot (docs/mlflow-compare.png is made so).
     """
     repo, history = loop
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")

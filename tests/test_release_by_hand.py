@@ -1,4 +1,5 @@
-"""The README's "Try a release on one machine", run as written, start to finish, on CPU backends.
+"""The manual's "A release by hand" (docs/how-to/release-by-hand.md), run as written, start
+to finish, on CPU backends.
 
 The block, the project it runs in and the substitutions it gets (free ports, the test
 session's Prefect server) are in ``tests/byhand_helpers.py``; it runs here in one

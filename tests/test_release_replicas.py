@@ -1,8 +1,8 @@
-"""The README's release with two router replicas: one restarted mid-release, one release killed.
+"""The manual's release by hand, two router replicas: one restarted mid-release, one release killed.
 
-The README's block runs as written (``tests/byhand_helpers.py``: free ports, the session's
+The page's block runs as written (``tests/byhand_helpers.py``: free ports, the session's
 Prefect server) on CPU ``transformers serve`` backends, with a second router replica beside
-the block's, started as the README's second block says: the same command and secrets, a
+the block's, started as the page's second block says: the same command and secrets, a
 config that differs only in its state file, both listed in ``release.routers``. The test
 acts at checkpoints put into the block (the shell waits at each until the test lets it go):
 
@@ -45,7 +45,7 @@ from tests.byhand_helpers import (
     block_env,
     localised_block,
     make_project,
-    readme_block,
+    page_block,
 )
 from tests.helpers import free_port, write_params
 from tuneloop.demo.customers import ARM_HEADER, USER_HEADER
@@ -92,17 +92,17 @@ def around(script: str, line_start: str, before: str = "", after: str = "") -> s
     """``script`` with lines put before and after its one line that starts with ``line_start``."""
     lines = script.splitlines()
     found = [i for i, line in enumerate(lines) if line.startswith(line_start)]
-    assert len(found) == 1, f"the README's block has {len(found)} lines starting {line_start!r}"
+    assert len(found) == 1, f"the page's block has {len(found)} lines starting {line_start!r}"
     i = found[0]
     added = [*before.splitlines(), lines[i], *after.splitlines()]
     return "\n".join([*lines[:i], *added, *lines[i + 1 :]])
 
 
 class Replica:
-    """The second router replica as the README starts one, on a free port, restartable."""
+    """The second router replica as the page starts one, on a free port, restartable."""
 
     def __init__(self, project: Path, port: str, env: dict[str, str]) -> None:
-        block = readme_block(1).splitlines()
+        block = page_block(1).splitlines()
         make_config = next(line for line in block if line.startswith("sed "))
         command, log = next(line for line in block if "-m serving.router" in line).split(" > ")
         subprocess.run(["bash", "-e", "-c", make_config], cwd=project, env=env, check=True)

@@ -1,4 +1,5 @@
-"""The team stack as the README sets it up, on one machine: every piece real, on loopback.
+"""The team stack as the manual sets it up (docs/how-to/team-stack.md), on one machine: every
+piece real, on loopback.
 
 One stack for the module, torn down even when a test fails:
 
@@ -53,7 +54,7 @@ from tuneloop.pipeline import stage_order
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
-# Short enough for a test; the README's values are params.yaml's (60 s, 300 s).
+# Short enough for a test; the manual's values are params.yaml's (60 s, 300 s).
 HEARTBEAT = {"heartbeat_s": 30, "crash_after_s": 60}
 # Settings under which the tiny candidate passes the gate: it learns the reply format in full
 # training (helpers.PASSING_TRAIN, as tests/test_loop.py). The base's general skill after the
@@ -291,7 +292,7 @@ def stack(postgres: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
 
 @pytest.fixture(scope="module")
 def project(stack: Stack) -> Path:
-    """A checkout with tiny params and a month of data, deployed as the README says."""
+    """A checkout with tiny params and a month of data, deployed as the manual says."""
     (stack.root / "checkout").mkdir()
     folder = copy_project(stack.root / "checkout")
     shutil.copy(ROOT / "prefect.yaml", folder / "prefect.yaml")

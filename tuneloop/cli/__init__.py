@@ -44,6 +44,13 @@ PASSTHROUGH: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
         "work pools and queues from params.yaml, then prefect.yaml's deployments",
     ),
 }
+# Their parsers, for `--help`-free readers: the generated CLI reference (tuneloop/cli/reference.py).
+PASSTHROUGH_PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
+    "watch": host.watch_parser,
+    "calibrate": host.calibrate_parser,
+    "doctor": host.doctor_parser,
+    "deploy": deploy.deploy_parser,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

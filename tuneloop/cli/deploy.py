@@ -9,8 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def deploy_main(argv: Sequence[str] | None = None) -> int:
-    """``tuneloop deploy``; flags it does not know go on to ``prefect deploy``."""
+def deploy_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tuneloop deploy",
         description="Create or update the work pools and queues in params.yaml's schedule "
@@ -18,7 +17,12 @@ def deploy_main(argv: Sequence[str] | None = None) -> int:
         "server PREFECT_API_URL names.",
     )
     parser.add_argument("--project", type=Path, default=Path(), help="project folder")
-    args, extra = parser.parse_known_args(argv)
+    return parser
+
+
+def deploy_main(argv: Sequence[str] | None = None) -> int:
+    """``tuneloop deploy``; flags it does not know go on to ``prefect deploy``."""
+    args, extra = deploy_parser().parse_known_args(argv)
     from prefect.settings import PREFECT_API_URL
 
     from tuneloop.orchestration.schedule import deploy

@@ -21,9 +21,8 @@ def _log_to_stderr() -> None:
     )
 
 
-def doctor_main(argv: Sequence[str] | None = None) -> int:
-    """``tuneloop doctor``: a table of checks, the same as JSON; exits 1 only on a failure."""
-    from tuneloop.preflight.doctor import DEFAULT_PROBE_MB, format_table, run_checks, write_report
+def doctor_parser() -> argparse.ArgumentParser:
+    from tuneloop.preflight.doctor import DEFAULT_PROBE_MB
 
     parser = argparse.ArgumentParser(
         prog="tuneloop doctor",
@@ -49,6 +48,14 @@ def doctor_main(argv: Sequence[str] | None = None) -> int:
         help="size of the temp file used to measure each folder's read and write bandwidth "
         "(MB); larger is more accurate on storage with big write caches",
     )
+    return parser
+
+
+def doctor_main(argv: Sequence[str] | None = None) -> int:
+    """``tuneloop doctor``: a table of checks, the same as JSON; exits 1 only on a failure."""
+    from tuneloop.preflight.doctor import format_table, run_checks, write_report
+
+    parser = doctor_parser()
     args = parser.parse_args(argv)
     if args.probe_mb < 1:
         parser.error("--probe-mb must be at least 1")
@@ -60,11 +67,7 @@ def doctor_main(argv: Sequence[str] | None = None) -> int:
     return 1 if any(c.status == "fail" for c in checks) else 0
 
 
-def calibrate_main(argv: Sequence[str] | None = None) -> int:
-    """``tuneloop calibrate``; returns the exit code."""
-    from tuneloop.telemetry.calibrate import calibrate
-    from tuneloop.telemetry.calibration import CalibrationError, save_calibration
-
+def calibrate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tuneloop calibrate",
         description="Measure this GPU model's power in each state (matmul burn, all-reduce "
@@ -87,7 +90,15 @@ def calibrate_main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="file to write (default calibrations/<gpu name>.json)",
     )
-    args = parser.parse_args(list(argv or []))
+    return parser
+
+
+def calibrate_main(argv: Sequence[str] | None = None) -> int:
+    """``tuneloop calibrate``; returns the exit code."""
+    from tuneloop.telemetry.calibrate import calibrate
+    from tuneloop.telemetry.calibration import CalibrationError, save_calibration
+
+    args = calibrate_parser().parse_args(list(argv or []))
     _log_to_stderr()
     try:
         calibration = calibrate(args.gpu, args.seconds)
@@ -103,7 +114,7 @@ def calibrate_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _watch_parser() -> argparse.ArgumentParser:
+def watch_parser() -> argparse.ArgumentParser:
     from tuneloop.telemetry.watch import (
         ALERT_COMMAND_ENV,
         ALERT_WEBHOOK_ENV,
@@ -233,7 +244,7 @@ def watch_main(argv: Sequence[str] | None = None) -> int:
     from tuneloop.telemetry.watchdog import WatchConfig
 
     argv = list(argv or [])
-    parser = _watch_parser()
+    parser = watch_parser()
     if "--" in argv:
         split = argv.index("--")
         own, command = argv[:split], argv[split + 1 :]

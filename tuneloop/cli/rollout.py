@@ -373,7 +373,9 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     traffic.add_argument("--users", type=int, default=300, help="distinct user ids (default 300)")
     traffic.add_argument("--concurrency", type=int, default=4, help="in flight (default 4)")
     traffic.add_argument("--max-tokens", type=int, default=24, help="per answer (default 24)")
-    traffic.add_argument("--seed", type=int, default=0)
+    traffic.add_argument(
+        "--seed", type=int, default=0, help="of the customers' questions and user ids"
+    )
     traffic.add_argument("--month", type=int, default=1, help="which month's questions (default 1)")
     traffic.add_argument(
         "--feedback-token-env",

@@ -7,7 +7,7 @@ support tool would, so the router records it as a badcase attributed to the arm 
 version that answered. Those lines are next month's training data.
 
 Used by ``tuneloop demo`` during each release, and by hand (``tuneloop traffic``) to try a
-release on one machine (README, "Try a release on one machine").
+release on one machine (docs/how-to/release-by-hand.md).
 """
 
 from __future__ import annotations

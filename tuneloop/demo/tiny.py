@@ -136,7 +136,8 @@ def copy_chats(texts: Sequence[str], seed: int, n: int) -> Iterator[list[dict[st
     vocabulary written out (the embedding, tied to the output layer, learns to produce it) and
     attention that carries a token from the question to the answer. Without it, a LoRA on the
     layers over a random frozen embedding learned an answer's format and not its words: an
-    order's product was right for 1 order in 20 (README, "Several tasks on one base").
+    order's product was right for 1 order in 20 (benchmarks/RESULTS.md, "Several tasks on one
+    base").
     """
     rng = random.Random(f"{seed}/copy")
     low, high = COPY_CHARS

@@ -315,6 +315,6 @@ def deploy(project: Path, params: Params, extra: Sequence[str] = ()) -> int:
         print(line)
     print(
         f"start a worker per pool, in the checkout its runs use: {HOME_ENV}=/path/to/checkout "
-        "prefect worker start --pool NAME (README, Operating it)"
+        "prefect worker start --pool NAME (docs/how-to/team-stack.md)"
     )
     return 0

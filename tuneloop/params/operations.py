@@ -94,8 +94,12 @@ class ReleaseParams(_Group):
     max_extensions: int = Field(
         ge=0, description="times an inconclusive analysis extends its interval before it fails"
     )
-    max_error_rate_increase: float = Field(ge=0, le=1)
-    max_badcase_rate_increase: float = Field(ge=0, le=1)
+    max_error_rate_increase: float = Field(
+        ge=0, le=1, description="challenger's error rate above the champion's, at most"
+    )
+    max_badcase_rate_increase: float = Field(
+        ge=0, le=1, description="challenger's badcases per request above the champion's, at most"
+    )
     max_latency_p99_ratio: float = Field(gt=0, description="challenger / champion p99, at most")
     max_ttft_p99_ratio: float = Field(gt=0, description="challenger / champion p99, at most")
     approval_timeout: int = Field(ge=1, description="seconds to wait for a person; then rollback")
@@ -165,7 +169,7 @@ class WatchdogParams(_Group):
     Not a DVC param of any stage: it watches a run, it does not change what the run makes.
     """
 
-    enabled: bool
+    enabled: bool = Field(description="false: train runs without its watchdog")
     deadlock_after_s: float = Field(
         gt=0, description="no step (and low GPU power) this long outside a checkpoint = a hang"
     )
@@ -188,7 +192,9 @@ class QueueParams(_Group):
 
 class PoolParams(_Group):
     concurrency: int | None = Field(ge=1, description="runs at once on the pool; null = any")
-    queues: dict[str, QueueParams] = Field(min_length=1)
+    queues: dict[str, QueueParams] = Field(
+        min_length=1, description="the pool's work queues by name (night, day, release)"
+    )
 
 
 class ScheduleParams(_Group):
@@ -202,7 +208,9 @@ class ScheduleParams(_Group):
     crash_after_s: int = Field(
         description="a flow run silent this long is marked Crashed; at least 2 x heartbeat_s"
     )
-    pools: dict[str, PoolParams] = Field(min_length=1)
+    pools: dict[str, PoolParams] = Field(
+        min_length=1, description="Prefect work pools by name; one worker per pool and host"
+    )
     commit_results: bool = Field(
         description="commit dvc.lock and metrics/ after each retrain to branch tuneloop/results "
         "(tag retrain-<time>), so `dvc metrics diff` compares months; the checkout is untouched"
