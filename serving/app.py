@@ -15,20 +15,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from serving import control, feedback, proxy
+from serving.clock import SYSTEM, Clock
 from serving.config import RouterConfig
 from serving.limits import Refused
 from serving.router_state import RouterState, new_state, state_of
 from tuneloop.release import ARMS
 
 
-def create_app(config: RouterConfig) -> FastAPI:
+def create_app(config: RouterConfig, clock: Clock = SYSTEM) -> FastAPI:
     """The router as an ASGI app; its backend connection pools open and close with the app."""
     app = FastAPI(
         title="tuneloop canary router",
         lifespan=_lifespan,
         exception_handlers={Refused: _refused},
     )
-    state = new_state(config)
+    state = new_state(config, clock)
     state.urls = proxy.backend_urls(config)
     app.state.router = state
     app.include_router(proxy.router)

@@ -8,7 +8,6 @@ even while a slow save holds the lock. ``/metrics`` is open, for Prometheus.
 
 from __future__ import annotations
 
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
@@ -93,7 +92,7 @@ def status(state: RouterState) -> dict[str, object]:
         },
         "shadow_percent": state.shadow_percent,
         "last_change": state.last_change,
-        "lease": None if state.lease is None else state.lease.as_json(time.time()),
+        "lease": None if state.lease is None else state.lease.as_json(state.clock.time()),
         "request_ids_signed": state.ids.signing,
         "feedback_producers": [p.name for p in config.feedback_producers],
     }
@@ -186,7 +185,14 @@ async def set_weights(request: Request, state: Live) -> JSONResponse:
     async with state.admin_lock:
         before = state.challenger_percent
         rollbacks = state.rollbacks
-        done = change("weights", before, update.challenger_percent, update.reason, update.operator)
+        done = change(
+            "weights",
+            before,
+            update.challenger_percent,
+            update.reason,
+            update.operator,
+            state.clock.time(),
+        )
         # Saved before it applies: a weight the router could not keep across
         # a restart is refused now rather than silently lost later.
         try:
@@ -234,7 +240,7 @@ async def take_lease(request: Request, state: Live) -> JSONResponse:
     if rule is not None and rule.max_errors > rule.window:
         raise Refused(400, "fast_fail.max_errors is more than fast_fail.window", "invalid_body")
     async with state.admin_lock:
-        now = time.time()
+        now = state.clock.time()
         held = state.lease
         if held is not None and held.holder != claim.holder and held.expires_at > now:
             raise Refused(

@@ -9,7 +9,6 @@ model version, counted against that arm for the release analysis.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,7 +33,7 @@ router = APIRouter()
 @router.post(FEEDBACK, status_code=201)
 async def feedback(request: Request, state: Live, producer: Producer) -> JSONResponse:
     config, limits = state.config, state.config.limits
-    state.buckets[producer].spend(time.monotonic())
+    state.buckets[producer].spend(state.clock.monotonic())
     flag = await read_model(request, FeedbackRequest, limits.feedback_bytes, limits.json_depth)
     check_sizes(flag, limits)
     attribution: Attribution | None = None

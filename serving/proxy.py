@@ -238,7 +238,7 @@ def backend_failed(state: RouterState, arm: str, kind: ErrorKind, error: Excepti
     # backend under load must not write a line per request.
     key = (arm, kind)
     state.backend_failures[key] += 1
-    now = time.monotonic()
+    now = state.clock.monotonic()
     if now - state.backend_warned.get(key, -math.inf) >= BACKEND_WARN_EVERY_S:
         count = state.backend_failures.pop(key)
         state.backend_warned[key] = now

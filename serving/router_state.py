@@ -20,7 +20,6 @@ import time
 from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -30,6 +29,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from serving.attribution import RequestIds, SeenKeys
 from serving.badcases import FeedbackWriter
+from serving.clock import SYSTEM, Clock
 from serving.config import RouterConfig
 from serving.limits import TokenBucket
 from serving.metrics import ArmStats, new_stats
@@ -53,21 +53,23 @@ logger = logging.getLogger("serving.router")
 LEASE_TICK_S = 0.5
 
 
-def _now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
-
-
 def change(
-    action: str, before: int | None, after: int, reason: str, operator: str | None = None
+    action: str,
+    before: int | None,
+    after: int,
+    reason: str,
+    operator: str | None = None,
+    at: float | None = None,
 ) -> dict[str, Any]:
-    """A weight change as ``/admin/status`` shows it and the state file keeps it."""
+    """A weight change as ``/admin/status`` shows it and the state file keeps it; ``at``, the
+    router's clock (None: now)."""
     return {
         "action": action,
         "from": before,
         "to": after,
         "reason": reason,
         "operator": operator,
-        "at": _now_iso(),
+        "at": utc_iso(time.time() if at is None else at),
     }
 
 
@@ -103,6 +105,9 @@ class RouterState:
     # The request-id keys of the other tasks one router serves (serving.tasks), by task: a
     # flag whose id one of them signed is that task's, never this one's training data.
     sibling_ids: dict[str, RequestIds] = field(default_factory=dict)
+    clock: Clock = SYSTEM
+    # Times the lease watch has looked at the lease: a test waits for a look, not a while.
+    lease_looks: int = 0
 
     def versions(self) -> dict[str, str]:
         return {arm: self.config.arms[arm].model_version for arm in ARMS}
@@ -121,12 +126,13 @@ class RouterState:
             lease=lease,
             changed_at=str(why.get("at") or ""),
             changed_from=why.get("from"),
+            updated_at=utc_iso(self.clock.time()),
         )
 
     def record_change(
         self, action: str, before: int | None, after: int, reason: str, operator: str | None = None
     ) -> None:
-        self.last_change = change(action, before, after, reason, operator)
+        self.last_change = change(action, before, after, reason, operator, self.clock.time())
 
     def set_lease(self, lease: Lease | None) -> None:
         """The lease, and a fresh fast-fail window whenever its holder or rule changes."""
@@ -182,7 +188,8 @@ class RouterState:
         """Roll back when the lease lapses: the release that held it stopped renewing it."""
         while True:
             lease = self.lease
-            now = time.time()
+            now = self.clock.time()
+            self.lease_looks += 1
             if lease is not None and now >= lease.expires_at:
                 self.roll_back_now(
                     "lease_lapsed",
@@ -196,7 +203,7 @@ class RouterState:
             await asyncio.sleep(max(0.01, wait))
 
 
-def new_state(config: RouterConfig) -> RouterState:
+def new_state(config: RouterConfig, clock: Clock = SYSTEM) -> RouterState:
     """The state a router starts with: the config's, or the state file's for these arms."""
     secret = os.environ.get(config.request_id_secret_env, "")
     if not secret:
@@ -205,7 +212,7 @@ def new_state(config: RouterConfig) -> RouterState:
             "(the canary analysis sees no badcases); set it, the same on every replica",
             config.request_id_secret_env,
         )
-    ticking = time.monotonic()
+    ticking = clock.monotonic()
     state = RouterState(
         config=config,
         challenger_percent=config.challenger_percent,
@@ -217,9 +224,10 @@ def new_state(config: RouterConfig) -> RouterState:
         flagged_ids=SeenKeys(config.flag_memory),
         flagged_users={arm: SeenKeys(config.flag_memory) for arm in ARMS},
         buckets={p.name: TokenBucket.full(p, ticking) for p in config.feedback_producers},
+        clock=clock,
     )
     if config.state_file is not None:
-        _restore(state, config.state_file, time.time())
+        _restore(state, config.state_file, clock.time())
     return state
 
 

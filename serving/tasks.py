@@ -48,6 +48,7 @@ from fastapi.responses import JSONResponse, Response
 from serving import control, proxy
 from serving.app import create_app, refusal
 from serving.auth import check_admin
+from serving.clock import SYSTEM, Clock
 from serving.config import RouterConfig, RouterConfigError, read_config_file, router_config
 from serving.feedback import FEEDBACK
 from serving.limits import Refused, read_object
@@ -129,7 +130,7 @@ def create_any_app(config: RouterConfig | TasksConfig) -> FastAPI:
     return create_tasks_app(config) if isinstance(config, TasksConfig) else create_app(config)
 
 
-def create_tasks_app(config: TasksConfig) -> FastAPI:
+def create_tasks_app(config: TasksConfig, clock: Clock = SYSTEM) -> FastAPI:
     """The router for several tasks: each task's router at ``/tasks/<task>``, and the
     OpenAI endpoints at the top dispatching on the body's ``model``."""
     app = FastAPI(
@@ -137,7 +138,7 @@ def create_tasks_app(config: TasksConfig) -> FastAPI:
         lifespan=_lifespan,
         exception_handlers={Refused: _refused},
     )
-    apps = {task: create_app(own) for task, own in config.tasks.items()}
+    apps = {task: create_app(own, clock) for task, own in config.tasks.items()}
     app.state.tasks = config
     app.state.apps = apps
     states: dict[str, RouterState] = {task: sub.state.router for task, sub in apps.items()}

@@ -26,7 +26,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving.app import create_app
+from serving.clock import SYSTEM, Clock
 from serving.config import RouterConfig
+from serving.router_state import RouterState
 
 TOKEN = "s3cret-admin-token"
 MODELS = {"champion": "champ-model", "challenger": "chall-model"}
@@ -185,9 +187,49 @@ def make_config(
 
 
 @contextmanager
-def running_router(config: RouterConfig) -> Iterator[httpx.Client]:
-    with serve(create_app(config)) as url, httpx.Client(base_url=url, timeout=10) as client:
+def running_router(config: RouterConfig, clock: Clock = SYSTEM) -> Iterator[httpx.Client]:
+    with running_state(config, clock) as (client, _):
         yield client
+
+
+@contextmanager
+def running_state(
+    config: RouterConfig, clock: Clock = SYSTEM
+) -> Iterator[tuple[httpx.Client, RouterState]]:
+    """A running router's client and its live state, for a test that waits on the state."""
+    app = create_app(config, clock)
+    with serve(app) as url, httpx.Client(base_url=url, timeout=10) as client:
+        yield client, app.state.router
+
+
+def looked(state: RouterState, timeout: float = 5) -> None:
+    """Wait until the router's lease watch has looked at the lease again: twice, since a
+    look under way when this was asked may have read the clock before the test moved it."""
+    seen = state.lease_looks
+    deadline = time.monotonic() + timeout
+    while state.lease_looks < seen + 2:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the lease watch did not look within {timeout} s")
+        time.sleep(0.01)
+
+
+class ManualClock:
+    """A router clock that moves only when the test says: leases lapse and rates refill on
+    ``advance``, not after a sleep. It starts at the real time, so ids and files look real."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+        self.ticks = 1000.0
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.ticks
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self.ticks += seconds
 
 
 @pytest.fixture

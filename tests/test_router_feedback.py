@@ -23,6 +23,7 @@ from tests.router_helpers import (
     PRODUCERS,
     SECRET_ENV,
     TOKEN,
+    ManualClock,
     backends,  # noqa: F401  (the two fake backends, module-scoped)
     chat,
     gate,  # noqa: F401
@@ -112,12 +113,15 @@ def test_a_producer_over_its_rate_gets_429_and_nothing_is_written(
 ) -> None:
     producers = [{**PRODUCERS[0], "rate_per_minute": 60, "burst": 3}]
     config = make_config(backends, tmp_path, feedback_producers=producers)
-    with running_router(config) as client:
+    clock = ManualClock()
+    with running_router(config, clock) as client:
         codes = [client.post("/v1/feedback", json=FLAG, headers=PRODUCER) for _ in range(6)]
         assert [r.status_code for r in codes] == [201, 201, 201, 429, 429, 429]
         assert int(codes[3].headers["retry-after"]) >= 1
         assert "over its rate limit" in codes[3].json()["detail"]
-        time.sleep(1.1)  # one flag a second refills
+        clock.advance(0.9)  # not yet a whole flag
+        assert client.post("/v1/feedback", json=FLAG, headers=PRODUCER).status_code == 429
+        clock.advance(0.2)  # one flag a second refills
         assert client.post("/v1/feedback", json=FLAG, headers=PRODUCER).status_code == 201
     assert len(written(tmp_path)) == 4
 

@@ -21,12 +21,15 @@ from serving.routing import FastFail, Lease, SavedState, load_state, save_state
 from tests.router_helpers import (
     TOKEN,
     VERSIONS,
+    ManualClock,
     backends,  # noqa: F401  (the two fake backends, module-scoped)
     chat,
     gate,  # noqa: F401
+    looked,
     make_config,
     router_secrets,  # noqa: F401  (autouse: the request-id key and producer token)
     running_router,
+    running_state,
     served_arm,
 )
 
@@ -118,23 +121,26 @@ def test_a_lease_that_is_not_renewed_rolls_back_and_says_why(
 ) -> None:
     state_file = tmp_path / "state.json"
     config = make_config(backends, tmp_path, state_file=state_file)
-    with running_router(config) as client:
+    clock = ManualClock()
+    with running_state(config, clock) as (client, state):
         assert take(client, "release-1", 1.5).status_code == 200
         client.post("/admin/weights", json={"challenger_percent": 10}, headers=HEADERS)
-        # Renewed three times over 2 s: still held.
+        # Renewed four times over 2 s of the router's clock: still held.
         for _ in range(4):
-            time.sleep(0.5)
+            clock.advance(0.5)
             assert take(client, "release-1", 1.5).status_code == 200
+        # A little short of the lease, and the router has looked: still held.
+        clock.advance(1.4)
+        looked(state)
         assert percent(client) == 10
         # Another release cannot take it meanwhile.
         other = take(client, "release-2", 60)
         assert other.status_code == 409 and "release-1" in other.json()["detail"]
-        # Silence: the router rolls back by itself within the lease (plus its tick).
-        start = time.monotonic()
-        wait_for(lambda: percent(client) == 0, timeout=1.5 + 1.0)
-        lapsed = time.monotonic() - start
+        # Silence past the lease: the router rolls back by itself at its next look.
+        clock.advance(0.2)
+        looked(state)
         status = client.get("/admin/status", headers=HEADERS).json()
-    assert lapsed <= 2.5
+    assert status["challenger_percent"] == 0
     assert status["lease"] is None
     assert status["last_change"]["action"] == "lease_lapsed"
     assert "release-1" in status["last_change"]["reason"]
@@ -147,7 +153,8 @@ def test_a_lease_that_is_not_renewed_rolls_back_and_says_why(
 def test_the_holder_ends_its_lease_and_the_weight_stays(
     backends: dict[str, str], tmp_path: Path
 ) -> None:
-    with running_router(make_config(backends, tmp_path)) as client:
+    clock = ManualClock()
+    with running_state(make_config(backends, tmp_path), clock) as (client, state):
         assert take(client, "release-1", 1.0).status_code == 200
         client.post("/admin/weights", json={"challenger_percent": 100}, headers=HEADERS)
         wrong = client.post("/admin/lease/release", json={"holder": "release-2"}, headers=HEADERS)
@@ -157,7 +164,8 @@ def test_the_holder_ends_its_lease_and_the_weight_stays(
             headers=HEADERS,
         )  # fmt: skip
         assert ended.status_code == 200 and ended.json()["lease"] is None
-        time.sleep(1.5)  # past the old expiry
+        clock.advance(1.5)  # past the old expiry
+        looked(state)
         assert percent(client) == 100
 
 
@@ -185,15 +193,16 @@ def test_a_restarted_router_reports_the_last_change_as_it_was_not_the_last_renew
     """The weight's change (from, to, when, why) survives a restart; renewals save the file
     too, and a restarted replica must not tell `tuneloop status` its weight changed then."""
     config = make_config(backends, tmp_path, state_file=tmp_path / "state.json")
-    with running_router(config) as client:
+    clock = ManualClock()
+    with running_router(config, clock) as client:
         take(client, "release-1", 30)
         client.post(
             "/admin/weights", json={"challenger_percent": 10, "reason": "canary"}, headers=HEADERS
         )
-        time.sleep(1.1)  # the renewal's time differs from the change's, to the second
+        clock.advance(1.1)  # the renewal's time differs from the change's, to the second
         assert take(client, "release-1", 30).status_code == 200
         before = client.get("/admin/status", headers=HEADERS).json()["last_change"]
-    with running_router(config) as client:
+    with running_router(config, clock) as client:
         after = client.get("/admin/status", headers=HEADERS).json()["last_change"]
     assert (before["action"], before["from"], before["to"]) == ("weights", 0, 10), before
     assert after == before
