@@ -51,7 +51,7 @@ import httpx
 import yaml
 from mlflow.tracking import MlflowClient
 
-from tuneloop.demo import customers, domain, orders, panel
+from tuneloop.demo import customers, domain, orders, reviewers
 from tuneloop.params import DemoParams, Params, load_params
 from tuneloop.release import approval, signoff
 from tuneloop.release.backends import Backend, start_transformers_serve, wait_healthy
@@ -516,7 +516,7 @@ def review_month(repo: Path, params: Params, logs: Path) -> dict[str, Any]:
     """The challenger's blind review by the demo's panel, through ``tuneloop review serve``.
 
     The review is made from the candidate's evaluated answers (``signoff.ensure_review``, as
-    the release would), served on a port of its own, voted on by ``tuneloop.demo.panel`` over
+    the release would), served on a port of its own, voted on by ``tuneloop.demo.reviewers`` over
     HTTP; its results are what the release's approval form and the summary show.
     """
     client = MlflowClient(runs.tracking_uri())
@@ -541,8 +541,8 @@ def review_month(repo: Path, params: Params, logs: Path) -> dict[str, Any]:
                     raise RuntimeError(f"the review page did not start; see {out.name}")
                 time.sleep(0.5)
             suite = params.paths.eval_suites / params.evaluate.suites[0] / "test.jsonl"
-            refs = panel.references(suite)
-            cast = panel.run_panel(store, review, base_url, refs, params.demo.seed)
+            refs = reviewers.references(suite)
+            cast = reviewers.run_panel(store, review, base_url, refs, params.demo.seed)
         finally:
             _stop(page)
         judged = signoff.judge_review(store, review, params.gate)

@@ -383,32 +383,32 @@ def test_the_demo_panel_votes_through_the_page_for_the_answers_the_suite_marks_r
     store: ReviewStore,
 ) -> None:
     from tuneloop.data.text import normalise
-    from tuneloop.demo import panel
+    from tuneloop.demo import reviewers
 
     # The suite's reference is the candidate's answer on every item: a reviewer without noise
     # would prefer the candidate every time, whichever side the page put it on.
     refs = {normalise(item.question): item.candidate_answer for item in review_items(8)}
     cast = {}
-    for reviewer in panel.PANEL:
+    for reviewer in reviewers.PANEL:
         link = create_invite(store, reviewer.name, base_url=BASE).link
         client = TestClient(create_review_app(store), base_url=BASE)
-        cast[reviewer.name] = panel.vote_through_the_page(client, link, reviewer, refs, seed=0)
+        cast[reviewer.name] = reviewers.vote_through_the_page(client, link, reviewer, refs, seed=0)
     results = compute_results(store, "month-1")
     controls = [r.controls for r in results.reviewers]
     assert cast == {r.name: 8 + c for r, c in zip(results.reviewers, controls, strict=True)}
     assert results.votes == 24 and all(c > 0 for c in controls)
     assert results.overall.win.count >= 18 and results.overall.decisive.low > 0.7
     # The same seed votes the same way again (the panel's tastes are seeded per reviewer).
-    rng_a, rng_b = (panel.random.Random("0/ana") for _ in range(2))
+    rng_a, rng_b = (reviewers.random.Random("0/ana") for _ in range(2))
     item = review_items(1)[0]
     votes = [
-        panel.choose(item.question, item.champion_answer, item.candidate_answer, refs, rng, 0.5)
+        reviewers.choose(item.question, item.champion_answer, item.candidate_answer, refs, rng, 0.5)
         for rng in (rng_a, rng_b)
     ]
     assert votes[0] == votes[1]
-    never = panel.random.Random(0)
+    never = reviewers.random.Random(0)
     right, wrong = item.candidate_answer, item.champion_answer
-    assert panel.choose(item.question, right, wrong, refs, never, 0.0) == "a"
-    assert panel.choose(item.question, wrong, right, refs, never, 0.0) == "b"
-    assert panel.choose(item.question, right, right, refs, never, 0.0) == "tie"
-    assert panel.choose(item.question, wrong, wrong, refs, never, 0.0) == "both_wrong"
+    assert reviewers.choose(item.question, right, wrong, refs, never, 0.0) == "a"
+    assert reviewers.choose(item.question, wrong, right, refs, never, 0.0) == "b"
+    assert reviewers.choose(item.question, right, right, refs, never, 0.0) == "tie"
+    assert reviewers.choose(item.question, wrong, wrong, refs, never, 0.0) == "both_wrong"

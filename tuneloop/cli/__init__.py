@@ -8,7 +8,7 @@ module         commands
                a model in front of users, and the people who decide how far
 ``host``       watch, calibrate, doctor: the training machine and its GPUs
 ``deploy``     deploy: the work pools, queues and deployments on a Prefect server
-``panel``      review create, serve, invite, revoke, results: the blind review by people
+``review``     review create, serve, invite, revoke, results: the blind review by people
 =============  ==============================================================================
 
 Each group imports what a command needs inside the command, so ``tuneloop --help`` starts in
@@ -22,7 +22,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from tuneloop.cli import deploy, host, loop, panel, rollout
+from tuneloop.cli import deploy, host, loop, review, rollout
 
 # Commands that parse their own flags (and, for `watch`, a command after `--`):
 # argparse's REMAINDER cannot pass `watch --deadlock-after 10 -- cmd` through.
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     loop.add_commands(commands)
     rollout.add_commands(commands)
-    panel.add_commands(commands)
+    review.add_commands(commands)
     return parser
 
 

@@ -13,5 +13,5 @@ module         what it holds
 =============  ==============================================================================
 
 The gate, the release and the demo call ``store.create_review`` and ``tally.compute_results``;
-``tuneloop review`` (``tuneloop/cli/panel.py``) is the command line.
+``tuneloop review`` (``tuneloop/cli/review.py``) is the command line.
 """
