@@ -583,11 +583,14 @@ def _registered(retrained: dict[str, Any]) -> bool:
 
 
 def not_released(retrained: dict[str, Any]) -> dict[str, Any]:
-    """Why there was no release: the registration's reasons, or the task's outcome."""
-    if "registration" in retrained:
-        return {"outcome": "not released", "reason": retrained["registration"]}
+    """Why there was no release, in a sentence a person reads: the registration's reasons
+    (the gate's, or an error's), else the task's outcome."""
+    registration = retrained.get("registration")
+    if registration is not None:
+        reasons = registration.get("reasons") or ["nothing was registered"]
+        return {"outcome": "not released", "reason": "; ".join(str(r) for r in reasons)}
     said = retrained.get("reason") or retrained.get("error") or retrained.get("outcome")
-    return {"outcome": "not released", "reason": {"reasons": [str(said)]}}
+    return {"outcome": "not released", "reason": str(said)}
 
 
 def release_tasks(

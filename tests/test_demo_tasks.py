@@ -168,6 +168,11 @@ def test_the_summary_shows_each_task_month_by_month(
     assert "Models -> tuneloop-support, tuneloop-orders" in text
     assert demo.not_released({"outcome": "failed", "error": "preflight refused"}) == {
         "outcome": "not released",
-        "reason": {"reasons": ["preflight refused"]},
+        "reason": "preflight refused",
     }
+    # A month the gate held: its reasons in a sentence, never the registration's dict.
+    held = {"registered": False, "name": "tuneloop-support", "version": None, "reasons": [
+        "gate fail: nothing registered", "support_demo/accuracy: FAIL"]}  # fmt: skip
+    release = demo.not_released({"outcome": "retrained", "registration": held})
+    assert release["reason"] == "gate fail: nothing registered; support_demo/accuracy: FAIL"
     assert orders.FIELDS == ("product", "express")
