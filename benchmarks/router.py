@@ -30,7 +30,6 @@ import multiprocessing
 import os
 import platform
 import secrets
-import socket
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from serving.app import create_app
 from serving.config import RouterConfig
 from serving.routing import arm_for_bucket, bucket
+from tuneloop.net import free_port
 
 logger = logging.getLogger("benchmarks.router")
 
@@ -107,13 +107,6 @@ def _run_router(config_json: str, port: int) -> None:
     uvicorn.run(
         create_app(config), host="127.0.0.1", port=port, log_level="warning", access_log=False
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 def _wait_up(url: str, timeout: float = 30) -> None:
@@ -282,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     token = secrets.token_hex(16)
     os.environ[TOKEN_ENV] = token  # inherited by the router process
     admin = {"Authorization": f"Bearer {token}"}
-    ports = {"champion": _free_port(), "challenger": _free_port(), "router": _free_port()}
+    ports = {"champion": free_port(), "challenger": free_port(), "router": free_port()}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     feedback_dir = Path(tempfile.mkdtemp(prefix="tuneloop-router-bench-"))  # stays empty
     load_before = os.getloadavg()[0]

@@ -30,7 +30,6 @@ import logging
 import multiprocessing
 import os
 import secrets
-import socket
 import sys
 import tempfile
 import threading
@@ -50,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from serving.app import create_app
 from serving.config import RouterConfig
 from tuneloop.data.records import parse_record
+from tuneloop.net import free_port
 
 logger = logging.getLogger("benchmarks.router_abuse")
 
@@ -99,13 +99,6 @@ def _run_router(config_json: str, port: int) -> None:
     uvicorn.run(
         create_app(config), host="127.0.0.1", port=port, log_level="warning", access_log=False
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 def _wait_up(url: str, timeout: float = 60) -> None:
@@ -334,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = {name: secrets.token_hex(16) for name in (ADMIN_ENV, SECRET_ENV, PRODUCER_ENV)}
     os.environ.update(tokens)  # inherited by the router process
-    ports = {"champion": _free_port(), "challenger": _free_port(), "router": _free_port()}
+    ports = {"champion": free_port(), "challenger": free_port(), "router": free_port()}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     work = Path(tempfile.mkdtemp(prefix="tuneloop-router-abuse-"))
     config = RouterConfig.model_validate(

@@ -65,6 +65,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
+from tuneloop.net import free_port  # noqa: E402
 from tuneloop.params import Params, load_params  # noqa: E402
 from tuneloop.release import backends, loadtest, vllm_engine  # noqa: E402
 from tuneloop.release.backends import Backend, LoraModule  # noqa: E402
@@ -89,15 +90,6 @@ def pct(values: list[float], q: float) -> float:
     """Nearest-rank percentile (the slowest of fewer than 100 values is their p99)."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 # --- the models -----------------------------------------------------------------------------------

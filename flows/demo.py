@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import threading
@@ -52,6 +51,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from tuneloop.demo import customers, domain, orders, reviewers
+from tuneloop.net import free_port
 from tuneloop.params import DemoParams, Params, load_params
 from tuneloop.release import approval, signoff
 from tuneloop.release.backends import Backend, start_transformers_serve, wait_healthy
@@ -75,12 +75,6 @@ CONCURRENCY = 4
 # it must not depend on how long the release ran: a slower machine or a longer approval wait
 # repeats questions (clean keeps each correction once) instead of teaching month 2 more.
 BURSTS = 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _healthy(url: str) -> bool:
@@ -208,7 +202,7 @@ def _serve_arms(
         if version is None:
             raise RuntimeError(f"{name} has no {arm!r} version to serve")
         folder = registry.download_folder(version, registry.MERGED, served / arm)
-        backend = start_transformers_serve(folder, _free_port(), served / f"{arm}.log", threads)
+        backend = start_transformers_serve(folder, free_port(), served / f"{arm}.log", threads)
         stack.backends.append(backend)
         arms[arm] = {
             "base_url": backend.url,
@@ -268,7 +262,7 @@ def serve_on_vllm(params: Params, repo: Path, served: Path) -> Stack:
     from tuneloop.release import serve
 
     name = params.tracking.registered_model
-    backend, base = serve.start_base(params, _free_port(), served / "vllm.log", served / "serve")
+    backend, base = serve.start_base(params, free_port(), served / "vllm.log", served / "serve")
     stack = Stack("", "", backends=[backend], stream=True)
     arms: dict[str, dict[str, Any]] = {}
     try:
@@ -311,7 +305,7 @@ def start_router(
     }
     config_file = served / "router.yaml"
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
-    port = _free_port()
+    port = free_port()
     stack.router_url, stack.feedback_token = f"http://127.0.0.1:{port}", feedback_token
     listen = ("--host", "127.0.0.1", "--port", str(port))
     with (served / "router.log").open("wb") as out:
@@ -528,7 +522,7 @@ def review_month(repo: Path, params: Params, logs: Path) -> dict[str, Any]:
     store = ReviewStore()
     try:
         review = signoff.ensure_review(store, client, candidate, champion)
-        base_url = f"http://127.0.0.1:{_free_port()}"
+        base_url = f"http://127.0.0.1:{free_port()}"
         logs.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "tuneloop.cli", "review", "serve"]
         command += ["--port", base_url.rsplit(":", 1)[1]]

@@ -20,8 +20,9 @@ from typing import Any
 
 import yaml
 
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT
 from tests.registry_helpers import register_champion_and_challenger
+from tuneloop.net import free_port
 from tuneloop.tracking import registry
 
 MODEL = "tuneloop-support"

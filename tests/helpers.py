@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from typing import Any, cast
 
 import httpx
 import yaml
+
+from tuneloop.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,12 +141,6 @@ def chat_lines(seed: int, n: int) -> list[str]:
         json.dumps({"id": f"{seed}-{i}", "messages": chat_messages(r)}, ensure_ascii=False)
         for i, r in enumerate(domain.support_records(seed, n))
     ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # Debian's headless Chromium, which renders the MLflow UI in the browser tests.

@@ -27,7 +27,7 @@ from prefect.input import RunInput
 
 from serving.app import create_app
 from serving.metrics import new_stats
-from tests.helpers import free_port, write_params
+from tests.helpers import write_params
 from tests.router_helpers import (
     SECRET_ENV,
     TOKEN,
@@ -39,6 +39,7 @@ from tests.router_helpers import (
     serve,
 )
 from tuneloop.judge.stats import mcnemar_p, two_proportion_p
+from tuneloop.net import free_port
 from tuneloop.params import ParamsError, ReleaseParams, ShadowParams, load_params, parse_params
 from tuneloop.release import loadtest
 from tuneloop.release.admin import AdminError, Cursor, LeaseKeeper, RouterAdmin

@@ -31,7 +31,7 @@ from prefect.states import State
 
 from serving.app import create_app
 from serving.config import RouterConfig
-from tests.helpers import free_port, write_params
+from tests.helpers import write_params
 from tests.registry_helpers import register_versions
 from tests.router_helpers import (
     PRODUCER,
@@ -43,6 +43,7 @@ from tests.router_helpers import (
     serve,
 )
 from tuneloop.cli import main as cli
+from tuneloop.net import free_port
 from tuneloop.release import approval, signoff
 from tuneloop.release.backends import Backend, start_transformers_serve
 from tuneloop.review import store as review_store

@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from serving.routing import load_state
-from tests.helpers import free_port, write_params
+from tests.helpers import write_params
 from tests.registry_helpers import register_champion_and_challenger
 from tests.router_helpers import (
     PRODUCER_ENV,
@@ -44,6 +44,7 @@ from tests.router_helpers import (
     fake_backend,
     serve,
 )
+from tuneloop.net import free_port
 from tuneloop.release import approval
 
 # The whole suite (`make test`): routers and releases in subprocesses

@@ -47,8 +47,9 @@ from tests.byhand_helpers import (
     make_project,
     page_block,
 )
-from tests.helpers import free_port, write_params
+from tests.helpers import write_params
 from tuneloop.demo.customers import ARM_HEADER, USER_HEADER
+from tuneloop.net import free_port
 from tuneloop.release import approval
 
 # The whole suite (`make test`): router replicas, transformers serve

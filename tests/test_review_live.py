@@ -29,9 +29,10 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-from tests.helpers import CHROMIUM, INITDB, free_port, postgres_bin
+from tests.helpers import CHROMIUM, INITDB, postgres_bin
 from tests.registry_helpers import register_versions
 from tests.review_helpers import CANDIDATE, CHAMPION, NAMES, review_items
+from tuneloop.net import free_port
 from tuneloop.params import BlindReviewParams, load_params
 from tuneloop.release import approval, signoff
 from tuneloop.review import store as review_store

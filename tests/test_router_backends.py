@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
+from tuneloop.net import free_port
 from tuneloop.release.backends import (
     LoraModule,
     start_transformers_serve,

@@ -25,7 +25,6 @@ import pwd
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from tests.helpers import (
     seed_demo_month,
     write_params,
 )
+from tuneloop.net import free_port
 from tuneloop.pipeline import stage_order
 
 # The whole suite (`make test`): PostgreSQL, MLflow and Prefect servers
@@ -67,12 +67,6 @@ PASSING = {
 }
 # Trust on loopback: a throwaway cluster with no password to leak.
 STAGES = stage_order(ROOT)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def tail(path: Path, lines: int = 60) -> str:

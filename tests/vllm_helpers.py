@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT
+from tuneloop.net import free_port
 from tuneloop.params import ServeParams, TinyModel, load_params
 
 logger = logging.getLogger(__name__)

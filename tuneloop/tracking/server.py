@@ -21,7 +21,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,17 +29,12 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from tuneloop.net import free_port
 from tuneloop.tracking import runs
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300  # about 9 s on an idle machine; minutes on a busy one
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _healthy(url: str) -> bool:
@@ -61,7 +55,7 @@ def local_server(root: Path, logs: Path) -> Iterator[str]:
         yield current
         return
     root = root.resolve()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     logs.mkdir(parents=True, exist_ok=True)
     command = [
