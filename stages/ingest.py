@@ -42,13 +42,16 @@ def main() -> None:
         tasks = tuple(params.tasks) or None
         known, pooled = ingest.known_hashes(pool, tasks)
         now = dt.datetime.now(dt.UTC)
-        result = ingest.ingest_folder(
-            params.paths.incoming,
-            known,
-            params.ingest.max_line_bytes,
-            now.isoformat(timespec="seconds"),
-            tasks=tasks,
-        )
+        try:
+            result = ingest.ingest_folder(
+                params.paths.incoming,
+                known,
+                params.ingest.max_line_bytes,
+                now.isoformat(timespec="seconds"),
+                tasks=tasks,
+            )
+        except ingest.LinkedFolder as error:
+            raise SystemExit(f"ingest: {error}; the pool is unchanged") from None
         metrics = ingest.metrics(result, pooled, tasks)
         log.info(
             "ingest: %d lines -> %d accepted, %d quarantined, %d duplicates",

@@ -188,3 +188,26 @@ def test_quarantine_written_before_entries_named_their_folder_still_marks_its_li
     path.write_text("".join(json.dumps(e) + "\n" for e in old))
     again = run(incoming, pool, None, 1)
     assert (len(again.quarantined), again.duplicates) == (0, 1)
+
+
+def test_a_linked_folder_is_refused_by_name_not_passed_over(tmp_path: Path) -> None:
+    incoming, elsewhere = tmp_path / "incoming", tmp_path / "exports"
+    elsewhere.mkdir()
+    (elsewhere / "month.jsonl").write_text(json.dumps(record(0, None)) + "\n")
+    (incoming / "support").mkdir(parents=True)
+    (incoming / "support/feedback.jsonl").write_text(json.dumps(record(1, None)) + "\n")
+    (incoming / "orders").symlink_to(elsewhere)
+    try:
+        list(ingest.read_lines(incoming))
+    except ingest.LinkedFolder as error:
+        assert f"{incoming / 'orders'} is a link to a folder" in str(error)
+    else:
+        raise AssertionError("a linked folder's lines were passed over without a word")
+    # A linked file is read like any other.
+    (incoming / "orders").unlink()
+    (incoming / "orders").mkdir()
+    (incoming / "orders/month.jsonl").symlink_to(elsewhere / "month.jsonl")
+    assert [line.file for line in ingest.read_lines(incoming)] == [
+        "orders/month.jsonl",
+        "support/feedback.jsonl",
+    ]

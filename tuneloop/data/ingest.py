@@ -102,9 +102,29 @@ class IngestResult:
         return len(self.quarantined) / max(self.lines, 1)
 
 
+class LinkedFolder(ValueError):
+    """A folder under incoming/ that is a symbolic link: its files would be passed over."""
+
+
+def incoming_files(incoming: Path) -> list[Path]:
+    """Every ``*.jsonl`` under ``incoming``, in a stable order; ``LinkedFolder`` names a
+    linked folder, whose files ``rglob`` would pass over without a word."""
+    files: list[Path] = []
+    for folder, subfolders, names in os.walk(incoming):
+        for name in subfolders:
+            if (Path(folder) / name).is_symlink():
+                link = Path(folder) / name
+                raise LinkedFolder(
+                    f"{link} is a link to a folder ({os.readlink(link)}): ingest follows no "
+                    "linked folder, so its files would never be read; copy or move them in"
+                )
+        files += [Path(folder) / name for name in names if name.endswith(".jsonl")]
+    return sorted(files)
+
+
 def read_lines(incoming: Path) -> Iterator[Line]:
     """Raw lines of every incoming file in a stable order; bytes, so bad UTF-8 is seen, not lost."""
-    for path in sorted(incoming.rglob("*.jsonl")):
+    for path in incoming_files(incoming):
         name = str(path.relative_to(incoming))
         with path.open("rb") as lines:
             offset = 0
@@ -529,7 +549,7 @@ def ingest_folder(
 ) -> IngestResult:
     """``ingest`` every ``*.jsonl`` under ``incoming``, over the usable cores when it is large;
     each record routed to one of ``tasks`` (None: a project without ``tasks:``)."""
-    size = sum(path.stat().st_size for path in incoming.rglob("*.jsonl"))
+    size = sum(path.stat().st_size for path in incoming_files(incoming))
     workers = usable_cores() if size > PARALLEL_MIN_BYTES else 1
     return ingest(read_lines(incoming), known, max_line_bytes, now, workers=workers, tasks=tasks)
 
