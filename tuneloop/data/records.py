@@ -354,19 +354,23 @@ def hashes_path(pool: Path) -> Path:
     return pool.parent / f".{pool.name}.hashes.json"
 
 
-def _stamp(stat: os.stat_result) -> list[int]:
-    # What clean's cache already trusts a batch's md5 by (``cleancache._batch_segments``): a
-    # copy of the project (cp -p, a backup restored) keeps it, so a month there reads no
-    # batch again. Bytes rewritten to the same size under a restored mtime would pass, here,
-    # there and in `dvc status` alike.
-    return [stat.st_size, stat.st_mtime_ns]
+def file_stamp(stat: os.stat_result) -> list[int]:
+    """What says a pool file is unchanged without reading it: a digest remembered under its
+    stamp is believed (here, and clean's in ``clean_cache._batch_segments``).
+
+    The inode and the change time too, which no call can set and any write moves: by size and
+    mtime alone, bytes rewritten to the same size with the mtime kept (``cp -p`` or
+    ``rsync -t`` over it, a restored backup, ``os.utime``) passed for the old. A copy of the
+    project therefore hashes each batch once again, as ``dvc status`` does after one.
+    """
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns]
 
 
 def _batch_digest(batch: Path, stat: os.stat_result, known: dict[str, Any]) -> bytes:
-    """The batch's xxh3-128: remembered in ``known`` for this size and mtime, else hashed
+    """The batch's xxh3-128: remembered in ``known`` for this ``file_stamp``, else hashed
     and remembered there."""
     entry = known.get(batch.name)
-    if isinstance(entry, dict) and entry.get("stat") == _stamp(stat):
+    if isinstance(entry, dict) and entry.get("stat") == file_stamp(stat):
         with contextlib.suppress(KeyError, TypeError, ValueError):
             return bytes.fromhex(entry["xxh3"])
     if stat.st_size:
@@ -376,7 +380,7 @@ def _batch_digest(batch: Path, stat: os.stat_result, known: dict[str, Any]) -> b
             digest = xxhash.xxh3_128_digest(data)
     else:
         digest = xxhash.xxh3_128_digest(b"")
-    known[batch.name] = {"stat": _stamp(stat), "xxh3": digest.hex()}
+    known[batch.name] = {"stat": file_stamp(stat), "xxh3": digest.hex()}
     return digest
 
 
