@@ -20,7 +20,7 @@ import tokenizers
 from tests import helpers
 from tuneloop.data import chat, clean_parts, pack_cache, token_cache
 from tuneloop.data.chat import ChatTokenizer
-from tuneloop.data.pack import pack_samples
+from tuneloop.data.pack import Overlong, pack_samples
 from tuneloop.data.pack_cache import Packed, pack_file, part_ranges
 from tuneloop.data.shards import IGNORE_INDEX
 from tuneloop.demo import domain, tiny
@@ -241,7 +241,8 @@ def test_a_change_to_what_a_part_depends_on_misses_it(
     path, cache = tmp_path / "train.jsonl", tmp_path / "cache"
     write(path, [lines[:60], lines[60:]])
     first = pack(path, cache, tokenizer)
-    seq_len, overlong = SEQ_LEN, "truncate"
+    seq_len = SEQ_LEN
+    overlong: Overlong = "truncate"
     if change == "pack.seq_len":
         seq_len = 64
     elif change == "pack.overlong":
