@@ -12,9 +12,10 @@ after every rank has finished writing its part: a process killed in the middle o
 leaves a folder without it, and ``prune_incomplete`` removes such folders before a resume.
 
 ``run.json``'s fingerprint covers what decides the trained weights (the train stage's params
-less the operational keys, the data, and the weights it starts from); ``prepare`` keeps the checkpoints of a run with the
-same fingerprint for ``train.resume: auto`` and otherwise clears what it owns (``run.json`` and
-the phase folders), so a run never continues from another run's optimizer state. Anything else
+less the operational keys, the data, and the weights it starts from); ``prepare`` keeps the
+checkpoints of a run with the same fingerprint for ``train.resume: auto`` and otherwise clears
+what it owns (``run.json`` and the phase folders), so a run never continues from another run's
+optimizer state. Anything else
 in the folder is left alone: it is not this module's to delete.
 
 Checkpoint folders are named ``checkpoint-N`` by the Trainer; ``checkpoint_dir`` and
