@@ -63,6 +63,7 @@ LONG_FIRST = (
 # one that also holds unit or property tests is fast. Every tests/test_*.py is in exactly one
 # of the two sets (tests/test_tiers.py).
 FAST_MODULES = {
+    "test_cache_keys",
     "test_cards",
     "test_chat",
     "test_clean_cache",
