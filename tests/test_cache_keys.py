@@ -19,12 +19,15 @@ from typing import Any
 
 import pytest
 import yaml
+from mlflow.entities.model_registry import ModelVersion
 
 from tests.helpers import ROOT
 from tuneloop.io import write_json
 from tuneloop.judge.fixed_badcases import ITEMS_FOLDER_ENV
 from tuneloop.judge.gate import GateError
 from tuneloop.params import Params, parse_params
+from tuneloop.release import signoff
+from tuneloop.review.store import ReviewItem, ReviewStore, create_review
 from tuneloop.tracking import init_from
 
 
@@ -153,3 +156,48 @@ def test_a_suite_loads_its_items_bytes_even_under_a_kept_mtime(
     items.write_text("".join(reversed(lines)), encoding="utf-8")  # the same size
     os.utime(items, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert utils.load()["test"].to_list() == [json.loads(line) for line in reversed(lines)]
+
+
+# --- the blind review: found by the candidate, reused only for the pair it shows ---------------
+
+
+def version(number: str, model: str = "tuneloop") -> ModelVersion:
+    return ModelVersion(model, number, creation_timestamp=0, run_id=f"run-{number}")
+
+
+# (the review in the store: its champion and candidate labels; reused for v5 against v4?)
+REVIEWS = [
+    ("as the release makes it", "tuneloop v4", "tuneloop v5", True),
+    ("against another champion", "tuneloop v3", "tuneloop v5", False),
+    ("of another candidate", "tuneloop v4", "tuneloop v6", False),
+    ("labelled by hand", "the model serving today", "the new one", True),
+]
+
+
+@pytest.mark.parametrize(
+    ("made", "champion", "candidate", "reused"), REVIEWS, ids=[r[0] for r in REVIEWS]
+)
+def test_a_review_is_reused_only_for_the_pair_it_shows(
+    tmp_path: Path, made: str, champion: str, candidate: str, reused: bool
+) -> None:
+    store = ReviewStore(f"sqlite:///{tmp_path / 'review.db'}")
+    try:
+        assert signoff.existing_review(store, version("5"), version("4")) is None
+        name = signoff.review_name("tuneloop", "5")
+        item = ReviewItem("q?", "old answer", "new answer")
+        create_review(store, name, [item], champion=champion, candidate=candidate)
+        if reused:
+            assert signoff.existing_review(store, version("5"), version("4")) == name
+        else:
+            with pytest.raises(signoff.ReviewUnavailable, match="another pair"):
+                signoff.existing_review(store, version("5"), version("4"))
+    finally:
+        store.close()
+
+
+def test_a_review_is_made_from_answers_beside_the_champion_that_serves() -> None:
+    decision: dict[str, Any] = {"champion": {"name": "tuneloop", "version": "4"}}
+    signoff.compared_with(decision, version("5"), version("4"))
+    for evaluated in ({"champion": {"name": "tuneloop", "version": "3"}}, {"champion": None}):
+        with pytest.raises(signoff.ReviewUnavailable, match="evaluated against champion"):
+            signoff.compared_with(evaluated, version("5"), version("4"))
