@@ -544,10 +544,8 @@ def filled_once(
     [
         ("nothing", "neither"),
         ("param replay_fraction", "neither"),
-        ("param val_fraction", "decisions"),
-        ("chat template", "features"),
         ("code text.py", "features"),
-    ],
+    ],  # params and the tokenizer end to end: test_changed_params_..., test_changed_tokenizer_...
 )
 def test_a_run_misses_exactly_what_a_change_touches(
     filled_once: tuple[Path, Run],
