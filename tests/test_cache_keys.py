@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
@@ -201,3 +202,40 @@ def test_a_review_is_made_from_answers_beside_the_champion_that_serves() -> None
     for evaluated in ({"champion": {"name": "tuneloop", "version": "3"}}, {"champion": None}):
         with pytest.raises(signoff.ReviewUnavailable, match="evaluated against champion"):
             signoff.compared_with(evaluated, version("5"), version("4"))
+
+
+# --- the environments: remade when what they are built with changes ---------------------------
+
+ENVIRONMENTS = [
+    ("VENV", "EXTRAS", "dev,server", "dev,server,gpu"),
+    ("VENV", "TORCH", "torch==2.13.0", "torch==2.12.0"),
+    ("SERVE_VENV", "SERVE_DEVICE", "cpu", "gpu"),
+]
+
+
+@pytest.mark.parametrize(("venv", "variable", "before", "after"), ENVIRONMENTS)
+def test_an_environment_is_remade_when_its_build_changes(
+    tmp_path: Path, venv: str, variable: str, before: str, after: str
+) -> None:
+    """Its ``.installed`` stamp depends on a key file that changes only with what it keys."""
+    folder = tmp_path / "env"
+    key = folder / ".key"
+
+    def make(*args: str) -> str:
+        done = subprocess.run(
+            ["make", "--no-print-directory", "-C", str(ROOT), f"{venv}={folder}", *args],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return done.stdout
+
+    make("-s", str(key), f"{variable}={before}")
+    written = key.stat().st_mtime_ns
+    os.utime(key, ns=(written - 10**9, written - 10**9))  # older than now, as after a while
+    make("-s", str(key), f"{variable}={before}")
+    assert key.stat().st_mtime_ns == written - 10**9  # unchanged: nothing to remake
+    make("-s", str(key), f"{variable}={after}")
+    assert key.stat().st_mtime_ns > written - 10**9 and after in key.read_text()
+    rules = make("-n", "-p", str(key)).splitlines()
+    assert any(r.startswith(f"{folder}/.installed:") and r.endswith(f" {key}") for r in rules)
