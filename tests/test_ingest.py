@@ -223,7 +223,7 @@ def test_a_batch_is_hashed_once_until_its_file_changes(
     assert pool_ids(pool) == written and len(hashed) == 2  # each batch, once
     assert records.hashes_path(pool).is_file()
     hashed.clear()
-    assert pool_ids(pool) == written and hashed == []  # remembered by records.file_stamp
+    assert pool_ids(pool) == written and hashed == []  # remembered by io.file_stamp
     copy = project / "copy" / "pool"  # a copy that keeps the times (cp -p, a restore)
     shutil.copytree(pool, copy)
     shutil.copy2(records.hashes_path(pool), records.hashes_path(copy))

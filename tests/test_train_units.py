@@ -347,9 +347,11 @@ def test_fingerprint_ignores_how_a_run_is_watched_not_what_it_trains(tmp_path: P
     assert checkpoints.fingerprint(params(), {"packed": data}) != base
 
 
-def _resume_params(root: Path, **train: Any) -> Params:
+def _resume_params(root: Path, local_base: bool = False, **train: Any) -> Params:
     data = yaml.safe_load((ROOT / "params.yaml").read_text())
     data["paths"].update(init=str(root / "init"), base_model=str(root / "base"))
+    if local_base:
+        data["model"]["base"] = str(root / "local")
     data["train"].update(train)
     return parse_params(data)
 
@@ -363,6 +365,7 @@ RESUME_CHANGES = [
     ("the champion's run", True),
     ("the base to the champion", True),
     ("the base stage's build", True),
+    ("a local base's weights saved over it", True),
 ]
 
 
@@ -373,13 +376,16 @@ def test_resume_key_covers_params_data_and_the_starting_weights(
     """Checkpoints resume only under the same key: a run continued from other weights (another
     champion, a rebuilt base) would mix two trainings in one model."""
     packed, base, init = tmp_path / "packed", tmp_path / "base", tmp_path / "init"
-    for folder in (packed, base, init):
+    for folder in (packed, base, init, tmp_path / "local"):
         folder.mkdir()
+    weights = tmp_path / "local" / "model.safetensors"
+    weights.write_bytes(b"month 1")
+    local = change.startswith("a local base")
     (packed / "manifest.json").write_text("{}")
     (base / "manifest.json").write_text('{"created_at": "month 1"}')
     champion = init_from.Start("champion", "train.init_from is champion", "m", "3", "run-a")
     write_json(init / init_from.INIT_FILE, asdict(champion))
-    before = checkpoints.fingerprint(_resume_params(tmp_path), {"packed": packed})
+    before = checkpoints.fingerprint(_resume_params(tmp_path, local), {"packed": packed})
     train: dict[str, Any] = {}
     if change == "how the run is watched":
         train = {"max_wall_hours": 5, "save_steps": 7, "resume": "never"}
@@ -395,7 +401,9 @@ def test_resume_key_covers_params_data_and_the_starting_weights(
         write_json(init / init_from.INIT_FILE, asdict(init_from.Start("base", "no champion")))
     elif change == "the base stage's build":  # model.tiny is no train param
         (base / "manifest.json").write_text('{"created_at": "month 2"}')
-    after = checkpoints.fingerprint(_resume_params(tmp_path, **train), {"packed": packed})
+    elif local:  # the same name and size
+        weights.write_bytes(b"month 2")
+    after = checkpoints.fingerprint(_resume_params(tmp_path, local, **train), {"packed": packed})
     assert (after != before) == misses
 
 

@@ -55,8 +55,8 @@ from tuneloop.data.clean import (
     features_fingerprint,
     hash_fractions,
 )
-from tuneloop.data.records import file_stamp, pool_batches
-from tuneloop.io import atomic_dir, read_json, usable_cores, write_json
+from tuneloop.data.records import pool_batches
+from tuneloop.io import atomic_dir, file_stamp, read_json, usable_cores, write_json
 from tuneloop.params import CleanParams
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class Segment:
 
 def _batch_segments(batch: Path, cache: Path) -> list[Segment]:
     """A batch file's segments; its md5 and line layout are remembered by its
-    ``records.file_stamp``."""
+    ``tuneloop.io.file_stamp``."""
     stat = batch.stat()
     meta_path = cache / "batches" / f"{batch.stem}.json"
     try:

@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from tuneloop.io import read_json, read_jsonl, write_json
+from tuneloop.io import file_stamp, read_json, read_jsonl, write_json
 
 log = logging.getLogger(__name__)
 
@@ -352,18 +352,6 @@ def hashes_path(pool: Path) -> Path:
     whole), like its lock and staging folder (``tuneloop.data.pool``, which the stages that only
     read the pool do not import)."""
     return pool.parent / f".{pool.name}.hashes.json"
-
-
-def file_stamp(stat: os.stat_result) -> list[int]:
-    """What says a pool file is unchanged without reading it: a digest remembered under its
-    stamp is believed (here, and clean's in ``clean_cache._batch_segments``).
-
-    The inode and the change time too, which no call can set and any write moves: by size and
-    mtime alone, bytes rewritten to the same size with the mtime kept (``cp -p`` or
-    ``rsync -t`` over it, a restored backup, ``os.utime``) passed for the old. A copy of the
-    project therefore hashes each batch once again, as ``dvc status`` does after one.
-    """
-    return [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns]
 
 
 def _batch_digest(batch: Path, stat: os.stat_result, known: dict[str, Any]) -> bytes:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from tuneloop.io import read_json, write_json
+from tuneloop.io import file_stamp, read_json, write_json
 from tuneloop.params import TRAIN_PHASE_ORDER, Params
 from tuneloop.tracking import init_from, lineage
 
@@ -100,11 +100,17 @@ def data_identity(path: Path) -> str:
 
 def base_identity(params: Params) -> str | None:
     """The base model's weights, where the params do not pin them: the folder the base stage
-    built (``model.tiny`` shapes builtin:tiny and is no train param) or a local folder. A hub
-    id is pinned by ``model.revision``, which the params part of the fingerprint holds."""
+    built (its manifest: ``model.tiny`` shapes builtin:tiny and is no train param), or a local
+    folder (its files' stamps: weights saved over it keep their names and sizes). A hub id is
+    pinned by ``model.revision``, which the params part of the fingerprint holds."""
     source = params.model.source
-    folder = {"builtin": params.paths.base_model, "local": Path(params.model.base)}.get(source)
-    return data_identity(folder) if folder is not None and folder.is_dir() else None
+    if source == "builtin" and params.paths.base_model.is_dir():
+        return data_identity(params.paths.base_model)
+    if source == "local":
+        files = sorted(p for p in Path(params.model.base).iterdir() if p.is_file())
+        stamps = [(p.name, file_stamp(p.stat())) for p in files]
+        return hashlib.sha256(json.dumps(stamps).encode()).hexdigest()
+    return None
 
 
 def fingerprint(params: Params, inputs: Mapping[str, Path]) -> str:
