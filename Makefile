@@ -36,7 +36,18 @@ export NO_MKDOCS_2_WARNING ?= 1
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+# What an environment is built with besides its requirement files (the Python, the torch build,
+# the extras; vLLM's device): a key file, rewritten only when its text changes, so a change
+# remakes the environment. Without it `make setup EXTRAS=dev,server,gpu` over a built .venv
+# said nothing was to be done and installed no extra.
+.PHONY: FORCE
+FORCE:
+write_key = @mkdir -p $(@D) && { printf '%s\n' '$(1)' | cmp -s - $@ || printf '%s\n' '$(1)' > $@; }
+
+$(VENV)/.key: FORCE
+	$(call write_key,$(PYTHON) $(TORCH) $(TORCH_INDEX) $(EXTRAS))
+
+$(VENV)/.installed: pyproject.toml constraints.txt $(VENV)/.key
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found; run 'make PYTHON=python3 ...' with a Python 3.11 or 3.12"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet uv
@@ -60,7 +71,10 @@ SERVE_REQS    = requirements/serve-$(SERVE_DEVICE).txt
 
 serve-setup: $(SERVE_VENV)/.installed
 
-$(SERVE_VENV)/.installed: requirements/serve-cpu.txt requirements/serve-gpu.txt
+$(SERVE_VENV)/.key: FORCE
+	$(call write_key,$(PYTHON) $(SERVE_DEVICE))
+
+$(SERVE_VENV)/.installed: requirements/serve-cpu.txt requirements/serve-gpu.txt $(SERVE_VENV)/.key
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found; run 'make PYTHON=python3 ...' with a Python 3.11 or 3.12"; exit 1; }
 	$(PYTHON) -m venv $(SERVE_VENV)
 	$(SERVE_BIN)/pip install --quiet uv

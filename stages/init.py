@@ -16,7 +16,6 @@ resolves the start through the registry inside its MLflow run.
 
 from __future__ import annotations
 
-import json
 import logging
 
 from tuneloop.io import read_json
@@ -35,12 +34,8 @@ def unchanged(params: Params) -> bool:
     except aliases.CannotTell as why:
         log.info("init: reading the registry through MLflow (%s)", why)
         return False
-    start = init_from.start_for(params, serving if params.train.init_from == "champion" else None)
     path = metrics_path(params, STAGE)
-    recorded = read_json(path) if path.exists() else None
-    # Through JSON, as the file holds it (tuples read back as lists).
-    metrics = json.loads(json.dumps(init_from.stage_metrics(start, serving)))
-    return init_from.in_place(params.paths.init, start) and recorded == metrics
+    return init_from.already_recorded(params, serving, read_json(path) if path.exists() else None)
 
 
 def main() -> None:

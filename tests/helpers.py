@@ -216,3 +216,31 @@ def postgres_bin() -> Path | None:
         key=lambda path: int(path.parts[-3]) if path.parts[-3].isdigit() else 0,
     )
     return versions[-1].parent if versions else None
+
+
+# --- changing one thing a cache's value depends on --------------------------------------------
+
+
+def demo_tokenizer(folder: Path, change: str = "nothing") -> Path:
+    """The data tests' tokenizer saved in ``folder``, with one change: ``tokenizer.json``
+    (another vocabulary, the same template) or ``chat template`` (another template)."""
+    from tuneloop.demo import domain, tiny
+
+    tokenizer = tiny.build_tokenizer(
+        domain.tokenizer_corpus(0), 400 if change == "tokenizer.json" else 512
+    )
+    if change == "chat template":
+        tokenizer.chat_template = tiny.CHAT_TEMPLATE.replace("'\\n'", "'\\n\\n'")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def edited_code(folder: Path, source: Path, names: tuple[str, ...], edited: str) -> Path:
+    """A copy of modules ``names`` of ``source`` in ``folder``, ``edited`` one comment longer:
+    point a module's ``__file__`` into it, and what it hashes of its package's code changes."""
+    folder.mkdir(parents=True)
+    for name in names:
+        shutil.copy(source / name, folder / name)
+    with (folder / edited).open("a", encoding="utf-8") as out:
+        out.write("# edited\n")
+    return folder

@@ -8,9 +8,11 @@ compared with an uncached run of the same pool and params.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import tempfile
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +20,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import tokenizers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.clean_helpers import PARAMS, pool_line, write_pool
-from tuneloop.data import clean_cache, clean_parts, text, turn_keys
+from tuneloop.data import chat, clean_cache, clean_parts, neardup, text, turn_keys
+from tuneloop.data import clean as clean_module
 from tuneloop.data.chat import ChatTokenizer
 from tuneloop.data.clean import hash_fractions
 from tuneloop.data.clean_cache import CleanReport, clean_pool
@@ -402,3 +406,227 @@ def test_the_replay_draw_is_even_reproducible_and_new_each_month() -> None:
     # Another month's draw is independent of this one's: a quarter of a quarter overlaps.
     other = hash_fractions(keys, "replay:month-3") < 0.25
     assert abs(((draw < 0.25) & other).mean() - 0.0625) < 0.005
+
+
+# --- what an entry is keyed on: change one thing its value depends on, and it misses ----------
+
+# Each clean param by the entries its value changes: "features" (the filters: every record's
+# work is redone, and so every decision), "decisions" (dedup, the split, the pilot, eval
+# matches: the features are reused), "neither" (the replay share, drawn after the cached
+# decisions from the start's batches). A new param fails here until it is placed.
+PARAM_ENTRIES: dict[str, tuple[str, Any]] = {
+    "min_response_chars": ("features", 30),
+    "max_tokens": ("features", 40),
+    "min_distinct_ngrams": ("features", 0.9),
+    "near_dup_threshold": ("decisions", 0.8),
+    "decontam_threshold": ("decisions", 0.7),
+    "val_fraction": ("decisions", 0.3),
+    "pilot_fraction": ("decisions", 0.5),
+    "replay_fraction": ("neither", 0.5),
+    "replay_corrections": ("neither", True),
+}
+
+
+def _retemplated(folder: Path) -> Path:
+    tokenizer = tiny.build_tokenizer(domain.tokenizer_corpus(0), 512)
+    tokenizer.chat_template = tiny.CHAT_TEMPLATE.replace("'\\n'", "'\\n\\n'")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _revocabulary(folder: Path) -> Path:
+    # The same template over another vocabulary: tokenizer.json alone differs.
+    tiny.build_tokenizer(domain.tokenizer_corpus(0), 400).save_pretrained(folder)
+    return folder
+
+
+def _edited_code(folder: Path, name: str) -> Path:
+    """A copy of the modules the features key on, ``name`` one comment longer; its clean.py."""
+    code = Path(clean_module.__file__).parent
+    folder.mkdir()
+    for module in clean_module._CODE_FILES:
+        shutil.copy(code / module, folder / module)
+    with (folder / name).open("a") as edited:
+        edited.write("# edited\n")
+    return folder / "clean.py"
+
+
+def _change(
+    what: str, root: Path, tokenizer_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[ChatTokenizer, dict[str, Any]]:
+    """Make one change: the tokenizer, and the ``run`` arguments, that see it."""
+    kwargs: dict[str, Any] = {}
+    folder = tokenizer_folder
+    if what.startswith("param "):
+        name = what.removeprefix("param ")
+        kwargs["params"] = PARAMS.model_copy(update={name: PARAM_ENTRIES[name][1]})
+    elif what == "eval questions":
+        kwargs["evals"] = EVAL[:5]
+    elif what == "tokenizer.json":
+        folder = _revocabulary(root / "vocabulary")
+    elif what == "chat template":
+        folder = _retemplated(root / "template")
+    elif what == "tokenizers version":
+        monkeypatch.setattr(tokenizers, "__version__", "0.0.0")
+    elif what == "jinja2 version":
+        monkeypatch.setattr(chat, "version", lambda name: "0.0.0")
+    elif what == "unicode tables":
+        monkeypatch.setattr(unicodedata, "unidata_version", "0.0.0")
+    elif what == "rensa version":
+        monkeypatch.setattr(clean_module, "version", lambda name: "0.0.0")
+    elif what == "sketch algorithm":
+        monkeypatch.setattr(neardup, "SKETCH_VERSION", "another")
+    elif what.startswith("code "):
+        edited = _edited_code(root / "code", what.removeprefix("code "))
+        monkeypatch.setattr(clean_module, "__file__", str(edited))
+    else:
+        assert what == "nothing", what
+    return ChatTokenizer.from_folder(folder), kwargs
+
+
+# (what changes, which entries miss): every dependency, through the two keys.
+DEPENDENCIES = [
+    ("nothing", "neither"),
+    *((f"param {name}", entries) for name, (entries, _) in PARAM_ENTRIES.items()),
+    ("eval questions", "decisions"),
+    ("tokenizer.json", "features"),
+    ("chat template", "features"),
+    ("tokenizers version", "features"),
+    ("jinja2 version", "features"),
+    ("unicode tables", "features"),
+    ("rensa version", "features"),
+    ("sketch algorithm", "features"),
+    *((f"code {name}", "features") for name in clean_module._CODE_FILES),
+]
+
+
+def test_every_clean_param_is_placed_in_the_cache_keys() -> None:
+    assert set(PARAM_ENTRIES) == set(CleanParams.model_fields)
+
+
+@pytest.mark.parametrize(("what", "misses"), DEPENDENCIES, ids=[d for d, _ in DEPENDENCIES])
+def test_each_dependency_is_in_its_key(
+    tmp_path: Path,
+    tokenizer_folder: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    what: str,
+    misses: str,
+) -> None:
+    """The features' key (``features_fingerprint``) and the head of the decisions' chain
+    (``decisions_fingerprint``, which every segment's link extends with the features' key)."""
+
+    def keys(tokenizer: ChatTokenizer, params: CleanParams = PARAMS, evals: list[str] = EVAL):
+        features = clean_module.features_fingerprint(params, tokenizer)
+        decisions = clean_module.decisions_fingerprint(
+            params, clean_module.EvalSet(evals, params.decontam_threshold)
+        )
+        return features, decisions
+
+    before = keys(ChatTokenizer.from_folder(tokenizer_folder))
+    tokenizer, kwargs = _change(what, tmp_path, tokenizer_folder, monkeypatch)
+    after = keys(tokenizer, **kwargs)
+    assert (after[0] != before[0]) == (misses == "features")
+    assert (after[1] != before[1]) == (misses == "decisions")
+
+
+@pytest.fixture(scope="module")
+def filled_once(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_folder: Path
+) -> tuple[Path, Run]:
+    """A pool and the cache a run left, made once; each test works on a copy."""
+    root = tmp_path_factory.mktemp("filled")
+    write_pool(root / "pool", [demo_lines(1, 90), demo_lines(2, 60)])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(clean_cache, "SEGMENT_LINES", 37)
+        first = run(root, root / "cache", ChatTokenizer.from_folder(tokenizer_folder))
+    return root, first
+
+
+@pytest.mark.parametrize(
+    ("what", "misses"),
+    [
+        ("nothing", "neither"),
+        ("param replay_fraction", "neither"),
+        ("code text.py", "features"),
+    ],  # params and the tokenizer end to end: test_changed_params_..., test_changed_tokenizer_...
+)
+def test_a_run_misses_exactly_what_a_change_touches(
+    filled_once: tuple[Path, Run],
+    tmp_path: Path,
+    tokenizer_folder: Path,
+    small_segments: None,
+    monkeypatch: pytest.MonkeyPatch,
+    what: str,
+    misses: str,
+) -> None:
+    """End to end, on a copy of a filled cache: reused entries give the uncached bytes."""
+    shutil.copytree(filled_once[0], tmp_path / "root")
+    root, first = tmp_path / "root", filled_once[1]
+    tokenizer, kwargs = _change(what, root, tokenizer_folder, monkeypatch)
+    rerun = run(root, root / "cache", tokenizer, **kwargs)
+    report = rerun.report.cache
+    computed = first.report.records_in if misses == "features" else 0
+    assert report["records_computed"] == computed
+    if misses == "neither":
+        assert report["segments_decided"] == 0
+    else:
+        assert report["segments_reused"] == 0
+    if misses != "features":  # something was reused: it must be what a run without makes
+        assert rerun.files == uncached(root, tokenizer, **kwargs).files
+
+
+def test_same_size_bytes_under_the_old_mtime_miss(
+    filled_once: tuple[Path, Run], tmp_path: Path, tokenizer_folder: Path, small_segments: None
+) -> None:
+    """A batch copied over with its times kept (cp -p, rsync -t, a restore): its md5 was
+    remembered by size and mtime, and the old bytes' features served for the new ones."""
+    shutil.copytree(filled_once[0], tmp_path / "root")
+    root, first = tmp_path / "root", filled_once[1]
+    tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
+    batch = sorted((root / "pool" / "records").glob("*.jsonl"))[0]
+    before = batch.stat()
+    lines = batch.read_bytes().splitlines(keepends=True)
+    batch.write_bytes(b"".join(reversed(lines)))  # the same size, other bytes
+    os.utime(batch, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (batch.stat().st_size, batch.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    rerun = run(root, root / "cache", tokenizer)
+    assert rerun.report.cache["records_computed"] == len(lines)
+    assert rerun.files == uncached(root, tokenizer).files != first.files
+
+
+def test_a_copied_pool_is_hashed_again_and_reused_by_its_bytes(
+    filled_once: tuple[Path, Run], tmp_path: Path, tokenizer_folder: Path, small_segments: None
+) -> None:
+    """The entries are keyed on a batch's name and bytes, not on where the pool lies: a copy of
+    the project (new inodes, times kept) reads each batch once and reuses every entry."""
+    root, first = filled_once
+    tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
+    shutil.copytree(root / "pool", tmp_path / "pool")
+    shutil.copytree(root / "cache", tmp_path / "cache")
+    rerun = run(tmp_path, tmp_path / "cache", tokenizer)
+    assert rerun.report.cache["records_computed"] == 0
+    assert rerun.report.cache["segments_decided"] == 0
+    assert rerun.files == first.files
+
+
+def test_another_task_is_another_pool(tmp_path: Path, tokenizer_folder: Path) -> None:
+    """A task's records lie in ``records/<task>/`` as ``<batch>_<task>``: the same bytes under
+    another task are other segments, never the first task's entries."""
+    tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
+    lines = demo_lines(4, 80)
+    records = tmp_path / "pool" / "records"
+    for task in ("support", "copy"):
+        write_jsonl(records / task / f"20260101T000000000000Z_{task}.jsonl", lines)
+
+    def clean(task: str) -> CleanReport:
+        out = Path(tempfile.mkdtemp(dir=tmp_path))
+        return clean_pool(
+            tmp_path / "pool", tmp_path / "cache", out, EVAL, PARAMS, tokenizer, (), task
+        )
+
+    for task in ("support", "copy", "support"):
+        report = clean(task)
+        assert report.batches == [f"20260101T000000000000Z_{task}"]
+        assert report.cache["records_computed"] == report.records_in
+    again = clean("support")
+    assert again.cache["records_computed"] == 0 and again.cache["segments_decided"] == 0

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tokenizers
 
 from tests import helpers
-from tuneloop.data import clean_parts, pack_cache
+from tuneloop.data import chat, clean_parts, pack_cache, token_cache
 from tuneloop.data.chat import ChatTokenizer
-from tuneloop.data.pack import pack_samples
+from tuneloop.data.pack import Overlong, pack_samples
 from tuneloop.data.pack_cache import Packed, pack_file, part_ranges
 from tuneloop.data.shards import IGNORE_INDEX
 from tuneloop.demo import domain, tiny
@@ -208,3 +210,68 @@ def test_an_empty_file_packs_to_no_bins(tmp_path: Path, tokenizer: ChatTokenizer
     path = write(tmp_path / "val.jsonl", [])
     packed = pack(path, tmp_path / "cache", tokenizer)
     assert len(packed.result.bins) == 0 and packed.result.n_samples_in == 0
+
+
+# --- what a part is keyed on: change one thing its bins depend on, and it misses -------------
+
+# (change, parts packed again, lines tokenized again): the parts' key holds the tokens' key.
+PACK_CHANGES = [
+    ("nothing", False, False),
+    ("pack.seq_len", True, False),
+    ("pack.overlong", True, False),
+    ("tokenizer.json", True, True),
+    ("chat template", True, True),
+    ("tokenizers version", True, True),
+    ("jinja2 version", True, True),
+    *((f"code {name}", True, False) for name in ("pack.py", "pack_cache.py")),
+    *((f"code {name}", True, True) for name in ("chat.py", "shards.py", "token_cache.py")),
+    ("the file copied elsewhere", False, False),  # keyed by bytes, not by where they lie
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "parts_miss", "tokens_miss"), PACK_CHANGES, ids=[c for c, *_ in PACK_CHANGES]
+)
+def test_a_change_to_what_a_part_depends_on_misses_it(
+    tmp_path: Path,
+    tokenizer: ChatTokenizer,
+    monkeypatch: pytest.MonkeyPatch,
+    change: str,
+    parts_miss: bool,
+    tokens_miss: bool,
+) -> None:
+    lines = chat_lines(8, 120)
+    path, cache = tmp_path / "train.jsonl", tmp_path / "cache"
+    write(path, [lines[:60], lines[60:]])
+    first = pack(path, cache, tokenizer)
+    seq_len = SEQ_LEN
+    overlong: Overlong = "truncate"
+    if change == "pack.seq_len":
+        seq_len = 64
+    elif change == "pack.overlong":
+        overlong = "drop"
+    elif change in ("tokenizer.json", "chat template"):
+        tokenizer = ChatTokenizer.from_folder(helpers.demo_tokenizer(tmp_path / "other", change))
+    elif change == "tokenizers version":
+        monkeypatch.setattr(tokenizers, "__version__", "0.0.0")
+        tokenizer = ChatTokenizer.from_folder(tokenizer.folder or tmp_path)
+    elif change == "jinja2 version":
+        monkeypatch.setattr(chat, "version", lambda name: "0.0.0")
+        tokenizer = ChatTokenizer.from_folder(tokenizer.folder or tmp_path)
+    elif change.startswith("code "):
+        names = ("pack.py", "pack_cache.py", "chat.py", "shards.py", "token_cache.py")
+        source = Path(pack_cache.__file__).parent
+        code = helpers.edited_code(tmp_path / "code", source, names, change.removeprefix("code "))
+        monkeypatch.setattr(pack_cache, "__file__", str(code / "pack_cache.py"))
+        monkeypatch.setattr(token_cache, "__file__", str(code / "token_cache.py"))
+    elif change == "the file copied elsewhere":
+        (tmp_path / "elsewhere").mkdir()
+        for name in (path.name, f"{path.stem}.parts.json"):
+            shutil.copy2(tmp_path / name, tmp_path / "elsewhere" / name)
+        path = tmp_path / "elsewhere" / path.name
+    else:
+        assert change == "nothing", change
+    again = pack_file(path, cache, "train", tokenizer, seq_len, overlong)
+    assert again.parts_reused == (0 if parts_miss else first.parts)
+    assert again.lines_tokenized == (len(lines) if tokens_miss else 0)
+    assert_same(again, pack_file(path, None, "train", tokenizer, seq_len, overlong))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -403,6 +404,29 @@ def test_contamination_is_read_from_clean_keys_of_exactly_these_bytes(tmp_path: 
     (tmp_path / turn_keys.NAME).write_bytes(b"PK\x03\x04 not an archive")
     result = pf_data.check_eval_contamination(train, questions)
     assert result.status == "fail" and "row 7 = support_demo/1" in result.detail
+
+
+@pytest.mark.parametrize("change", ["nothing", "the normaliser's code", "Unicode tables"])
+def test_clean_keys_are_trusted_only_from_todays_normaliser(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """Keys made by another ``text.key`` would not match today's keys of the eval questions."""
+    questions = [("support_demo/1", "How long is the warranty on the Orbit watch?")]
+    chats = demo_chats(20)
+    chats[7]["messages"][0]["content"] = questions[0][1]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chats))
+    write_turn_keys(train, leave_out_line=7)  # keys that miss the planted turn: seen if used
+    if change == "the normaliser's code":
+        edited = tmp_path / "text.py"
+        edited.write_text(Path(text.__file__).read_text() + "# edited\n")
+        monkeypatch.setattr(text, "__file__", str(edited))
+    elif change == "Unicode tables":
+        monkeypatch.setattr(unicodedata, "unidata_version", "0.0.0")
+    result = pf_data.check_eval_contamination(train, questions)
+    used = change == "nothing"
+    assert (turn_keys.NAME in result.detail) == used
+    assert result.status == ("pass" if used else "fail")
 
 
 def test_no_eval_suite_warns(tmp_path: Path) -> None:

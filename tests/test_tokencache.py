@@ -6,8 +6,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tokenizers
 
-from tests.helpers import chat_lines, tokens_of
+from tests.helpers import chat_lines, demo_tokenizer, edited_code, tokens_of
+from tuneloop.data import chat, token_cache
 from tuneloop.data.chat import ChatTokenizer
 from tuneloop.data.token_cache import Tokens
 from tuneloop.demo import domain, tiny
@@ -115,3 +117,52 @@ def test_another_tokenizer_or_a_broken_segment_starts_over(
 def test_an_empty_file_has_no_tokens(tmp_path: Path, tokenizer: ChatTokenizer) -> None:
     empty = tokens_of(write(tmp_path / "val.jsonl", []), tmp_path / "cache", tokenizer)
     assert empty.offsets.tolist() == [0] and not len(empty.ids)
+
+
+# (change, lines tokenized again): a line's tokens are keyed on its bytes and the tokenizer's and
+# code's fingerprint (``token_cache.fingerprint``), never on where the line stands.
+TOKEN_CHANGES = [
+    ("nothing", 60),
+    ("tokenizer.json", 0),
+    ("chat template", 0),
+    ("tokenizers version", 0),
+    ("jinja2 version", 0),
+    *((f"code {name}", 0) for name in ("chat.py", "shards.py", "token_cache.py")),
+    ("one line's bytes", 59),
+    ("the lines in another order, in another file", 60),
+]
+
+
+@pytest.mark.parametrize(("change", "reused"), TOKEN_CHANGES, ids=[c for c, _ in TOKEN_CHANGES])
+def test_a_change_to_what_a_line_depends_on_misses_it(
+    tmp_path: Path,
+    tokenizer: ChatTokenizer,
+    monkeypatch: pytest.MonkeyPatch,
+    change: str,
+    reused: int,
+) -> None:
+    lines = chat_lines(5, 60)
+    path, cache = write(tmp_path / "train.jsonl", lines), tmp_path / "cache"
+    tokens_of(path, cache, tokenizer)
+    if change in ("tokenizer.json", "chat template"):
+        tokenizer = ChatTokenizer.from_folder(demo_tokenizer(tmp_path / "other", change))
+    elif change == "tokenizers version":
+        monkeypatch.setattr(tokenizers, "__version__", "0.0.0")
+        tokenizer = ChatTokenizer.from_folder(tokenizer.folder or tmp_path)
+    elif change == "jinja2 version":
+        monkeypatch.setattr(chat, "version", lambda name: "0.0.0")
+        tokenizer = ChatTokenizer.from_folder(tokenizer.folder or tmp_path)
+    elif change.startswith("code "):
+        names = ("chat.py", "shards.py", "token_cache.py")
+        source = Path(token_cache.__file__).parent
+        code = edited_code(tmp_path / "code", source, names, change.removeprefix("code "))
+        monkeypatch.setattr(token_cache, "__file__", str(code / "token_cache.py"))
+    elif change == "one line's bytes":
+        write(path, [*lines[:30], chat_lines(6, 1)[0], *lines[31:]])
+    elif change == "the lines in another order, in another file":
+        path = write(tmp_path / "val.jsonl", lines[::-1])
+    else:
+        assert change == "nothing", change
+    again = tokens_of(path, cache, tokenizer)
+    assert again.lines_tokenized == 60 - reused
+    assert same(again, tokens_of(path, None, tokenizer))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,9 @@ from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 from transformers import TrainerControl, TrainerState
 
+from tuneloop.io import write_json
 from tuneloop.params import Params, ParamsError, load_params, parse_params
+from tuneloop.tracking import init_from
 from tuneloop.training import checkpoints, methods, plan
 from tuneloop.training.plan import Environment, TrainSetupError, resolve_plan
 from tuneloop.training.stoploss import (
@@ -346,6 +348,66 @@ def test_fingerprint_ignores_how_a_run_is_watched_not_what_it_trains(tmp_path: P
     assert checkpoints.fingerprint(params(learning_rate=1e-4), {"packed": data}) != base
     (data / "manifest.json").write_text('{"created_at": "later"}')
     assert checkpoints.fingerprint(params(), {"packed": data}) != base
+
+
+def _resume_params(root: Path, local_base: bool = False, **train: Any) -> Params:
+    data = yaml.safe_load((ROOT / "params.yaml").read_text())
+    data["paths"].update(init=str(root / "init"), base_model=str(root / "base"))
+    if local_base:
+        data["model"]["base"] = str(root / "local")
+    data["train"].update(train)
+    return parse_params(data)
+
+
+RESUME_CHANGES = [
+    ("nothing", False),
+    ("how the run is watched", False),
+    ("a train param", True),
+    ("the packed data", True),
+    ("the champion it starts from", True),
+    ("the champion's run", True),
+    ("the base to the champion", True),
+    ("the base stage's build", True),
+    ("a local base's weights saved over it", True),
+]
+
+
+@pytest.mark.parametrize(("change", "misses"), RESUME_CHANGES, ids=[c for c, _ in RESUME_CHANGES])
+def test_resume_key_covers_params_data_and_the_starting_weights(
+    tmp_path: Path, change: str, misses: bool
+) -> None:
+    """Checkpoints resume only under the same key: a run continued from other weights (another
+    champion, a rebuilt base) would mix two trainings in one model."""
+    packed, base, init = tmp_path / "packed", tmp_path / "base", tmp_path / "init"
+    for folder in (packed, base, init, tmp_path / "local"):
+        folder.mkdir()
+    weights = tmp_path / "local" / "model.safetensors"
+    weights.write_bytes(b"month 1")
+    local = change.startswith("a local base")
+    (packed / "manifest.json").write_text("{}")
+    (base / "manifest.json").write_text('{"created_at": "month 1"}')
+    champion = init_from.Start("champion", "train.init_from is champion", "m", "3", "run-a")
+    write_json(init / init_from.INIT_FILE, asdict(champion))
+    before = checkpoints.fingerprint(_resume_params(tmp_path, local), {"packed": packed})
+    train: dict[str, Any] = {}
+    if change == "how the run is watched":
+        train = {"max_wall_hours": 5, "save_steps": 7, "resume": "never"}
+    elif change == "a train param":
+        train = {"learning_rate": 1e-4}
+    elif change == "the packed data":
+        (packed / "manifest.json").write_text('{"created_at": "later"}')
+    elif change == "the champion it starts from":
+        write_json(init / init_from.INIT_FILE, asdict(replace(champion, version="4")))
+    elif change == "the champion's run":  # the same version number in another registry
+        write_json(init / init_from.INIT_FILE, asdict(replace(champion, run_id="run-b")))
+    elif change == "the base to the champion":
+        write_json(init / init_from.INIT_FILE, asdict(init_from.Start("base", "no champion")))
+    elif change == "the base stage's build":  # model.tiny is no train param
+        (base / "manifest.json").write_text('{"created_at": "month 2"}')
+    elif local:  # the same name and size
+        weights.write_bytes(b"month 2")
+    after = checkpoints.fingerprint(_resume_params(tmp_path, local, **train), {"packed": packed})
+    assert (after != before) == misses
 
 
 def test_link_tree_leaves_the_marker_out(tmp_path: Path) -> None:

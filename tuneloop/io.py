@@ -153,6 +153,18 @@ def remove_all_but(folder: Path, keep: Iterable[str]) -> None:
             entry.unlink()
 
 
+def file_stamp(stat: os.stat_result) -> list[int]:
+    """What says a file is unchanged without reading it: a digest remembered under its stamp
+    is believed (the pool's in ``records.pool_ids``, clean's in ``clean_cache``).
+
+    The inode and the change time too, which no call can set and any write moves: by size and
+    mtime alone, bytes rewritten to the same size with the mtime kept (``cp -p`` or
+    ``rsync -t`` over it, a restored backup, ``os.utime``) passed for the old. A copy of the
+    project therefore hashes each batch once again, as ``dvc status`` does after one.
+    """
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns]
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
     if hasattr(os, "sched_getaffinity"):

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -24,7 +25,11 @@ def load(**_: object) -> datasets.DatasetDict:
     # The items lie where the evaluate stage says (each task's in its own folder); by hand,
     # where params.yaml ships them, from any working directory.
     folder = Path(os.environ.get(ITEMS_FOLDER_ENV) or SHIPPED)
-    return datasets.DatasetDict({"test": datasets.Dataset.from_json(str(folder / "test.jsonl"))})
+    # Read here, not by datasets' JSON loader: its cache keys a local file by path and mtime,
+    # so other items under a kept mtime (cp -p, a restore) came back as the old ones.
+    lines = (folder / "test.jsonl").read_text(encoding="utf-8").splitlines()
+    items = [json.loads(line) for line in lines if line.strip()]
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(items)})
 
 
 def process_results(doc: dict, results: list[str]) -> dict[str, object]:

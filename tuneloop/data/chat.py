@@ -22,6 +22,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from importlib.metadata import version
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -203,7 +204,9 @@ class ChatTokenizer:
         tokens = {name: v for name in SPECIAL_TOKENS if (v := special.get(name)) is not None}
         if "pad_token" not in tokens and "eos_token" in tokens:
             tokens["pad_token"] = tokens["eos_token"]  # as models.load_tokenizer does
-        digest = hashlib.md5(f"tokenizers {tokenizers.__version__}".encode())
+        # The template renders through jinja2: another version may render it otherwise.
+        libraries = f"tokenizers {tokenizers.__version__} jinja2 {version('jinja2')}"
+        digest = hashlib.md5(libraries.encode())
         for name in TOKENIZER_FILES:
             if (folder / name).exists():
                 digest.update(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0")

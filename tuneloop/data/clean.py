@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from importlib.metadata import version
@@ -340,6 +341,8 @@ def features_fingerprint(params: CleanParams, tokenizer: ChatTokenizer) -> str:
         params.min_distinct_ngrams,
         params.max_tokens,
         tokenizer.fingerprint,
+        # normalise's NFKC: keys, shingles and eval matches follow Python's Unicode tables.
+        unicodedata.unidata_version,
         neardup.SKETCH_VERSION,
         version("rensa"),
         neardup.NUM_PERM,

@@ -56,7 +56,7 @@ from tuneloop.data.clean import (
     hash_fractions,
 )
 from tuneloop.data.records import pool_batches
-from tuneloop.io import atomic_dir, read_json, usable_cores, write_json
+from tuneloop.io import atomic_dir, file_stamp, read_json, usable_cores, write_json
 from tuneloop.params import CleanParams
 
 log = logging.getLogger(__name__)
@@ -83,16 +83,13 @@ class Segment:
 
 
 def _batch_segments(batch: Path, cache: Path) -> list[Segment]:
-    """A batch file's segments; its md5 and line layout are remembered by size and mtime."""
+    """A batch file's segments; its md5 and line layout are remembered by its
+    ``tuneloop.io.file_stamp``."""
     stat = batch.stat()
     meta_path = cache / "batches" / f"{batch.stem}.json"
     try:
         meta = read_json(meta_path)
-        if (meta["size"], meta["mtime_ns"], meta["segment_lines"]) == (
-            stat.st_size,
-            stat.st_mtime_ns,
-            SEGMENT_LINES,
-        ):
+        if (meta["stat"], meta["segment_lines"]) == (file_stamp(stat), SEGMENT_LINES):
             return [
                 Segment(batch, i, start, end, meta["md5"])
                 for i, (start, end) in enumerate(meta["segments"])
@@ -109,8 +106,7 @@ def _batch_segments(batch: Path, cache: Path) -> list[Segment]:
     write_json(
         meta_path,
         {
-            "size": stat.st_size,
-            "mtime_ns": stat.st_mtime_ns,
+            "stat": file_stamp(stat),
             "segment_lines": SEGMENT_LINES,
             "md5": md5,
             "segments": bounds,

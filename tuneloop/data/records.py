@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from tuneloop.io import read_json, read_jsonl, write_json
+from tuneloop.io import file_stamp, read_json, read_jsonl, write_json
 
 log = logging.getLogger(__name__)
 
@@ -354,19 +354,11 @@ def hashes_path(pool: Path) -> Path:
     return pool.parent / f".{pool.name}.hashes.json"
 
 
-def _stamp(stat: os.stat_result) -> list[int]:
-    # What clean's cache already trusts a batch's md5 by (``cleancache._batch_segments``): a
-    # copy of the project (cp -p, a backup restored) keeps it, so a month there reads no
-    # batch again. Bytes rewritten to the same size under a restored mtime would pass, here,
-    # there and in `dvc status` alike.
-    return [stat.st_size, stat.st_mtime_ns]
-
-
 def _batch_digest(batch: Path, stat: os.stat_result, known: dict[str, Any]) -> bytes:
-    """The batch's xxh3-128: remembered in ``known`` for this size and mtime, else hashed
+    """The batch's xxh3-128: remembered in ``known`` for this ``file_stamp``, else hashed
     and remembered there."""
     entry = known.get(batch.name)
-    if isinstance(entry, dict) and entry.get("stat") == _stamp(stat):
+    if isinstance(entry, dict) and entry.get("stat") == file_stamp(stat):
         with contextlib.suppress(KeyError, TypeError, ValueError):
             return bytes.fromhex(entry["xxh3"])
     if stat.st_size:
@@ -376,7 +368,7 @@ def _batch_digest(batch: Path, stat: os.stat_result, known: dict[str, Any]) -> b
             digest = xxhash.xxh3_128_digest(data)
     else:
         digest = xxhash.xxh3_128_digest(b"")
-    known[batch.name] = {"stat": _stamp(stat), "xxh3": digest.hex()}
+    known[batch.name] = {"stat": file_stamp(stat), "xxh3": digest.hex()}
     return digest
 
 

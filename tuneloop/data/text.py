@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
+from pathlib import Path
 
 _WHITESPACE = re.compile(r"\s+")
 # A text's key: the first bytes of the sha256 of its normalised form.
@@ -34,3 +35,11 @@ def normalise(text: str) -> str:
 def key(text: str) -> bytes:
     """What clean's exact eval matches and preflight's contamination check compare."""
     return hashlib.sha256(normalise(text).encode()).digest()[:KEY_BYTES]
+
+
+def keys_version() -> bytes:
+    """What ``key`` gives for a text besides the text: this module's code and the Unicode
+    tables NFKC follows (Python's). Keys kept in a file are compared only under the same."""
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    digest.update(unicodedata.unidata_version.encode())
+    return digest.digest()

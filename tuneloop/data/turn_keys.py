@@ -10,6 +10,8 @@ its 1 s budget at 100k chats).
 The keys are only trusted for the exact bytes they were written for: the digest is of the
 whole file (xxh3-128, 20 ms for 200 MB; sha256 takes 140 ms), so a train.jsonl edited by
 hand, or by anything but clean, is never checked against stale keys; preflight parses it.
+Nor are keys made by another normaliser (``text.keys_version``: its code, Python's Unicode
+tables), which would not match today's keys of the same eval questions.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tuneloop.data.text import KEY_BYTES
+from tuneloop.data.text import KEY_BYTES, keys_version
 
 NAME = "train.turns.npz"
 
@@ -54,6 +56,7 @@ class TurnKeysWriter:
                 keys=keys,
                 digest=np.frombuffer(self._digest.digest(), dtype=np.uint8),
                 size=np.array([self._size], dtype=np.int64),
+                version=np.frombuffer(keys_version(), dtype=np.uint8),
             )
 
 
@@ -76,15 +79,18 @@ class TurnKeys:
 
 
 def read(path: Path, data: bytes) -> TurnKeys | None:
-    """The keys written for exactly ``data`` (the training file's bytes), or None: missing,
-    unreadable, or written for other bytes."""
+    """The keys written for exactly ``data`` (the training file's bytes) by today's ``text.key``,
+    or None: missing, unreadable, written for other bytes or by another normaliser."""
     try:
         with np.load(path, allow_pickle=False) as saved:
             rows, keys = saved["rows"], saved["keys"]
             digest, size = saved["digest"].tobytes(), int(saved["size"][0])
+            version = saved["version"].tobytes()
     except (OSError, EOFError, KeyError, ValueError, IndexError, zipfile.BadZipFile):
         return None
     if size != len(data) or digest != xxhash.xxh3_128_digest(data):
+        return None
+    if version != keys_version():  # keys of another normaliser: not comparable with today's
         return None
     if keys.dtype != np.uint8 or keys.ndim != 2 or keys.shape[1] != KEY_BYTES:
         return None

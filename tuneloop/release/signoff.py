@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,8 @@ from tuneloop.tracking.registry import unsettled_of
 log = logging.getLogger(__name__)
 
 REVIEW_ITEMS_ARTIFACT = "evaluation/review-items.jsonl"
+# Which champion the candidate was evaluated against (``registry.describe``).
+DECISION_ARTIFACT = "evaluation/decision.json"
 CARD_ARTIFACT = "evaluation/model-card.md"
 TAG_REVIEW = "review.result"  # on the model version: one line for `tuneloop status`
 
@@ -52,16 +55,61 @@ def review_name(model: str, version: str) -> str:
     return f"{model}-v{version}"
 
 
+def label(version: ModelVersion) -> str:
+    """A model version as a review names it: ``<model> v<version>``."""
+    return f"{version.name} v{version.version}"
+
+
+def existing_review(
+    store: ReviewStore, candidate: ModelVersion, champion: ModelVersion
+) -> str | None:
+    """``candidate``'s review if the store has one, None if not; ``ReviewUnavailable`` when it
+    judges the candidate against another champion than ``champion``.
+
+    A review is found by the candidate's name and version, but its votes are about the pair it
+    showed: reused against a champion that moved since, they would be counted for a comparison
+    no reviewer saw. A label a person wrote otherwise (``tuneloop review create``) is theirs to
+    vouch for.
+    """
+    name = review_name(candidate.name, str(candidate.version))
+    try:
+        info = review_info(store, name)
+    except ReviewError:
+        return None
+    for role, expected in (("champion", champion), ("candidate", candidate)):
+        shown = re.fullmatch(rf"{re.escape(expected.name)} v(\d+)", str(info[role]))
+        if shown is not None and shown.group(1) != str(expected.version):
+            raise ReviewUnavailable(
+                f"review {name!r} compares {info['candidate']} with {info['champion']}, but this "
+                f"release compares {label(candidate)} with {label(champion)}: its votes are about "
+                f"another pair. Create a review of this pair by hand under another name, or "
+                "evaluate and register the candidate again"
+            )
+    return name
+
+
+def compared_with(
+    decision: dict[str, Any], candidate: ModelVersion, champion: ModelVersion
+) -> None:
+    """The candidate's evaluated answers sit beside ``champion``'s: its ``decision.json``
+    compared it with that version; ``ReviewUnavailable`` otherwise."""
+    evaluated = (decision.get("champion") or {}).get("version")
+    if str(evaluated) != str(champion.version):
+        raise ReviewUnavailable(
+            f"{label(candidate)} was evaluated against champion v{evaluated}, but the champion "
+            f"is {label(champion)} now: its answers for a blind review sit beside another "
+            "model's. Run `dvc repro --force --single-item evaluate` and register it again"
+        )
+
+
 def ensure_review(
     store: ReviewStore, client: MlflowClient, candidate: ModelVersion, champion: ModelVersion
 ) -> str:
     """The name of ``candidate``'s review, created from its run's artifact if the store has none."""
+    found = existing_review(store, candidate, champion)
+    if found is not None:
+        return found
     name = review_name(candidate.name, str(candidate.version))
-    try:
-        review_info(store, name)
-        return name
-    except ReviewError:
-        pass
     if not candidate.run_id:
         raise ReviewUnavailable(
             f"{candidate.name} v{candidate.version} has no source run, so no answers to review: "
@@ -70,12 +118,14 @@ def ensure_review(
     with tempfile.TemporaryDirectory(prefix="tuneloop-review-") as tmp:
         try:
             path = client.download_artifacts(candidate.run_id, REVIEW_ITEMS_ARTIFACT, tmp)
+            decision = client.download_artifacts(candidate.run_id, DECISION_ARTIFACT, tmp)
         except (MlflowException, OSError) as error:
             raise ReviewUnavailable(
                 f"{candidate.name} v{candidate.version}'s run has no {REVIEW_ITEMS_ARTIFACT} (an "
                 f"evaluate from before the blind review wrote none: {error}); rerun `dvc repro "
                 f"evaluate` and register again, or create review {name!r} by hand"
             ) from None
+        compared_with(json.loads(Path(decision).read_text(encoding="utf-8")), candidate, champion)
         records = list(read_jsonl(Path(path)))
     if not records:
         raise ReviewUnavailable(
@@ -83,13 +133,7 @@ def ensure_review(
             "champion was scored beside it): nothing to compare blind"
         )
     items = [ReviewItem.from_record(r) for r in records]
-    create_review(
-        store,
-        name,
-        items,
-        champion=f"{champion.name} v{champion.version}",
-        candidate=f"{candidate.name} v{candidate.version}",
-    )
+    create_review(store, name, items, champion=label(champion), candidate=label(candidate))
     log.info("review %s created: %d items", name, len(items))
     return name
 

@@ -23,6 +23,7 @@ Month over month, ``init.json`` also names the pool batches the start already tr
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -124,6 +125,23 @@ def stage_metrics(start: Start, serving: Champion | None) -> dict[str, Any]:
         "champion_version": int(start.version or 0),
         "champion": champion,
     }
+
+
+def already_recorded(
+    params: Params, serving: Champion | None, metrics: Mapping[str, Any] | None
+) -> bool:
+    """The ``init`` stage's no-op key: ``paths.init`` and the stage's ``metrics`` (as read back,
+    None when absent) already say what it would write with ``serving`` as the champion.
+
+    What the stage writes depends on ``train.init_from``, the registered model's name, and the
+    serving champion's version, run and pool batches; each is in ``start_for``'s record or in
+    ``stage_metrics``, so any of them moving reruns the stage. The champion's weights are those
+    of its version and run: a registered version is never rewritten.
+    """
+    start = start_for(params, serving if params.train.init_from == "champion" else None)
+    # Through JSON, as the file holds it (tuples read back as lists).
+    expected = json.loads(json.dumps(stage_metrics(start, serving)))
+    return in_place(params.paths.init, start) and metrics == expected
 
 
 def write_base(folder: Path, start: Start) -> None:

@@ -12,9 +12,10 @@ after every rank has finished writing its part: a process killed in the middle o
 leaves a folder without it, and ``prune_incomplete`` removes such folders before a resume.
 
 ``run.json``'s fingerprint covers what decides the trained weights (the train stage's params
-less the operational keys, and the data); ``prepare`` keeps the checkpoints of a run with the
-same fingerprint for ``train.resume: auto`` and otherwise clears what it owns (``run.json`` and
-the phase folders), so a run never continues from another run's optimizer state. Anything else
+less the operational keys, the data, and the weights it starts from); ``prepare`` keeps the
+checkpoints of a run with the same fingerprint for ``train.resume: auto`` and otherwise clears
+what it owns (``run.json`` and the phase folders), so a run never continues from another run's
+optimizer state. Anything else
 in the folder is left alone: it is not this module's to delete.
 
 Checkpoint folders are named ``checkpoint-N`` by the Trainer; ``checkpoint_dir`` and
@@ -39,9 +40,9 @@ import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from tuneloop.io import read_json, write_json
+from tuneloop.io import file_stamp, read_json, write_json
 from tuneloop.params import TRAIN_PHASE_ORDER, Params
-from tuneloop.tracking import lineage
+from tuneloop.tracking import init_from, lineage
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +98,37 @@ def data_identity(path: Path) -> str:
     return hashlib.sha256(json.dumps(sizes).encode()).hexdigest()
 
 
+def base_identity(params: Params) -> str | None:
+    """The base model's weights, where the params do not pin them: the folder the base stage
+    built (its manifest: ``model.tiny`` shapes builtin:tiny and is no train param), or a local
+    folder (its files' stamps: weights saved over it keep their names and sizes). A hub id is
+    pinned by ``model.revision``, which the params part of the fingerprint holds."""
+    source = params.model.source
+    if source == "builtin" and params.paths.base_model.is_dir():
+        return data_identity(params.paths.base_model)
+    if source == "local":
+        files = sorted(p for p in Path(params.model.base).iterdir() if p.is_file())
+        stamps = [(p.name, file_stamp(p.stat())) for p in files]
+        return hashlib.sha256(json.dumps(stamps).encode()).hexdigest()
+    return None
+
+
 def fingerprint(params: Params, inputs: Mapping[str, Path]) -> str:
-    """What decides the trained weights: the train stage's params less operational keys, data."""
+    """What decides the trained weights: the train stage's params less operational keys, data,
+    and the weights training starts from (the base, or the champion ``init`` fetched).
+
+    Not the training code or library versions: resuming after a fix to the code is what a
+    resume is for; ``train.resume: never`` starts afresh.
+    """
     subset = lineage.params_subset(params, lineage.stage_param_groups("train"))
     subset["train"] = {
         key: value for key, value in subset.get("train", {}).items() if key not in OPERATIONAL_KEYS
     }
     data = {name: data_identity(path) for name, path in sorted(inputs.items())}
-    canonical = json.dumps({"params": subset, "data": data}, sort_keys=True, default=str)
+    start = {"init": asdict(init_from.recorded(params)), "base": base_identity(params)}
+    canonical = json.dumps(
+        {"params": subset, "data": data, "start": start}, sort_keys=True, default=str
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
