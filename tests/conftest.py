@@ -73,6 +73,7 @@ FAST_MODULES = {
     "test_doctor",
     "test_dvc_yaml",
     "test_eval_engine",
+    "test_export_formats",
     "test_experiment",
     "test_fixed_badcases",
     "test_gate",
