@@ -28,6 +28,7 @@ from tuneloop import quantization
 from tuneloop.demo import domain
 from tuneloop.models import load_causal_lm, load_tokenizer
 from tuneloop.params import load_params
+from tuneloop.params.groups import ExportFormat
 from tuneloop.training import merge
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -182,7 +183,8 @@ def test_export_writes_every_format_and_each_reloads(project: Path) -> None:
     assert measured["formats"]["nvfp4"]["calibration_samples"] == 24
     assert measured["formats"]["nvfp4a16"]["calibration_samples"] == 0
     assert "clean" in json.loads((project / "models/nvfp4/manifest.json").read_text())["inputs"]
-    for fmt in ("nvfp4", "nvfp4a16"):
+    fp4: tuple[ExportFormat, ...] = ("nvfp4", "nvfp4a16")
+    for fmt in fp4:
         folder = project / "models" / fmt
         config = json.loads((folder / "config.json").read_text())["quantization_config"]
         assert config["format"] == "nvfp4-pack-quantized"
