@@ -1,9 +1,10 @@
 """Stage ``evaluate``: every model on the eval suites, item by item, the gate, and the cards.
 
 Reads:  the base model; the registry's ``champion`` (``tracking.registered_model``),
-        when there is one; ``paths.merged`` (the candidate); ``paths.fp8`` (its
-        export); the business suites (``evaluate.suites``) and the general-capability
-        suites (``evaluate.general_suites``) under ``paths.eval_suites`` or lm-eval's own;
+        when there is one; ``paths.merged`` (the candidate); ``paths.fp8``,
+        ``paths.nvfp4``, ``paths.nvfp4a16`` (its exports, those of ``export.formats``); the
+        business suites (``evaluate.suites``) and the general-capability suites
+        (``evaluate.general_suites``) under ``paths.eval_suites`` or lm-eval's own;
         the fixed-badcase suite (``paths.fixed_badcases``, champion and candidate only, and
         ``metrics/fixed_badcases.json``: which champion it was built for);
         for the cards, ``metrics/{ingest,clean,train}.json``, ``paths.pool``, ``dvc.lock``
@@ -19,16 +20,18 @@ Params: ``evaluate``, ``gate``, ``model.base``, ``tracking.registered_model``, `
 
 Scoring runs through lm-eval (``tuneloop/judge/scoring.py``); the rules that judge the scores
 are ``tuneloop/judge/gate.py``; the cards are ``tuneloop/judge/cards.py``. With
-``evaluate.backend`` vllm, the candidate and its FP8 export are scored through the engine that
+``evaluate.backend`` vllm, the candidate and its exports are scored through the engine that
 serves them: a vLLM server from ``serve.venv`` on each folder (its log in
 ``reports/vllm-<folder>.log``), so the FP8 decision is about the model vLLM runs; the base and
-the champion stay on the hf backend. Which engine answered for each model is in the
-decision (``engines``), the model card and the run's tags (``evaluate.engine.<model>``).
+the champion stay on the hf backend. An export whose format vLLM cannot run here (FP4 on
+vLLM's CPU build) is scored on transformers' decompressed path (bf16) instead. Which engine
+answered for each model is in the decision (``engines``), the report, the model card and the
+run's tags (``evaluate.engine.<model>``).
 
 The champion is scored here, on today's suites, from its registered merged
 folder: numbers stored when it was registered may come from an older suite.
-General suites are scored for the base, the champion and the candidate (not the FP8
-export: the forgetting budget judges what training did). A general suite that cannot
+General suites are scored for the base, the champion and the candidate (not the
+exports: the forgetting budget judges what training did). A general suite that cannot
 run here (its data or package is missing) is named in the decision, not dropped.
 Registering a candidate that passed is the retrain flow's job (see
 ``tuneloop/tracking/registry.py`` for why it is not done in this stage).
@@ -50,7 +53,7 @@ from tuneloop.judge.gate import (
     BASE,
     CANDIDATE,
     CHAMPION,
-    FP8,
+    EXPORT_MODELS,
     Directions,
     GateError,
     Items,
@@ -60,6 +63,7 @@ from tuneloop.judge.gate import (
 from tuneloop.judge.gate_report import plot, report
 from tuneloop.models import base_model_ref
 from tuneloop.params import Params
+from tuneloop.quantization import FORMATS, folder_of
 from tuneloop.stage import setup_logging, stage_params, write_metrics
 from tuneloop.tracking import registry
 from tuneloop.tracking.runs import stage_run
@@ -110,17 +114,22 @@ def main() -> None:
             models: dict[str, str | Path] = {BASE: base_model_ref(params)}
             if champion is not None:
                 models[CHAMPION] = registry.download_folder(champion, registry.MERGED, Path(tmp))
-            models |= {CANDIDATE: params.paths.merged, FP8: params.paths.fp8}
+            models[CANDIDATE] = params.paths.merged
+            exports = {EXPORT_MODELS[fmt]: fmt for fmt in params.export.formats}
+            models |= {EXPORT_MODELS[fmt]: folder_of(params, fmt) for fmt in params.export.formats}
             for name, ref in models.items():
-                # The served models through the server that serves them; the references on hf.
-                engine = kind if name in (CANDIDATE, FP8) else "hf"
+                # The served models through the server that serves them; the references on hf;
+                # an export vLLM cannot run here on transformers' decompressed path.
+                engine = "hf" if name not in (CANDIDATE, *exports) else kind
+                if name in exports:
+                    engine = scoring.export_backend(kind, FORMATS[exports[name]], params.serve.venv)
                 log.info("evaluate: scoring %s (%s) with %s", name, ref, engine)
                 scored = scoring.score(
                     ref,
                     params,
                     tasks,
                     engine,
-                    () if name == FP8 else general,
+                    () if name in exports else general,
                     [fixed] if fixed and name in (CHAMPION, CANDIDATE) else [],
                 )
                 scores[name], items[name] = scored.scores, scored.items
@@ -148,6 +157,7 @@ def main() -> None:
             general,
             could_not_run,
             fixed,
+            params.export.formats,
         )
         decision["champion"] = registry.describe(champion)
         # Which merged folder was judged: registration refuses any other.

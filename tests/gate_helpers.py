@@ -15,6 +15,7 @@ GATE = GateParams(
     min_gain=0.05,
     max_regression=0.02,
     fp8_max_drop=0.02,
+    fp4_max_drop=0.05,
     max_forgetting=0.05,
     max_slice_regression=None,
     max_broken_fixes=3,

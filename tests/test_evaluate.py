@@ -35,10 +35,12 @@ from stages import (
     train,
 )
 from tests.helpers import ROOT, write_params
+from tuneloop import quantization
 from tuneloop.demo import domain, general
 from tuneloop.judge import gate, scoring
 from tuneloop.judge.gate import BASE, CANDIDATE, CHAMPION, FP8
-from tuneloop.params import load_params
+from tuneloop.params import Params, load_params
+from tuneloop.params.groups import ExportFormat
 from tuneloop.release import vllm_engine
 from tuneloop.tracking import registry
 
@@ -249,15 +251,47 @@ def test_lm_eval_runs_the_suite_on_the_merged_model_offline(project: Path) -> No
     assert found["higher_is_better"][SUITE]["hallucination_rate"] is False
 
 
-def test_a_team_that_accepts_the_loss_registers_the_candidate(project: Path) -> None:
+def plant_fp4_exports(params: Params) -> None:
+    """A good NVFP4A16 export of the candidate, and an NVFP4 export of the untrained base that
+    stands in for a broken quantization."""
+    broken = params.model_copy(
+        update={"paths": params.paths.model_copy(update={"merged": params.paths.base_model})}
+    )
+    planted: list[tuple[ExportFormat, Params]] = [("nvfp4a16", params), ("nvfp4", broken)]
+    for fmt, source in planted:
+        folder = quantization.folder_of(params, fmt)
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        quantization.export_format(quantization.FORMATS[fmt], source, folder, 1, 1)
+
+
+def test_a_team_that_accepts_the_loss_registers_the_candidate_and_its_fp4_formats(
+    project: Path, tmp_path: Path
+) -> None:
     # A larger forgetting budget is a decision a person makes in params.yaml, and it is
     # recorded in the decision like every other threshold.
-    set_params(gate={"max_forgetting": 1.0})
-    evaluate.main()
+    formats = ["fp8", "nvfp4", "nvfp4a16"]
+    # fp4_max_drop 0.5: on 12 items one flipped answer is 0.08; the planted export loses them all.
+    set_params(gate={"max_forgetting": 1.0, "fp4_max_drop": 0.5}, export={"formats": formats})
+    params = load_params()
+    try:
+        plant_fp4_exports(params)
+        evaluate.main()
+    finally:
+        set_params(export={"formats": ["fp8"]})  # the later tests score FP8 only
     decision = read(project, "decision.json")
     assert decision["verdict"] == "pass", decision["reasons"][:3]
     assert decision["thresholds"]["max_forgetting"] == 1.0
-    params = load_params()
+    # Each export scored against the candidate, item by item; FP4 by transformers (bf16).
+    nvfp4, nvfp4a16 = gate.EXPORT_MODELS["nvfp4"], gate.EXPORT_MODELS["nvfp4a16"]
+    assert {nvfp4, nvfp4a16} <= set(read(project, "evaluate.json"))
+    for model in (nvfp4, nvfp4a16):
+        assert decision["engines"][model].endswith("decompressed to bfloat16")
+        assert (project / "metrics/eval-items" / f"{model}.jsonl").is_file()
+    assert "Scored by:" in (project / "reports/eval.md").read_text()
+    exports = decision["exports"]
+    assert exports["nvfp4"]["refused"] and exports["nvfp4"]["status"] == "fail"
+    assert not exports["nvfp4a16"]["refused"] and exports["nvfp4a16"]["status"] == "pass"
     done = registry.register_candidate(params, flow_run_id="flow-1")
     assert done.registered and done.version == "1" and done.alias == registry.CHALLENGER
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
@@ -265,6 +299,14 @@ def test_a_team_that_accepts_the_loss_registers_the_candidate(project: Path) -> 
     assert str(version.version) == "1"
     assert version.tags["prefect.flow_run_id"] == "flow-1"
     assert (version.description or "").startswith("# Evaluation")
+    # The refused format is not registered; the others are, each tagged and carded.
+    assert version.tags[registry.TAG_FORMATS] == "fp8,nvfp4a16"
+    assert registry.formats_of(version) == ("fp8", "nvfp4a16")
+    folder = registry.download_folder(version, "nvfp4a16", tmp_path)
+    assert (folder / "README.md").read_text() == (project / "reports/model-card.md").read_text()
+    assert json.loads((folder / "manifest.json").read_text())["format"] == "nvfp4a16"
+    with pytest.raises(KeyError, match="no 'nvfp4' artifact"):
+        registry.download_folder(version, "nvfp4", tmp_path / "again")
 
 
 def test_a_planted_fp8_drop_fails_the_gate_on_the_real_path(project: Path) -> None:
@@ -278,7 +320,9 @@ def test_a_planted_fp8_drop_fails_the_gate_on_the_real_path(project: Path) -> No
     try:
         shutil.rmtree(project / "models/fp8")
         (project / "models/fp8").mkdir()
-        export.export(broken, project / "models/fp8")
+        quantization.export_format(
+            quantization.FORMATS["fp8"], broken, project / "models/fp8", 1, 1
+        )
         evaluate.main()
         decision = read(project, "decision.json")
         assert decision["verdict"] == "fail" and not decision["passed"]

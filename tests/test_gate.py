@@ -38,6 +38,7 @@ def judge(
     params: GateParams = GATE,
     general_items: dict[str, SuiteItems] | None = None,
     could_not_run: dict[str, str] | None = None,
+    exports: tuple[str, ...] = ("fp8",),
 ) -> dict:
     items = {name: {SUITE: found} for name, found in models.items()}
     for name, found in (general_items or {}).items():
@@ -49,6 +50,7 @@ def judge(
         [SUITE],
         [GENERAL] if general_items else [],
         could_not_run or {},
+        exports=exports,
     )
 
 
@@ -196,6 +198,81 @@ def test_an_fp8_export_that_is_not_served_is_compared_but_decides_nothing() -> N
     assert "candidate-fp8: compared below, not a rule" in gate_report.report(
         scores, decision, DIRECTIONS
     )
+
+
+NVFP4, NVFP4A16 = gate.EXPORT_MODELS["nvfp4"], gate.EXPORT_MODELS["nvfp4a16"]
+ALL_FORMATS = ("fp8", "nvfp4", "nvfp4a16")
+
+
+def test_an_fp4_export_past_its_tolerance_is_refused_and_the_candidate_still_passes() -> None:
+    # nvfp4 drops 0.15 (past fp4_max_drop 0.05); nvfp4a16 matches the candidate.
+    models = {
+        BASE: BASE_40,
+        CANDIDATE: CANDIDATE_80,
+        FP8: CANDIDATE_80,
+        NVFP4: suite(right(range(130))),
+        NVFP4A16: CANDIDATE_80,
+    }
+    decision = judge(models, exports=ALL_FORMATS)
+    # FP4 judges the format, not the candidate: the verdict is FP8's and the candidate's.
+    assert decision["verdict"] == "pass"
+    assert not [c for c in decision["checks"] if c["rule"].startswith("nvfp4")]
+    exports = decision["exports"]
+    assert (exports["nvfp4"]["status"], exports["nvfp4"]["refused"]) == ("fail", True)
+    assert (exports["nvfp4a16"]["status"], exports["nvfp4a16"]["refused"]) == ("pass", False)
+    assert (exports["fp8"]["status"], exports["fp8"]["refused"]) == ("pass", False)
+    [failed] = [c for c in exports["nvfp4"]["checks"] if c["status"] == "fail"]
+    assert (failed["rule"], failed["metric"], failed["threshold"]) == (
+        "nvfp4_within", "accuracy", -0.05,
+    )  # fmt: skip
+    assert failed["diff"] == pytest.approx(-0.15)
+    assert any(r.startswith("nvfp4 refused, not registered") for r in decision["reasons"])
+    assert decision["thresholds"]["fp4_max_drop"] == 0.05
+    scores = gate.scores_of({m: {SUITE: found} for m, found in models.items()})
+    text = gate_report.report(scores, decision, DIRECTIONS)
+    assert f"{NVFP4} vs candidate" in text and f"{NVFP4A16} vs candidate" in text
+
+
+def test_an_unsettled_fp4_rule_refuses_the_format_only_when_unsettled_rules_block() -> None:
+    # 0.03 behind on 200 items: the interval straddles -0.05, so the rule cannot settle.
+    close = suite(right(range(154)))
+    models = {BASE: BASE_40, CANDIDATE: CANDIDATE_80, FP8: CANDIDATE_80, NVFP4: close}
+    blocked = judge(models, exports=("fp8", "nvfp4"))
+    assert blocked["exports"]["nvfp4"]["status"] == "inconclusive"
+    assert blocked["exports"]["nvfp4"]["refused"] is True
+    warned = judge(
+        models, GATE.model_copy(update={"on_inconclusive": "warn"}), exports=("fp8", "nvfp4")
+    )
+    assert warned["exports"]["nvfp4"]["refused"] is False
+
+
+def test_an_fp4_export_with_a_null_tolerance_is_compared_not_ruled() -> None:
+    models = {
+        BASE: BASE_40,
+        CANDIDATE: CANDIDATE_80,
+        FP8: CANDIDATE_80,
+        NVFP4: suite(right(range(130))),  # refused above
+    }
+    decision = judge(
+        models, GATE.model_copy(update={"fp4_max_drop": None}), exports=("fp8", "nvfp4")
+    )
+    assert decision["verdict"] == "pass"
+    nvfp4 = decision["exports"]["nvfp4"]
+    assert (nvfp4["status"], nvfp4["refused"], nvfp4["checks"]) == ("not a rule", False, [])
+    [compared] = [
+        c
+        for c in decision["comparisons"]
+        if (c["model"], c["reference"], c["metric"]) == (NVFP4, CANDIDATE, "accuracy")
+    ]
+    assert compared["diff"] == pytest.approx(-0.15)
+    scores = gate.scores_of({m: {SUITE: found} for m, found in models.items()})
+    text = gate_report.report(scores, decision, DIRECTIONS)
+    assert f"{NVFP4}: nvfp4: compared below, not a rule (gate.fp4_max_drop is null)" in text
+
+
+def test_an_export_format_without_scores_is_an_error() -> None:
+    with pytest.raises(GateError, match="no scores for 'candidate-nvfp4'"):
+        judge({BASE: BASE_40, CANDIDATE: CANDIDATE_80, FP8: CANDIDATE_80}, exports=ALL_FORMATS)
 
 
 def test_a_forgetting_drop_past_the_budget_fails() -> None:

@@ -1,4 +1,5 @@
-"""Merge (equivalence gate, full fine-tune pass-through) and FP8 export on the tiny base.
+"""Merge (equivalence gate, full fine-tune pass-through) and the FP8 and NVFP4 exports on the
+tiny base.
 
 No training: a LoRA adapter with random A and B (peft's ``init_lora_weights=False``)
 changes every output, which is all the equivalence check needs. The probe set and the
@@ -23,8 +24,11 @@ from safetensors.torch import load_file
 from stages import base, export
 from stages import merge as merge_stage
 from tests.helpers import ROOT, write_params
+from tuneloop import quantization
+from tuneloop.demo import domain
 from tuneloop.models import load_causal_lm, load_tokenizer
 from tuneloop.params import load_params
+from tuneloop.params.groups import ExportFormat
 from tuneloop.training import merge
 
 # The whole suite (`make test`): pre-trains the tiny base, merges and exports it
@@ -39,7 +43,7 @@ def metrics(folder: Path, stage: str) -> dict[str, Any]:
 def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     folder = tmp_path_factory.mktemp("merge")
     shutil.copytree(ROOT / "eval", folder / "eval")
-    write_params(folder)
+    write_params(folder, {"export": {"formats": ["fp8", "nvfp4", "nvfp4a16"]}})
     previous = Path.cwd()
     os.chdir(folder)
     try:
@@ -54,9 +58,42 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         )
         model.save_pretrained(str(params.paths.adapter))
         load_tokenizer(params.paths.base_model).save_pretrained(params.paths.adapter)
+        write_clean_chats(params.paths.clean / "train.jsonl", 40)  # NVFP4's calibration data
         yield folder
     finally:
         os.chdir(previous)
+
+
+def write_clean_chats(path: Path, count: int) -> None:
+    """The clean stage's train.jsonl shape, from the demo's support chats."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = [r for r in domain.support_records(0, 2 * count) if "prompt" in r][:count]
+    lines = [
+        json.dumps(
+            {
+                "id": str(i),
+                "messages": [
+                    {"role": "user", "content": r["prompt"]},
+                    {"role": "assistant", "content": r["response"]},
+                ],
+            }
+        )
+        for i, r in enumerate(records)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def greedy(folder: Path, dtype: str, question: str) -> str:
+    model, tokenizer = load_causal_lm(folder, dtype), load_tokenizer(folder)
+    batch: Any = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=24, do_sample=False)
+    return str(tokenizer.decode(out[0, batch["input_ids"].shape[1] :], skip_special_tokens=True))
 
 
 def test_a_perturbed_merge_fails_the_equivalence_gate(
@@ -123,23 +160,56 @@ def test_a_full_fine_tune_is_copied_through(
     assert manifest["stage"] == "merge" and manifest["skipped"] == "full fine-tune"
 
 
-def test_export_writes_an_fp8_checkpoint_that_reloads(project: Path) -> None:
+def test_export_writes_every_format_and_each_reloads(project: Path) -> None:
     export.main()
     fp8 = project / "models/fp8"
     config = json.loads((fp8 / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors"
     assert config["ignore"] == ["lm_head"]
-    dtypes = export.tensor_dtypes(fp8)
+    dtypes = quantization.tensor_dtypes(fp8)
     assert dtypes["model.layers.0.mlp.down_proj.weight"] == "F8_E4M3"
     assert dtypes["model.embed_tokens.weight"] == "BF16"  # export.dtype for what stays unquantized
     measured = metrics(project, "export")
     parameters = metrics(project, "base")["parameters"]
     assert measured["bf16_reference_bytes"] == 2 * parameters
-    assert measured["size_ratio"] == round(measured["fp8_bytes"] / (2 * parameters), 4) < 0.8
-    assert measured["reload_forward_ok"] is True
-    assert measured["fp8_tensors"] == 2 * 7  # every Linear of both layers
+    assert set(measured["formats"]) == {"fp8", "nvfp4", "nvfp4a16"}
+    for fmt, figures in measured["formats"].items():
+        assert figures["size_ratio"] == round(figures["bytes"] / (2 * parameters), 4) < 0.8
+        assert figures["reload_forward_ok"] is True and figures["seconds"] > 0
+        assert figures["quantized_tensors"] == 2 * 7  # every Linear of both layers
+        manifest = json.loads((project / "models" / fmt / "manifest.json").read_text())
+        assert manifest["stage"] == "export" and manifest["format"] == fmt
+    # FP4 is smaller than FP8; only nvfp4 calibrates, on the task's clean chats.
+    assert measured["formats"]["nvfp4"]["bytes"] < measured["formats"]["fp8"]["bytes"]
+    assert measured["formats"]["nvfp4"]["calibration_samples"] == 24
+    assert measured["formats"]["nvfp4a16"]["calibration_samples"] == 0
+    assert "clean" in json.loads((project / "models/nvfp4/manifest.json").read_text())["inputs"]
+    fp4: tuple[ExportFormat, ...] = ("nvfp4", "nvfp4a16")
+    for fmt in fp4:
+        folder = project / "models" / fmt
+        config = json.loads((folder / "config.json").read_text())["quantization_config"]
+        assert config["format"] == "nvfp4-pack-quantized"
+        dtypes = quantization.tensor_dtypes(folder)
+        assert dtypes["model.layers.0.mlp.down_proj.weight_packed"] == "U8"  # two E2M1 a byte
+        assert dtypes["model.layers.0.mlp.down_proj.weight_scale"] == "F8_E4M3"  # per 16
+        activations = "model.layers.0.mlp.down_proj.input_global_scale" in dtypes
+        assert activations == (fmt == "nvfp4")
+        assert quantization.format_of(folder) == quantization.FORMATS[fmt]
+    # Decompressed by transformers (bf16), each answers; the untrained tiny base's greedy text
+    # is noise, so the check is that it runs and ends, not what it says.
+    for fmt in ("nvfp4", "nvfp4a16"):
+        assert isinstance(greedy(project / "models" / fmt, "bfloat16", "hello"), str)
 
 
-def test_check_format_rejects_a_folder_that_is_not_fp8(project: Path) -> None:
-    with pytest.raises(export.ExportError, match="quant_method is None"):
-        export.check_format(project / "models/merged", load_params().export)
+def test_check_format_rejects_a_folder_that_is_not_the_format(project: Path) -> None:
+    fp8, nvfp4 = quantization.FORMATS["fp8"], quantization.FORMATS["nvfp4"]
+    if not (project / "models/merged/config.json").exists():  # run alone
+        merge_stage.main()
+    with pytest.raises(quantization.ExportError, match="quant_method is None"):
+        quantization.check_format(project / "models/merged", fp8, load_params().export)
+    if not (project / "models/nvfp4/config.json").exists():
+        export.main()
+    with pytest.raises(quantization.ExportError, match="weights are not FP8 per channel"):
+        quantization.check_format(project / "models/nvfp4", fp8, load_params().export)
+    with pytest.raises(quantization.ExportError, match="weights are not FP4 in blocks of 16"):
+        quantization.check_format(project / "models/fp8", nvfp4, load_params().export)

@@ -38,6 +38,7 @@ from tests.vllm_helpers import (
     greedy_vllm,
     running_vllm,
 )
+from tuneloop import quantization
 from tuneloop.demo import domain
 from tuneloop.judge import scoring
 from tuneloop.params import load_params
@@ -171,10 +172,10 @@ def test_fp8_export_of_the_merged_model_writes_and_reloads(
     if not (trained / "models/merged").exists():
         merge.main()
     export.main()
-    measured = metrics(trained, "export")
+    measured = metrics(trained, "export")["formats"]["fp8"]
     assert measured["reload_forward_ok"] is True
-    assert measured["fp8_tensors"] == LAYERS * len(PROJECTIONS)
-    dtypes = export.tensor_dtypes(trained / "models/fp8")
+    assert measured["quantized_tensors"] == LAYERS * len(PROJECTIONS)
+    dtypes = quantization.tensor_dtypes(trained / "models/fp8")
     assert dtypes["model.layers.29.mlp.down_proj.weight"] == "F8_E4M3"
     assert dtypes["model.embed_tokens.weight"] == "BF16"
     # The bf16 embedding (49,152 x 576, tied to the head) is a fifth of the model.

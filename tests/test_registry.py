@@ -93,8 +93,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         params = load_params()
         shutil.copytree(params.paths.base_model, params.paths.merged)
         as_merged = params.paths.model_copy(update={"merged": params.paths.base_model})
-        params.paths.fp8.mkdir(parents=True)
-        export.export(params.model_copy(update={"paths": as_merged}), params.paths.fp8)
+        export.export(params.model_copy(update={"paths": as_merged}))
         lock = {
             "schema": "2.0",
             "stages": {
@@ -191,6 +190,8 @@ def test_a_passed_candidate_is_registered_with_its_lineage_and_report(
         assert (folder / "README.md").read_text() == card
     assert not (project / "models/merged/README.md").exists()
     assert not (project / "models/fp8/README.md").exists()
+    # Its formats are tagged, so a release picks one its hosts run (export.formats: fp8).
+    assert version.tags[registry.TAG_FORMATS] == "fp8" and registry.formats_of(version) == ("fp8",)
 
     model = mlflow.pyfunc.load_model(f"models:/{NAME}@challenger")
     answers = model.predict(["How long does shipping take for the Pixel camera?"])

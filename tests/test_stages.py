@@ -109,7 +109,12 @@ def test_merge_is_equivalent_to_the_adapter(project: Path) -> None:
 def test_export_writes_fp8_compressed_tensors(project: Path) -> None:
     config = json.loads((project / "models/fp8/config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
-    assert metrics(project, "export")["size_ratio"] < 1.0
+    assert metrics(project, "export")["formats"]["fp8"]["size_ratio"] < 1.0
+    # The formats export.formats does not list keep a folder (a DVC out) saying so.
+    for fmt in ("nvfp4", "nvfp4a16"):
+        assert [p.name for p in (project / "models" / fmt).iterdir()] == ["manifest.json"]
+        manifest = json.loads((project / "models" / fmt / "manifest.json").read_text())
+        assert manifest["exported"] is False and "export.formats" in manifest["reason"]
 
 
 def test_evaluate_scores_every_model_and_decides(project: Path) -> None:

@@ -206,7 +206,7 @@ def test_engine_found_only_where_serve_setup_finished(
 @pytest.fixture
 def one_version(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The registry's v7 of the alias is the tiny folder (no FP8 export)."""
-    monkeypatch.setattr(serve, "fetch", lambda name, alias, serve_dir: ("7", tiny, None))
+    monkeypatch.setattr(serve, "fetch", lambda name, alias, serve_dir: ("7", {"merged": tiny}))
 
 
 @pytest.mark.usefixtures("one_version")

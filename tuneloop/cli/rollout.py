@@ -156,7 +156,9 @@ def _serve(args: argparse.Namespace) -> int:
                 f"router arm: {json.dumps(served.arm())}"
             )
             return 0
-        serve_main(params, args.alias, args.port, args.host, args.backend, adapters=adapters)
+        serve_main(
+            params, args.alias, args.port, args.host, args.backend, adapters=adapters, fmt=args.fmt
+        )
     except (NotServable, AdapterRefused) as error:
         print(f"tuneloop serve: {error}", file=sys.stderr)
         return 1
@@ -354,6 +356,14 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="NAME=FOLDER",
         help="a LoRA adapter vLLM serves as model NAME on the alias's folder (repeatable); "
         "checked against vLLM's limits and the base first",
+    )
+    serve.add_argument(
+        "--format",
+        dest="fmt",
+        choices=["merged", "fp8", "nvfp4", "nvfp4a16"],
+        default=None,
+        help="the version's folder to serve (default: fp8 where it has one, else merged); an "
+        "FP4 export is checked against this host's GPU first (Blackwell runs nvfp4 natively)",
     )
     serve.set_defaults(run=_serve)
 

@@ -27,6 +27,7 @@ import yaml
 
 from tuneloop.data.records import pool_records
 from tuneloop.params import Params
+from tuneloop.quantization import FORMATS
 from tuneloop.tracking import lineage
 
 CARD = "README.md"  # the file name a model folder's card has on a hub
@@ -232,6 +233,18 @@ def _eval_lines(decision: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _exports(params: Params, decision: dict[str, Any]) -> str:
+    """Each format of ``export.formats`` with its scheme, and whether the gate refused it."""
+    shown = []
+    for fmt in params.export.formats:
+        scheme = params.export.scheme if fmt == "fp8" else FORMATS[fmt].scheme
+        refused = (decision.get("exports") or {}).get(fmt, {}).get("refused")
+        shown.append(
+            f"{fmt} ({scheme}{'; refused by the gate, not registered' if refused else ''})"
+        )
+    return ", ".join(shown)
+
+
 def model_card(params: Params, facts: Facts, decision: dict[str, Any]) -> str:
     """The candidate's model card (Hugging Face README.md layout)."""
     train = params.train
@@ -286,9 +299,9 @@ def model_card(params: Params, facts: Facts, decision: dict[str, Any]) -> str:
         "",
         "## Method",
         "",
-        f"{method.upper()} ({lora}); objectives: {', '.join(train.phases)}. Exported to FP8 "
-        f"({params.export.scheme}, layers {', '.join(params.export.ignore) or 'none'} kept in "
-        f"{params.export.dtype}) with llm-compressor.",
+        f"{method.upper()} ({lora}); objectives: {', '.join(train.phases)}. Exported with "
+        f"llm-compressor to {_exports(params, decision)} (layers "
+        f"{', '.join(params.export.ignore) or 'none'} kept in {params.export.dtype}).",
         "",
         "## Data",
         "",

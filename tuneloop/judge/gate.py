@@ -15,6 +15,12 @@ The rules (params ``gate``), each a threshold on such a difference:
 - ``fp8_within``: the FP8 export is behind the candidate by at most ``fp8_max_drop`` on
   every metric (not a rule when ``fp8_max_drop`` is null: the export is scored, compared and
   reported, and a release that serves adapters on a shared base never ships it);
+- ``nvfp4_within``, ``nvfp4a16_within``: an FP4 export is behind the candidate by at most
+  ``fp4_max_drop`` on every metric. These judge the format, not the candidate: a format that
+  fails (or is unsettled under ``on_inconclusive: block``) is refused, so it is not
+  registered, while the candidate and its other formats are (FP4 serves Blackwell hosts
+  beside the FP8 the others serve). Null: compared and reported, not a rule. The decision's
+  ``exports`` holds each format's checks, status and whether the gate refused it;
 - ``forgetting``: on every general-capability suite (``evaluate.general_suites``), the
   candidate is behind the champion (the base, first month) by at most ``max_forgetting``
   on every metric;
@@ -63,6 +69,10 @@ from tuneloop.judge.verdict import FAIL, INCONCLUSIVE, PASS, Outcome, outcome
 from tuneloop.params import GateParams
 
 BASE, CHAMPION, CANDIDATE, FP8 = "base", "champion", "candidate", "candidate-fp8"
+# Each export format's model name in the items and scores (``export.formats``).
+EXPORT_MODELS = {"fp8": FP8, "nvfp4": "candidate-nvfp4", "nvfp4a16": "candidate-nvfp4a16"}
+FP4_FORMATS = ("nvfp4", "nvfp4a16")
+NOT_A_RULE = "not a rule"
 # Scores are means over items: float error must not turn a tie into a failure.
 EPS = 1e-9
 Scores = dict[str, dict[str, dict[str, float]]]  # model -> suite -> metric -> value
@@ -325,15 +335,18 @@ def decide(
     general: Sequence[str] = (),
     could_not_run: Mapping[str, str] | None = None,
     fixed_badcases: str | None = None,
+    exports: Sequence[str] = ("fp8",),
 ) -> dict[str, Any]:
-    """The gate's verdict on per-item ``items`` (``base``, ``candidate``, ``candidate-fp8``,
-    maybe ``champion``) over the business ``suites``, the ``general`` suites and the
-    ``fixed_badcases`` suite (its name when it has items, scored for the champion and the
-    candidate; None when empty), with every check and comparison it made and a reason for
-    each."""
-    for needed in (BASE, CANDIDATE, FP8):
+    """The gate's verdict on per-item ``items`` (``base``, ``candidate``, one model per export
+    format of ``exports`` (``EXPORT_MODELS``), maybe ``champion``) over the business
+    ``suites``, the ``general`` suites and the ``fixed_badcases`` suite (its name when it has
+    items, scored for the champion and the candidate; None when empty), with every check and
+    comparison it made and a reason for each."""
+    exported = {fmt: EXPORT_MODELS[fmt] for fmt in exports}
+    for needed in (BASE, CANDIDATE, *exported.values()):
         if needed not in items:
             raise GateError(f"evaluate: no scores for {needed!r} (got {sorted(items)})")
+    format_checks: dict[str, list[dict[str, Any]]] = {fmt: [] for fmt in exported}
     primary = gate.primary_metric
     reference = CHAMPION if CHAMPION in items else BASE
     checks: list[dict[str, Any]] = []
@@ -345,7 +358,7 @@ def decide(
     blocks = gate.on_inconclusive == "block"
 
     for suite in suites:
-        models = [m for m in (BASE, CHAMPION, CANDIDATE, FP8) if m in items]
+        models = [m for m in (BASE, CHAMPION, CANDIDATE, *exported.values()) if m in items]
         found = _aligned(items, suite, models)
         candidate = found[CANDIDATE]
         if primary not in candidate.values:
@@ -358,8 +371,16 @@ def decide(
         for metric in sorted(candidate.values):
             higher = _direction(directions, suite, metric)
             vs_base = boot.compare(CANDIDATE, BASE, metric, higher)
-            fp8 = boot.compare(FP8, CANDIDATE, metric, higher)
-            comparisons += [vs_base, fp8]
+            comparisons.append(vs_base)
+            for fmt, model in exported.items():
+                behind = boot.compare(model, CANDIDATE, metric, higher)
+                comparisons.append(behind)
+                limit = gate.fp8_max_drop if fmt == "fp8" else gate.fp4_max_drop
+                if limit is not None:  # null: compared, not a rule
+                    check = _check(f"{fmt}_within", behind, -limit, blocks, boot.n, conf)
+                    format_checks[fmt].append(check)
+                    if fmt == "fp8":  # the candidate as served: its rule decides the verdict
+                        checks.append(check)
             if metric == primary:
                 checks.append(_check("beats_base", vs_base, gate.min_gain, blocks, boot.n, conf))
             if CHAMPION in items:
@@ -375,8 +396,6 @@ def decide(
                         conf,
                     )
                 )
-            if gate.fp8_max_drop is not None:  # null: the export is not what is served
-                checks.append(_check("fp8_within", fp8, -gate.fp8_max_drop, blocks, boot.n, conf))
             for where in boot.labels:
                 part = boot.compare(CANDIDATE, reference, metric, higher, where)
                 if part["items"] == 0:
@@ -420,6 +439,11 @@ def decide(
         gate, checks, comparisons, slices, counts, reference, general, could_not_run or {}
     )
     decision["thresholds"]["max_broken_fixes"] = gate.max_broken_fixes
+    decision["thresholds"]["fp4_max_drop"] = gate.fp4_max_drop
+    decision["exports"] = {fmt: export_decision(fmt, format_checks[fmt], gate) for fmt in exported}
+    for fmt in exported:
+        if fmt in FP4_FORMATS and decision["exports"][fmt]["refused"]:
+            decision["reasons"].append(decision["exports"][fmt]["reason"])
     decision["fixed_badcases"] = fixed or {"suite": None, "items": 0, "status": "empty"}
     if fixed is None:
         decision["reasons"].append(
@@ -427,6 +451,35 @@ def decide(
             "champion trained on yet): nothing to keep fixed"
         )
     return decision
+
+
+def export_decision(fmt: str, checks: list[dict[str, Any]], gate: GateParams) -> dict[str, Any]:
+    """One export format's standing: its checks, their outcome, whether the gate refused it."""
+    key = "fp8_max_drop" if fmt == "fp8" else "fp4_max_drop"
+    limit = getattr(gate, key)
+    # A check that passed blocks nothing; one that failed, or is unsettled where unsettled
+    # rules block (gate.on_inconclusive), refuses the format.
+    stopping = [c for c in checks if c["blocking"] and c["status"] != PASS]
+    refused = bool(stopping)
+    if limit is None:
+        status, reason = NOT_A_RULE, f"{fmt}: compared below, not a rule (gate.{key} is null)"
+    else:
+        status = outcome(c["status"] for c in checks) if checks else PASS
+        reason = (
+            f"{fmt} refused, not registered: " + "; ".join(c["reason"] for c in stopping)
+            if refused
+            else f"{fmt} within gate.{key} ({limit}) on every metric"
+        )
+    return {
+        "format": fmt,
+        "model": EXPORT_MODELS[fmt],
+        "rule": key,
+        "max_drop": limit,
+        "status": status,
+        "refused": refused,
+        "reason": reason,
+        "checks": checks,
+    }
 
 
 # Item ids of broken fixes quoted in the decision; the per-item files hold them all.

@@ -11,7 +11,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tuneloop.judge.gate import BASE, CANDIDATE, CHAMPION, FP8, Directions, Scores, plain
+from tuneloop.judge.gate import (
+    BASE,
+    CANDIDATE,
+    CHAMPION,
+    EXPORT_MODELS,
+    FP4_FORMATS,
+    FP8,
+    NOT_A_RULE,
+    Directions,
+    Scores,
+    plain,
+)
 
 
 def _cell(c: dict[str, Any] | None) -> str:
@@ -56,8 +67,14 @@ def report(scores: Scores, decision: dict[str, Any], directions: Directions) -> 
             f"- {FP8}: compared below, not a rule (gate.fp8_max_drop is null: the FP8 export "
             "is not what is served)"
         )
+    exports = decision.get("exports", {})
+    for fmt in FP4_FORMATS:
+        if exports.get(fmt, {}).get("status") == NOT_A_RULE:
+            lines.append(f"- {EXPORT_MODELS[fmt]}: {exports[fmt]['reason']}")
+    lines += _scored_by(decision)
     general = set(decision["forgetting"]["suites"])
     pairs = [(CANDIDATE, BASE), (CANDIDATE, CHAMPION), (FP8, CANDIDATE)]
+    pairs += [(EXPORT_MODELS[fmt], CANDIDATE) for fmt in FP4_FORMATS]
     for suite in scores[CANDIDATE]:
         if suite in general or suite == (decision.get("fixed_badcases") or {}).get("suite"):
             continue
@@ -156,3 +173,12 @@ def plot(scores: Scores, directions: Directions, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _scored_by(decision: dict[str, Any]) -> list[str]:
+    """Which engine scored each export: vLLM as served, or transformers' decompressed path."""
+    engines = decision.get("engines", {})
+    exported = [m for m in EXPORT_MODELS.values() if m in engines]
+    if not exported:
+        return []
+    return ["", "Scored by:", *(f"- {m}: {engines[m]}" for m in exported)]

@@ -44,6 +44,7 @@ from lm_eval import simple_evaluate
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager, get_task_dict
 
+from tuneloop import quantization
 from tuneloop.io import read_jsonl, write_jsonl
 from tuneloop.judge.gate import Directions, GateError, SuiteItems
 from tuneloop.params import Params
@@ -88,8 +89,23 @@ def hf_engine() -> str:
 
 def model_args(ref: str | Path) -> dict[str, Any]:
     """lm-eval's ``hf`` backend on a folder: float32 on CPU (bf16 matmuls are slow there), the
-    checkpoint's own dtype on a GPU."""
+    checkpoint's own dtype on a GPU; an FP4 export in bf16, the one dtype it decompresses to."""
+    fmt = quantization.format_of(Path(ref))
+    if fmt is not None and fmt.hf_dtype is not None:
+        return {"pretrained": str(ref), "dtype": fmt.hf_dtype}
     return {"pretrained": str(ref), "dtype": "auto" if _cuda() else "float32"}
+
+
+def export_backend(kind: str, fmt: quantization.Format, venv: Path) -> str:
+    """``kind`` for an export, unless vLLM cannot run its format here: then ``hf``
+    (transformers' decompressed path), which the decision's ``engines`` then names."""
+    if kind != "vllm":
+        return kind
+    engine = vllm_engine.find_engine(venv)
+    if engine is not None and engine.device == "cpu" and not fmt.on_cpu:
+        log.info("evaluate: vLLM's CPU build has no %s kernel: scored with transformers", fmt.name)
+        return "hf"
+    return kind
 
 
 def served_model_args(url: str, model: str, folder: Path, max_length: int) -> dict[str, Any]:
@@ -231,6 +247,9 @@ def score(
         lm = get_model("hf").create_from_arg_obj(model_args(model_ref), config)
         scored = _evaluate(lm, model_ref, params, tasks, general, regression)
         scored.engine = hf_engine()
+        fmt = quantization.format_of(Path(model_ref))
+        if fmt is not None and fmt.hf_dtype is not None:
+            scored.engine += f", {fmt.name} decompressed to {fmt.hf_dtype}"
         del lm
         gc.collect()  # a GPU backend holds its memory until the object is gone
         return scored

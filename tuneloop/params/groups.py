@@ -196,6 +196,8 @@ class PathsParams(_Group):
     adapter: Path = Field(description="train's output: the LoRA adapter or the full model")
     merged: Path = Field(description="merge's output: the adapter folded into the base")
     fp8: Path = Field(description="export's output: the FP8 checkpoint vLLM loads")
+    nvfp4: Path = Field(description="the NVFP4 export (weights and activations in FP4)")
+    nvfp4a16: Path = Field(description="the NVFP4A16 export (FP4 weights, 16-bit activations)")
     metrics: Path = Field(description="every stage's metrics/<stage>.json and the gate's decision")
     reports: Path = Field(description="human-readable reports: cards, preflight, rejected lines")
     eval_suites: Path = Field(description="the lm-eval task folders (business, general)")
@@ -227,6 +229,8 @@ class PathsParams(_Group):
             "adapter": self.adapter,
             "merged": self.merged,
             "fp8": self.fp8,
+            "nvfp4": self.nvfp4,
+            "nvfp4a16": self.nvfp4a16,
         }
         watch = self.watch.resolve()
         for name, folder in replaced.items():
@@ -423,14 +427,35 @@ class MergeParams(_Group):
     probes: int = Field(ge=1, description="eval-suite questions of the equivalence check")
 
 
-class ExportParams(_Group):
-    """The FP8 checkpoint, with llm-compressor (stage ``export``)."""
+ExportFormat = Literal["fp8", "nvfp4", "nvfp4a16"]
 
-    scheme: Literal["FP8_DYNAMIC"] = Field(description="llm-compressor's quantization scheme")
+
+class ExportParams(_Group):
+    """The merged model's exports, with llm-compressor (stage ``export``)."""
+
+    formats: tuple[ExportFormat, ...] = Field(
+        min_length=1,
+        description="exports of the merged model, each in paths.<format>: fp8 (FP8_DYNAMIC, "
+        "what vLLM serves on Hopper and Ada), nvfp4 (NVFP4: FP4 weights and activations, "
+        "native on Blackwell), nvfp4a16 (FP4 weights only)",
+    )
+    scheme: Literal["FP8_DYNAMIC"] = Field(description="llm-compressor's scheme for fp8")
     ignore: tuple[str, ...] = Field(description="layers left unquantized, e.g. lm_head")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         description="dtype of the layers left unquantized (ignored ones, embeddings, norms)"
     )
+    calibration_samples: int = Field(
+        ge=1,
+        description="chats of paths.clean/train.jsonl that calibrate nvfp4's activation scales",
+    )
+    calibration_seq_len: int = Field(ge=8, description="tokens of each calibration chat, at most")
+
+    @field_validator("formats")
+    @classmethod
+    def _each_once(cls, formats: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(formats)) != len(formats):
+            raise ValueError(f"{list(formats)} names a format twice; name each once")
+        return formats
 
 
 class EvaluateParams(_Group):
@@ -488,6 +513,12 @@ class GateParams(_Group):
         description="FP8 export behind the merged candidate on any metric, at most; null: "
         "the FP8 export is not what is served (adapters on a shared base), so it is scored and "
         "reported but decides nothing",
+    )
+    fp4_max_drop: float | None = Field(
+        ge=0,
+        description="an FP4 export (nvfp4, nvfp4a16) behind the merged candidate on any metric, "
+        "at most; a format past it is not registered (the candidate still is); null: scored "
+        "and reported, registered whatever its scores",
     )
     max_forgetting: float = Field(
         ge=0,

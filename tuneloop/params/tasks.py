@@ -62,6 +62,8 @@ PER_TASK_PATHS = (
     "adapter",
     "merged",
     "fp8",
+    "nvfp4",
+    "nvfp4a16",
     "metrics",
     "reports",
     "checkpoints",

@@ -96,7 +96,8 @@ def phase_rates(train: TrainParams) -> dict[str, tuple[str, float]]:
 
 def dvc_out_folders(params: Params) -> list[Path]:
     p = params.paths
-    return [p.incoming, p.pool, p.clean, p.packed, p.base_model, p.adapter, p.merged, p.fp8]
+    exports = [p.fp8, p.nvfp4, p.nvfp4a16]
+    return [p.incoming, p.pool, p.clean, p.packed, p.base_model, p.adapter, p.merged, *exports]
 
 
 def run_preflight(

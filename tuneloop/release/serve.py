@@ -14,6 +14,13 @@ FP8 one where the version has it), and replaces this process with the backend
 
 ``serve.engine`` (auto | vllm | transformers) decides; auto is vLLM where its environment is.
 
+``--format`` picks another folder of the version: ``merged`` or an export format it holds
+(``registry.TAG_FORMATS``). An export is checked against this host's GPU first
+(``tuneloop.quantization.servable``): NVFP4 serves natively on Blackwell (sm 10.0+) and
+weight-only (W4A16, as vLLM itself falls back) on sm 8.0-9.x, with a warning; a host with
+no GPU, or an older one, is refused with a sentence naming the GPU and what runs there,
+before anything is downloaded or started.
+
 Adapters without redeploy (vLLM only): ``tuneloop serve base`` starts the base model with
 LoRA enabled and no adapter, recorded in ``run/serve/base.json`` with the base's name and
 revision; ``tuneloop serve champion --on-base`` (and challenger) then loads that alias's
@@ -43,6 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from tuneloop import quantization
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.params import Params, ServeParams
 from tuneloop.release import vllm_engine
@@ -106,8 +114,9 @@ def _missing_alias(name: str, alias: str) -> NotServable:
     return NotServable(f"registered model {name!r} has no version with alias {alias!r}; {how}")
 
 
-def fetch(name: str, alias: str, serve_dir: Path = SERVE_DIR) -> tuple[str, Path, Path | None]:
-    """(version, merged folder, FP8 folder or None) of ``name@alias``, downloaded once."""
+def fetch(name: str, alias: str, serve_dir: Path = SERVE_DIR) -> tuple[str, dict[str, Path]]:
+    """(version, folders) of ``name@alias``, downloaded once: ``merged`` and each export
+    format the version holds (``registry.formats_of``), by format name."""
     from mlflow.tracking import MlflowClient
 
     from tuneloop.tracking import registry, runs
@@ -124,21 +133,51 @@ def fetch(name: str, alias: str, serve_dir: Path = SERVE_DIR) -> tuple[str, Path
     if not folders.exists():
         with atomic_dir(target) as given:
             tmp = given.resolve()  # the downloads come back as absolute paths
-            merged = registry.download_folder(version, registry.MERGED, tmp / "download")
-            try:
-                fp8: Path | None = registry.download_folder(version, registry.FP8, tmp / "download")
-            except KeyError:
-                fp8 = None  # the registered base has no FP8 export
-            relative = {
-                "merged": str(merged.relative_to(tmp)),
-                "fp8": None if fp8 is None else str(fp8.relative_to(tmp)),
-            }
+            relative = {}
+            for artifact in (registry.MERGED, *registry.formats_of(version)):
+                got = registry.download_folder(version, artifact, tmp / "download")
+                relative[artifact] = str(got.relative_to(tmp))
             write_json(tmp / "folders.json", relative)
         log.info("downloaded %s v%s into %s", name, number, target)
     paths = json.loads(folders.read_text(encoding="utf-8"))
-    merged_dir = (target / paths["merged"]).resolve()
-    fp8_dir = None if paths["fp8"] is None else (target / paths["fp8"]).resolve()
-    return number, merged_dir, fp8_dir
+    return number, {k: (target / v).resolve() for k, v in paths.items() if v is not None}
+
+
+def host_gpu() -> tuple[str, quantization.ComputeCapability] | None:
+    """(name, compute capability) of this host's weakest GPU, from NVML; None without one."""
+    from tuneloop.preflight import doctor
+
+    gpus = doctor.read_gpus().gpus
+    if not gpus:
+        return None
+    weakest = min(gpus, key=lambda g: g.compute_capability)
+    return weakest.name, weakest.compute_capability
+
+
+def check_host(fmt: str, gpu: tuple[str, quantization.ComputeCapability] | None) -> str | None:
+    """Refuse an export format this host cannot serve (``NotServable``), before anything
+    is downloaded or started; the sentence to print when it serves in a lesser way."""
+    if fmt == "merged":
+        return None
+    name, cc = gpu if gpu is not None else (None, None)
+    can = quantization.servable(quantization.FORMATS[fmt], name, cc)  # type: ignore[index]
+    if can.how == "refused":
+        raise NotServable(can.sentence)
+    return can.sentence if can.how == "weight-only" else None
+
+
+def pick_folder(
+    name: str, version: str, folders: dict[str, Path], fmt: str | None
+) -> tuple[str, Path]:
+    """The format served and its folder: ``fmt``, or FP8 where the version has it, else merged."""
+    chosen = fmt or ("fp8" if "fp8" in folders else "merged")
+    if chosen not in folders:
+        held = ", ".join(sorted(folders))
+        raise NotServable(
+            f"{name} v{version} holds no {chosen} export (it holds: {held}); serve one of those "
+            "with --format, or export it (export.formats) and register a new version"
+        )
+    return chosen, folders[chosen]
 
 
 def pick_backend(kind: Kind, venv: Path) -> vllm_engine.Engine | None:
@@ -166,20 +205,27 @@ def prepare(
     kind: Kind | None = None,
     serve_dir: Path = SERVE_DIR,
     adapters: Sequence[LoraModule] = (),
+    fmt: str | None = None,
 ) -> tuple[list[str], dict[str, str], Served]:
     """The backend's command line, the environment it adds, and the record of it.
 
     ``kind`` overrides ``params.engine`` (a command-line choice). ``adapters`` are served by
     vLLM on the version's folder; each is checked first (``vllm_engine.check_adapter``).
+    ``fmt`` is the folder to serve: ``merged`` or an export format (default: FP8 where the
+    version has it, else merged); a format this host's GPU (or no GPU) cannot run is refused
+    here, before anything is downloaded or started (``quantization.servable``).
     """
     from tuneloop.release.backends import transformers_serve_command, transformers_served_model
 
-    version, merged, fp8 = fetch(name, alias, serve_dir)
+    note = None if fmt is None else check_host(fmt, host_gpu())
+    if note:
+        log.warning("%s", note)
+    version, folders = fetch(name, alias, serve_dir)
+    _, folder = pick_folder(name, version, folders, fmt)
     engine = pick_backend(kind or params.engine, params.venv)
     # A wildcard listen address is not where a router on this host reaches it.
     reach = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     if engine is not None:
-        folder = fp8 or merged
         model = f"{name}-v{version}"
         try:
             launch = vllm_engine.plan_launch(
@@ -194,7 +240,12 @@ def prepare(
                 "adapters are served by vLLM only: build its environment (`make serve-setup`) "
                 "and set serve.engine to auto or vllm"
             )
-        folder = merged
+        if fmt not in (None, "merged"):
+            raise NotServable(
+                f"--format {fmt}: exports are served by vLLM only; build its environment "
+                "(`make serve-setup`), or serve the merged folder with transformers"
+            )
+        folder = folders["merged"]
         executable = str(Path(sys.executable).with_name("transformers"))
         command = transformers_serve_command(folder, port, host=host, executable=executable)
         model = transformers_served_model(folder)
@@ -218,10 +269,13 @@ def serve_main(
     kind: Kind | None = None,
     serve_dir: Path = SERVE_DIR,
     adapters: Sequence[LoraModule] = (),
+    fmt: str | None = None,
 ) -> None:
     """Fetch, record, and become the backend (``exec``: signals go straight to it)."""
     name = params.tracking.registered_model
-    command, env, served = prepare(name, alias, port, params.serve, host, kind, serve_dir, adapters)
+    command, env, served = prepare(
+        name, alias, port, params.serve, host, kind, serve_dir, adapters, fmt
+    )
     write_json(record_path(alias, serve_dir), asdict(served))
     print(
         f"serving {name} v{served.version} ({alias}) with {served.engine_version} at "

@@ -55,12 +55,18 @@ from tuneloop.io import atomic_dir, read_json, write_json
 from tuneloop.judge import cards
 from tuneloop.judge.verdict import PASS
 from tuneloop.params import Params
+from tuneloop.params.groups import ExportFormat
+from tuneloop.quantization import folder_of
 from tuneloop.tracking import init_from, lineage, runs
 
 log = logging.getLogger(__name__)
 
 CHAMPION, CHALLENGER, PREVIOUS = "champion", "challenger", "previous-champion"
 MERGED, FP8 = "merged", "fp8"  # artifact names inside every logged model
+# Each export format is an artifact named as the format (``export.formats``); the version's
+# tag lists those it holds, so a release picks one its serving hosts run (``tuneloop serve
+# --format``). A format the gate refused (an FP4 past ``gate.fp4_max_drop``) is left out.
+TAG_FORMATS = "tuneloop.export_formats"
 # A LoRA candidate's adapter folder (MBs), logged beside the merged one: what vLLM loads onto a
 # running base (``tuneloop.release.serve.load_version``). The base it was trained on is tagged.
 ADAPTER = "adapter"
@@ -433,15 +439,17 @@ def register_candidate(
     review_items = params.paths.metrics / REVIEW_ITEMS
     if missing := [str(path) for path in evaluation if not path.exists()]:
         raise StaleDecision(f"{missing} missing; run `dvc repro evaluate` before registering")
-    folders = {MERGED: params.paths.merged, FP8: params.paths.fp8}
+    formats = registered_formats(params, decision)
+    tags[TAG_FORMATS] = ",".join(formats)
+    folders = {MERGED: params.paths.merged} | {fmt: folder_of(params, fmt) for fmt in formats}
     artifacts: dict[str, str] = {}
     # A LoRA candidate keeps its adapter too (MBs beside the merged GBs), tagged with its base.
     if (params.paths.adapter / "adapter_config.json").is_file():
         artifacts[ADAPTER] = str(params.paths.adapter)
         tags[TAG_ADAPTER_BASE], tags[TAG_ADAPTER_REVISION] = trained_on(params)
-    # The model card travels inside both exported folders as their README.md.
+    # The model card travels inside every exported folder as its README.md.
     with _run(run_id, experiment_id) as run, cards.with_card(folders, card) as carded:
-        artifacts |= {MERGED: str(carded[MERGED]), FP8: str(carded[FP8])}
+        artifacts |= {name: str(folder) for name, folder in carded.items()}
         info = mlflow.pyfunc.log_model(
             name=MODEL_NAME,
             python_model=CandidateModel(),
@@ -470,6 +478,26 @@ def register_candidate(
             + decision["reasons"],
             created=True,
         )
+
+
+def registered_formats(params: Params, decision: dict[str, Any]) -> list[ExportFormat]:
+    """The formats of ``export.formats`` a version holds: every one the gate did not refuse."""
+    exports = decision.get("exports") or {}
+    kept: list[ExportFormat] = []
+    refused: list[ExportFormat] = []
+    for fmt in params.export.formats:
+        (refused if exports.get(fmt, {}).get("refused") else kept).append(fmt)
+    if refused:
+        log.warning("not registering %s: the gate refused them", refused)
+    return kept
+
+
+def formats_of(version: ModelVersion) -> tuple[str, ...]:
+    """The export formats a registered version holds (none for the registered base)."""
+    text = (version.tags or {}).get(TAG_FORMATS)
+    if text is None:  # registered before formats were tagged: FP8 was the only export
+        return () if TAG_BASE in (version.tags or {}) else (FP8,)
+    return tuple(f for f in text.split(",") if f)
 
 
 def unsettled_tags(decision: dict[str, Any]) -> dict[str, str]:
