@@ -32,7 +32,6 @@ import functools
 import gc
 import importlib.metadata
 import logging
-import socket
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from lm_eval.tasks import TaskManager, get_task_dict
 from tuneloop import quantization
 from tuneloop.io import read_jsonl, write_jsonl
 from tuneloop.judge.gate import Directions, GateError, SuiteItems
+from tuneloop.net import free_port
 from tuneloop.params import Params
 from tuneloop.release import vllm_engine
 from tuneloop.release.backends import Backend
@@ -129,12 +129,6 @@ def served_model_args(url: str, model: str, folder: Path, max_length: int) -> di
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass(frozen=True)
 class Server:
     """A vLLM server on one folder, healthy: where it listens, the name it serves, its engine."""
@@ -154,7 +148,7 @@ def vllm_server(
     engine = vllm_engine.find_engine(params.serve.venv)
     if engine is None:
         raise RuntimeError(f"{params.serve.venv} holds no vLLM: run `make serve-setup`")
-    port = _free_port()
+    port = free_port()
     name = folder.name or "model"
     launch = vllm_engine.plan_launch(engine, folder, name, port, params.serve)
     backend = vllm_engine.start_vllm(launch, f"http://127.0.0.1:{port}", name, log_file)
