@@ -65,6 +65,7 @@ LONG_FIRST = (
 FAST_MODULES = {
     "test_cards",
     "test_chat",
+    "test_cluster_units",
     "test_clean_cache",
     "test_clean_dpo",
     "test_demo_tasks",
@@ -100,6 +101,7 @@ FAST_MODULES = {
 # In `make test` only, each for what it starts.
 WHOLE_SUITE_MODULES = {
     "test_approval",  # the Prefect test server
+    "test_cluster_slurm",  # a two-node Slurm cluster, training ranks on it
     "test_data_stages",  # the data stages imported in subprocesses; MLflow runs
     "test_dvcrun",  # dvc repro
     "test_eval_vllm",  # a vLLM server of its own where .venv-serve is built, lm_eval

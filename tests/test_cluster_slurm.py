@@ -1,0 +1,141 @@
+"""The train stage on a real two-node Slurm cluster (tests/slurm_helpers.py): a LoRA of the tiny
+model, 2 nodes x 1 rank over gloo, each node's rank under its own watchdog.
+
+The data is built once (the module fixture of tests/test_train_stage.py); every run goes
+through ``python -m stages.train`` as ``dvc repro`` starts it on the login node.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from mlflow.tracking import MlflowClient
+
+from tests.helpers import free_port, write_params
+from tests.slurm_helpers import SlurmCluster, slurm_cluster  # noqa: F401
+from tests.test_train_stage import FAST, data, make_project, run_stage, stage_env  # noqa: F401
+from tuneloop.params import load_params
+
+LORA = {"method": "lora", "distributed": "ddp"}
+
+
+def cluster_project(data: Path, folder: Path, **train: Any) -> Path:
+    """A two-rank LoRA project whose train stage submits to the test cluster."""
+    make_project(data, folder, world_size=2, watchdog={}, **LORA)
+    write_params(
+        folder,
+        {
+            "batch": {"world_size": 2, "micro_batch_size": 1, "effective_batch": 2},
+            "train": {**FAST, **LORA, "launcher": "slurm", **train},
+            "watchdog": {"enabled": True},
+            "cluster": {
+                "nodes": 2,
+                "gpus_per_node": 1,
+                "rendezvous_port": free_port(),
+                "poll_s": 0.5,
+                "time_limit": "10:00",
+                "env": {"OMP_NUM_THREADS": "1"},
+            },
+        },
+    )
+    return folder
+
+
+def start_stage(folder: Path, cluster: SlurmCluster) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "stages.train"],
+        cwd=folder,
+        env=stage_env() | {"SLURM_CONF": cluster.env["SLURM_CONF"]},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def train_run(folder: Path) -> Any:
+    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("tuneloop")
+    assert experiment is not None
+    (run,) = [
+        r
+        for r in client.search_runs([experiment.experiment_id])
+        if r.data.tags.get("tuneloop.stage") == "train"
+    ]
+    return run
+
+
+def logits(folder: Path) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(folder / "models/base")
+    model = PeftModel.from_pretrained(base, folder / "models/adapter").eval()
+    with torch.no_grad():
+        return model(torch.arange(1, 33).unsqueeze(0)).logits
+
+
+def test_two_nodes_train_the_adapter_a_local_two_rank_run_trains(
+    data: Path,
+    tmp_path: Path,
+    slurm_cluster: SlurmCluster,
+) -> None:
+    local = make_project(data, tmp_path / "local", world_size=2, watchdog={}, **LORA)
+    done = run_stage(local)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    folder = cluster_project(data, tmp_path / "slurm")
+    stage = start_stage(folder, slurm_cluster)
+    _, err = stage.communicate(timeout=600)
+    assert stage.returncode == 0, err[-4000:]
+
+    m = json.loads((folder / "metrics/train.json").read_text())
+    job = m["cluster"]
+    assert job["state"] == "COMPLETED" and job["nodes"] == ["node1", "node2"]
+    assert {u["node"] for u in job["usage"]} == {"node1", "node2"}
+    assert m["gpu_hours"] == job["gpu_hours"] > 0
+    assert m["global_steps"] == 6 and m["world_size"] == 2
+    # The job's output, streamed into the stage's log: both nodes' watchdogs and torchrun.
+    assert f"job {job['job_id']} run 0 on node[1-2]" in err
+    assert err.count("tuneloop watch: exit 0") == 2
+    for node in ("node1", "node2"):
+        watched = json.loads((Path(job["logs"]) / node / "watch.json").read_text())
+        assert watched["exit_code"] == 0 and "torch.distributed.run" in watched["command"]
+
+    merge = load_params(folder / "params.yaml").merge
+    diff = (logits(folder) - logits(local)).abs().max().item()
+    assert diff < merge.max_abs_logit_diff
+
+    run = train_run(folder)
+    assert run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert tags["tuneloop.cluster.job_id"] == job["job_id"]
+    assert tags["tuneloop.cluster.nodes"] == "node1,node2"
+    assert tags["tuneloop.cluster.state"] == "COMPLETED"
+    assert run.data.metrics["gpu_hours"] == job["gpu_hours"]
+    assert run.data.metrics["cluster.gpu_hours.node2"] > 0
+    assert "train_loss" in run.data.metrics  # rank 0 logged into the stage's run
+    assert slurm_cluster.queue() == []
+
+
+def test_a_launch_whose_ranks_disagree_with_the_packed_shards_is_refused_before_submitting(
+    data: Path,
+    tmp_path: Path,
+    slurm_cluster: SlurmCluster,
+) -> None:
+    folder = cluster_project(data, tmp_path)
+    shutil.rmtree(folder / "data/packed")
+    shutil.copytree(data / "data/packed", folder / "data/packed")  # packed for one rank
+    jobs_before = slurm_cluster.run("scontrol", "show", "job", "-o")
+    stage = start_stage(folder, slurm_cluster)
+    _, err = stage.communicate(timeout=120)
+    assert stage.returncode != 0
+    assert "the Slurm launch was refused before submitting" in err
+    assert "2 ranks, but data/packed holds 1 rank shards" in err
+    assert slurm_cluster.run("scontrol", "show", "job", "-o") == jobs_before
+    assert not (folder / "reports/watch").exists()

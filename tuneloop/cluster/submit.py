@@ -1,0 +1,259 @@
+"""The train stage's side of a cluster run: check, submit, stream the log, wait, report.
+
+``dvc repro`` (or the flow) runs ``python -m stages.train`` on the login node as ever; with
+``train.launcher: slurm`` it does not train: it checks the launch (``preflight.launch``),
+opens the stage's MLflow run, submits one job whose ranks log into that run, copies the job's
+output into its own log while it waits, and ends as the job ended. Its outputs (the adapter,
+metrics/train.json) are what rank 0 wrote on storage the nodes share, so DVC records them
+here, the same as after a local run.
+
+Cancel: SIGINT (Ctrl-C on ``dvc repro``), SIGTERM (Prefect cancelling the flow run) or
+SIGHUP cancel the job (scancel) and the stage waits until Slurm has ended it; an exception
+does the same. No job outlives the stage that submitted it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+from tuneloop.cluster import slurm
+from tuneloop.cluster.job import (
+    SUCCEEDED,
+    TAG_JOB_ID,
+    TAG_LAUNCHER,
+    TAG_LOGS,
+    TAG_NODES,
+    TAG_STATE,
+    JobReport,
+    JobStatus,
+    read_exit_codes,
+    usage_by_node,
+)
+from tuneloop.io import write_json
+from tuneloop.params import Params
+from tuneloop.preflight.launch import launch_problems
+from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE, new_out_dir
+
+STAGE = "train"
+# A cancelled job's processes get Slurm's KillWait to end; then it is gone from the queue.
+CANCEL_WAIT_S = 120
+log = logging.getLogger(__name__)
+
+
+class StageInterrupted(Exception):
+    """A signal reached the stage while it waited for the job."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """SIGINT, SIGTERM, SIGHUP raise ``StageInterrupted`` in the waiting loop."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise StageInterrupted(signum)
+
+    caught = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, handler) for s in caught}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+class LogTail:
+    """Copies what the job appends to its output file into the stage's own log."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def pump(self) -> None:
+        if not self.path.is_file():
+            return
+        with self.path.open("rb") as out:
+            out.seek(self.offset)
+            new = out.read()
+        self.offset += len(new)
+        if new:
+            sys.stderr.write(new.decode("utf-8", "replace"))
+            sys.stderr.flush()
+
+
+def wait_for(job_id: str, tail: LogTail, poll_s: float) -> JobStatus:
+    """Poll until the job has ended, streaming its log; the last status Slurm gave."""
+    last: JobStatus | None = None
+    while True:
+        tail.pump()
+        now = slurm.status(job_id)
+        if now is None:  # Slurm forgot it already: the last status seen stands
+            if last is None:
+                raise slurm.SlurmError(f"Slurm does not know job {job_id}")
+            return last
+        if last is None or (now.state, now.nodes) != (last.state, last.nodes):
+            log.info("train: Slurm job %s %s on %s", job_id, now.state, ",".join(now.nodes) or "-")
+            _set_tags({TAG_STATE: now.state, TAG_NODES: ",".join(now.nodes)} if now.nodes else {})
+        last = now
+        if now.ended:
+            time.sleep(min(poll_s, 1.0))  # the last lines reach the shared file
+            tail.pump()
+            return now
+        time.sleep(poll_s)
+
+
+def cancel(job_id: str, poll_s: float) -> JobStatus | None:
+    """scancel, then wait until Slurm has ended the job; its last status."""
+    log.warning("train: cancelling Slurm job %s", job_id)
+    slurm.cancel(job_id)
+    deadline = time.monotonic() + CANCEL_WAIT_S
+    last = None
+    while time.monotonic() < deadline:
+        now = slurm.status(job_id)
+        if now is None or now.ended:
+            return now or last
+        last = now
+        time.sleep(min(poll_s, 1.0))
+    log.error("train: Slurm job %s still %s after scancel", job_id, last.state if last else "?")
+    return last
+
+
+def _set_tags(tags: dict[str, str]) -> None:
+    import mlflow
+
+    if tags and mlflow.active_run() is not None:
+        mlflow.set_tags(tags)
+
+
+def job_report(params: Params, status: JobStatus, folder: Path) -> JobReport:
+    usage = usage_by_node(slurm.runs(status.job_id), params.cluster.gpus_per_node)
+    if not usage and status.nodes:  # no accounting kept: the last run's own clock
+        usage = usage_by_node([(status.nodes, status.elapsed_s)], params.cluster.gpus_per_node)
+    return JobReport(
+        launcher="slurm",
+        job_id=status.job_id,
+        state=status.state,
+        nodes=status.nodes,
+        restarts=status.restarts,
+        elapsed_s=max((u.seconds for u in usage), default=status.elapsed_s),
+        gpu_hours=round(sum(u.gpu_hours for u in usage), 6),
+        usage=tuple(usage),
+        logs=str(folder),
+    )
+
+
+def record(params: Params, report: JobReport) -> None:
+    """The job on the stage's MLflow run and, once it succeeded, in metrics/train.json."""
+    import mlflow
+
+    from tuneloop.stage import metrics_path
+    from tuneloop.tracking import runs
+
+    _set_tags({TAG_STATE: report.state, TAG_NODES: ",".join(report.nodes)})
+    per_node = {f"cluster.gpu_hours.{u.node}": u.gpu_hours for u in report.usage}
+    runs.log_metrics(
+        {"gpu_hours": report.gpu_hours, "cluster.elapsed_s": report.elapsed_s, **per_node}
+    )
+    path = metrics_path(params, STAGE)
+    if report.state == SUCCEEDED and path.is_file():
+        metrics = json.loads(path.read_text())
+        # The scheduler's accounting replaces the ranks' own estimate (GPUs x their wall time).
+        metrics["gpu_hours"] = report.gpu_hours
+        metrics["cluster"] = report.model_dump(mode="json")
+        write_json(path, metrics)
+    for node in report.nodes:
+        stacks = Path(report.logs) / node / "stacks.txt"
+        if stacks.is_file():
+            mlflow.log_artifact(str(stacks), f"watchdog/{node}")
+
+
+def failure(report: JobReport, codes: dict[str, int]) -> tuple[int, str]:
+    """The stage's exit code and its one sentence for a job that did not complete."""
+    logs = f"logs in {report.logs} (slurm-{report.job_id}.out, each node's watchdog by name)"
+    hung = sorted(node for node, code in codes.items() if code == WATCHDOG_EXIT_CODE)
+    if hung:
+        return WATCHDOG_EXIT_CODE, (
+            f"train: the watchdog on {', '.join(hung)} found a hang and ended Slurm job "
+            f"{report.job_id} ({report.state}); every rank's stacks and the {logs}"
+        )
+    failed = sorted(node for node, code in codes.items() if code != 0) or list(report.nodes)
+    return 1, (
+        f"train: Slurm job {report.job_id} ended {report.state} on "
+        f"{', '.join(failed) or 'no node'}; {logs}"
+    )
+
+
+def run_on_slurm(params: Params) -> None:
+    """Submit the ranks as one Slurm job, wait, and end as it ended (SystemExit unless it
+    completed)."""
+    from tuneloop.tracking import runs
+
+    project = Path.cwd().resolve()
+    if problems := launch_problems(params, project):
+        lines = "\n".join(f"- {p}" for p in problems)
+        raise SystemExit(f"train: the Slurm launch was refused before submitting:\n{lines}")
+    folder = new_out_dir(params.paths.watch).resolve()
+    folder.mkdir(parents=True)
+    script = folder / "job.sbatch"
+    script.write_text(slurm.batch_script(params, folder, project, sys.executable))
+    with runs.stage_run(STAGE, params) as run:
+        # Rank 0 logs into this run; the job keeps the variable through a requeue.
+        env = os.environ | {"MLFLOW_RUN_ID": run.info.run_id}
+        status = _submit_and_wait(params, script, folder, env)
+        report = job_report(params, status, folder)
+        record(params, report)
+        log.info("train: %s", report.model_dump(mode="json"))
+        if report.state != SUCCEEDED:
+            code, sentence = failure(report, read_exit_codes(folder, report.nodes))
+            log.error("%s", sentence)
+            raise SystemExit(code)
+
+
+def _submit_and_wait(params: Params, script: Path, folder: Path, env: dict[str, str]) -> JobStatus:
+    poll_s = params.cluster.poll_s
+    with interrupts_raise():
+        job_id = slurm.submit(script, env)
+        log.info("train: submitted Slurm job %s; its log and evidence: %s", job_id, folder)
+        _set_tags({TAG_LAUNCHER: "slurm", TAG_JOB_ID: job_id, TAG_LOGS: str(folder)})
+        ended: JobStatus | None = None
+        try:
+            ended = wait_for(job_id, LogTail(folder / f"slurm-{job_id}.out"), poll_s)
+            return ended
+        except StageInterrupted as interrupted:
+            log.error("train: %s while waiting; cancelling Slurm job %s", interrupted, job_id)
+            code = 128 + interrupted.signum
+        finally:
+            if ended is None:  # a signal or an error: the job must not outlive the stage
+                with signal_ignored():
+                    last = cancel(job_id, poll_s)
+                if last is not None:
+                    _set_tags({TAG_STATE: last.state})
+    log.error(
+        "train: Slurm job %s ended CANCELLED (the stage was interrupted); logs in %s",
+        job_id,
+        folder,
+    )
+    raise SystemExit(code)
+
+
+@contextlib.contextmanager
+def signal_ignored() -> Iterator[None]:
+    # A second Ctrl-C must not interrupt the cancel that the first one asked for.
+    caught = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in caught}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
