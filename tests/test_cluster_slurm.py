@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +49,38 @@ def cluster_project(data: Path, folder: Path, **train: Any) -> Path:
     return folder
 
 
-def start_stage(folder: Path, cluster: SlurmCluster) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "stages.train"],
-        cwd=folder,
-        env=stage_env() | {"SLURM_CONF": cluster.env["SLURM_CONF"]},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def start_stage(
+    folder: Path, cluster: SlurmCluster, *parent: str
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """``python -m stages.train`` (under ``parent``, a shell say) and the file of its output."""
+    log = folder / "stage.log"
+    with log.open("wb") as out:
+        stage = subprocess.Popen(
+            [*parent, sys.executable, "-m", "stages.train"],
+            cwd=folder,
+            env=stage_env() | {"SLURM_CONF": cluster.env["SLURM_CONF"]},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    return stage, log
+
+
+def finish(stage: subprocess.Popen[bytes], log: Path, timeout: float = 600) -> str:
+    stage.wait(timeout=timeout)
+    return log.read_text()
+
+
+def training_job(cluster: SlurmCluster, log: Path, timeout: float = 300) -> str:
+    """The id of the stage's job once both nodes' ranks have made a training step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text()
+        if "submitted Slurm job" in text and text.count("'train_samples'") + text.count(
+            "'loss'"
+        ) >= 1:
+            return text.split("submitted Slurm job ", 1)[1].split(";", 1)[0]
+        time.sleep(1)
+    raise AssertionError(f"no training step within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
 def train_run(folder: Path) -> Any:
@@ -90,8 +115,8 @@ def test_two_nodes_train_the_adapter_a_local_two_rank_run_trains(
     assert done.returncode == 0, done.stderr[-3000:]
 
     folder = cluster_project(data, tmp_path / "slurm")
-    stage = start_stage(folder, slurm_cluster)
-    _, err = stage.communicate(timeout=600)
+    stage, log = start_stage(folder, slurm_cluster)
+    err = finish(stage, log)
     assert stage.returncode == 0, err[-4000:]
 
     m = json.loads((folder / "metrics/train.json").read_text())
@@ -132,10 +157,49 @@ def test_a_launch_whose_ranks_disagree_with_the_packed_shards_is_refused_before_
     shutil.rmtree(folder / "data/packed")
     shutil.copytree(data / "data/packed", folder / "data/packed")  # packed for one rank
     jobs_before = slurm_cluster.run("scontrol", "show", "job", "-o")
-    stage = start_stage(folder, slurm_cluster)
-    _, err = stage.communicate(timeout=120)
+    stage, log = start_stage(folder, slurm_cluster)
+    err = finish(stage, log, timeout=120)
     assert stage.returncode != 0
     assert "the Slurm launch was refused before submitting" in err
     assert "2 ranks, but data/packed holds 1 rank shards" in err
     assert slurm_cluster.run("scontrol", "show", "job", "-o") == jobs_before
     assert not (folder / "reports/watch").exists()
+
+
+def test_a_job_cancelled_from_outside_fails_the_stage_naming_cancelled(
+    data: Path,
+    tmp_path: Path,
+    slurm_cluster: SlurmCluster,
+) -> None:
+    folder = cluster_project(data, tmp_path, max_steps=2000, save_steps=1000)
+    stage, log = start_stage(folder, slurm_cluster)
+    job_id = training_job(slurm_cluster, log)
+    slurm_cluster.run("scancel", job_id)
+    err = finish(stage, log, timeout=120)
+    assert stage.returncode == 1
+    assert f"train: Slurm job {job_id} ended CANCELLED on node1, node2; logs in " in err
+    assert slurm_cluster.queue() == []
+    assert train_run(folder).data.tags["tuneloop.cluster.state"] == "CANCELLED"
+    assert not (folder / "models/adapter").exists()
+
+
+def test_when_whoever_started_the_stage_is_gone_the_job_is_cancelled(
+    data: Path,
+    tmp_path: Path,
+    slurm_cluster: SlurmCluster,
+) -> None:
+    """A flow run cancelled mid-``dvc repro`` ends the process that started the stage: the
+    orphaned stage cancels its job."""
+    folder = cluster_project(data, tmp_path, max_steps=2000, save_steps=1000)
+    # The parent shell waits for the stage, as dvc repro does; then it is killed.
+    stage, log = start_stage(folder, slurm_cluster, "bash", "-c", '"$@"; exit $?', "parent")
+    job_id = training_job(slurm_cluster, log)
+    stage.send_signal(signal.SIGKILL)
+    stage.wait()
+    deadline = time.monotonic() + 60
+    while job_id in slurm_cluster.queue() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert slurm_cluster.queue() == []
+    text = log.read_text()
+    assert "the process that started the stage" in text and "is gone" in text
+    assert f"cancelling Slurm job {job_id}" in text

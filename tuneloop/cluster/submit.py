@@ -8,8 +8,11 @@ metrics/train.json) are what rank 0 wrote on storage the nodes share, so DVC rec
 here, the same as after a local run.
 
 Cancel: SIGINT (Ctrl-C on ``dvc repro``), SIGTERM (Prefect cancelling the flow run) or
-SIGHUP cancel the job (scancel) and the stage waits until Slurm has ended it; an exception
-does the same. No job outlives the stage that submitted it.
+SIGHUP cancel the job (scancel) and the stage waits until Slurm has ended it; so do an
+exception and the death of the process that started the stage (a flow run cancelled while
+``dvc repro`` runs: the stage finds itself orphaned at its next poll). Nothing ends a job
+after a SIGKILL of the stage itself but the job's time limit: ``scancel`` it by the id on the
+stage's MLflow run.
 """
 
 from __future__ import annotations
@@ -50,11 +53,20 @@ log = logging.getLogger(__name__)
 
 
 class StageInterrupted(Exception):
-    """A signal reached the stage while it waited for the job."""
+    """A signal reached the stage while it waited for the job, or its parent died."""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
+    def __init__(self, signum: int, why: str | None = None) -> None:
+        super().__init__(why or signal.Signals(signum).name)
         self.signum = signum
+
+
+def check_parent(parent: int) -> None:
+    """Raise when the process that started the stage is gone (``dvc repro`` killed by a flow
+    run's cancellation, say): nobody waits for the job any more."""
+    if os.getppid() != parent:
+        raise StageInterrupted(
+            signal.SIGHUP, f"the process that started the stage (pid {parent}) is gone"
+        )
 
 
 @contextlib.contextmanager
@@ -95,7 +107,9 @@ class LogTail:
 def wait_for(job_id: str, tail: LogTail, poll_s: float) -> JobStatus:
     """Poll until the job has ended, streaming its log; the last status Slurm gave."""
     last: JobStatus | None = None
+    parent = os.getppid()
     while True:
+        check_parent(parent)
         tail.pump()
         now = slurm.status(job_id)
         if now is None:  # Slurm forgot it already: the last status seen stands
