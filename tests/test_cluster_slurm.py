@@ -75,9 +75,10 @@ def training_job(cluster: SlurmCluster, log: Path, timeout: float = 300) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         text = log.read_text()
-        if "submitted Slurm job" in text and text.count("'train_samples'") + text.count(
-            "'loss'"
-        ) >= 1:
+        if (
+            "submitted Slurm job" in text
+            and text.count("'train_samples'") + text.count("'loss'") >= 1
+        ):
             return text.split("submitted Slurm job ", 1)[1].split(";", 1)[0]
         time.sleep(1)
     raise AssertionError(f"no training step within {timeout} s:\n{log.read_text()[-3000:]}")
