@@ -115,9 +115,9 @@ def main() -> None:
     started_at = time.time()
     params = stage_params()
     if needs_submitting(params):
-        from tuneloop.cluster.submit import run_on_slurm  # the login node's side only
+        from tuneloop.cluster.submit import run_on_cluster  # the login node's side only
 
-        run_on_slurm(params)
+        run_on_cluster(params)
         return
     if needs_watcher(params):
         # This process only watches: no torch here, so the job's imports and memory are its own.

@@ -101,6 +101,7 @@ FAST_MODULES = {
 # In `make test` only, each for what it starts.
 WHOLE_SUITE_MODULES = {
     "test_approval",  # the Prefect test server
+    "test_cluster_kubernetes",  # a local HTTP server replaying Kubernetes API responses
     "test_cluster_slurm",  # a two-node Slurm cluster, training ranks on it
     "test_data_stages",  # the data stages imported in subprocesses; MLflow runs
     "test_dvcrun",  # dvc repro

@@ -10,6 +10,7 @@ The daemons are this process's children, ended by their pids, never by name.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -139,12 +140,10 @@ def _stop(daemons: list[subprocess.Popen[bytes]]) -> None:
             daemon.wait()
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    """Start the two-node cluster for the session; stop its daemons by their pids."""
-    require_slurm()
-    folder = tmp_path_factory.mktemp("slurm")
-    (folder / "state").mkdir()
+@contextlib.contextmanager
+def running_cluster(folder: Path) -> Iterator[SlurmCluster]:
+    """The two-node cluster, its config and state in ``folder``; its daemons stopped after."""
+    (folder / "state").mkdir(parents=True)
     ports = {name: free_port() for name in NODES}
     conf = folder / "slurm.conf"
     conf.write_text(slurm_conf(folder, free_port(), ports))
@@ -166,3 +165,11 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
         _stop(daemons)
         for log in logs:
             log.close()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """Start the two-node cluster for the session; stop its daemons by their pids."""
+    require_slurm()
+    with running_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster

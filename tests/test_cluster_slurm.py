@@ -16,12 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
 from tests.helpers import free_port, write_params
 from tests.slurm_helpers import SlurmCluster, slurm_cluster  # noqa: F401
-from tests.test_train_stage import FAST, data, make_project, run_stage, stage_env  # noqa: F401
+from tests.train_helpers import FAST, data, make_project, run_stage, stage_env  # noqa: F401
+from tuneloop.cli.rollout import training_job_line
 from tuneloop.params import load_params
 
 LORA = {"method": "lora", "distributed": "ddp"}
@@ -175,6 +178,11 @@ def test_a_job_cancelled_from_outside_fails_the_stage_naming_cancelled(
     folder = cluster_project(data, tmp_path, max_steps=2000, save_steps=1000)
     stage, log = start_stage(folder, slurm_cluster)
     job_id = training_job(slurm_cluster, log)
+    with pytest.MonkeyPatch.context() as patch:  # what `tuneloop status` prints first
+        patch.chdir(folder)
+        patch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])
+        line = training_job_line(load_params(folder / "params.yaml"))
+    assert line is not None and line.startswith(f"Slurm job {job_id} RUNNING on node1,node2")
     slurm_cluster.run("scancel", job_id)
     err = finish(stage, log, timeout=120)
     assert stage.returncode == 1
@@ -204,3 +212,85 @@ def test_when_whoever_started_the_stage_is_gone_the_job_is_cancelled(
     text = log.read_text()
     assert "the process that started the stage" in text and "is gone" in text
     assert f"cancelling Slurm job {job_id}" in text
+
+
+def test_a_requeued_job_resumes_from_its_last_checkpoint_and_ends_at_the_planned_step(
+    data: Path,
+    tmp_path: Path,
+    slurm_cluster: SlurmCluster,
+) -> None:
+    """What a preemption or the time limit's USR1 does: Slurm requeues the job; the next run
+    resumes from the newest checkpoint (train.resume: auto) while the stage keeps waiting."""
+    from tuneloop.training import checkpoints
+
+    folder = cluster_project(data, tmp_path, max_steps=30, save_steps=3)
+    stage, log = start_stage(folder, slurm_cluster)
+    job_id = training_job(slurm_cluster, log)
+    phase = folder / "checkpoints/train/sft"
+    deadline = time.monotonic() + 300
+    while checkpoints.newest_complete(phase) is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert checkpoints.newest_complete(phase) is not None, log.read_text()[-3000:]
+    slurm_cluster.run("scontrol", "requeue", job_id)
+    # Slurm holds a requeued job back a while (BeginTime); a test need not wait for it.
+    while "PENDING" not in slurm_cluster.run("squeue", "-h", "-j", job_id, "-o", "%T"):
+        time.sleep(0.5)
+    slurm_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+    err = finish(stage, log)
+    assert stage.returncode == 0, err[-4000:]
+    assert f"job {job_id} run 1 on node[1-2]" in err
+    m = json.loads((folder / "metrics/train.json").read_text())
+    assert m["global_steps"] == 30
+    resumed = m["phases"]["sft"]["resumed_from_step"]
+    assert resumed is not None and resumed % 3 == 0 and 3 <= resumed < 30
+    assert m["cluster"]["restarts"] == 1 and m["cluster"]["state"] == "COMPLETED"
+    assert train_run(folder).info.status == "FINISHED"
+
+
+def test_a_rank_that_stops_stepping_on_one_node_ends_the_job_with_86_and_its_stacks(
+    data: Path,
+    tmp_path: Path,
+    slurm_cluster: SlurmCluster,
+) -> None:
+    """Rank 1's shard one micro-batch short: at the epoch's end rank 0 waits in a collective
+    for ever. Its node's watchdog finds it silent, dumps its stacks and ends it; the other
+    node's rank then fails at its own collective (gloo: connection closed by peer)."""
+    folder = cluster_project(data, tmp_path, max_steps=-1, epochs=1, save_steps=1000)
+    write_params(
+        folder,
+        {
+            **yaml_params(folder),
+            "watchdog": {"enabled": True, "deadlock_after_s": 10, "kill_grace_s": 5},
+        },
+    )
+    shard = folder / "data/packed/rank-00001.parquet"
+    table = pq.read_table(shard)
+    pq.write_table(table.slice(0, table.num_rows - 1), shard)
+    stage, log = start_stage(folder, slurm_cluster)
+    err = finish(stage, log)
+    assert stage.returncode == 86, err[-4000:]
+    (submitted,) = (folder / "reports/watch").glob("*/job.json")
+    job = submitted.parent
+    watched = {n: json.loads((job / n / "watch.json").read_text()) for n in ("node1", "node2")}
+    hung = sorted(n for n, w in watched.items() if w["exit_code"] == 86)
+    assert hung, {n: w["exit_code"] for n, w in watched.items()}
+    assert f"train: the watchdog on {', '.join(hung)} found a hang and ended Slurm job" in err
+    assert all(w["exit_code"] != 0 for w in watched.values())  # no rank left running
+    run = train_run(folder)
+    assert run.info.status == "FAILED"
+    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    for node in hung:
+        assert watched[node]["alarm"]["kind"] == "deadlock"
+        assert (job / node / "stacks.txt").stat().st_size > 0
+        logged = {a.path for a in client.list_artifacts(run.info.run_id, f"watchdog/{node}")}
+        assert f"watchdog/{node}/stacks.txt" in logged
+    assert slurm_cluster.queue() == []
+    assert not (folder / "models/adapter").exists()
+
+
+def yaml_params(folder: Path) -> dict[str, Any]:
+    """The project's params.yaml as written, to change one group of it."""
+    import yaml
+
+    data: dict[str, Any] = yaml.safe_load((folder / "params.yaml").read_text())
+    return {group: data[group] for group in ("batch", "train", "cluster")}

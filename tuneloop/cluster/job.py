@@ -151,3 +151,34 @@ def read_exit_codes(folder: Path, nodes: tuple[str, ...]) -> dict[str, int]:
         if manifest.is_file():
             codes[node] = int(json.loads(manifest.read_text())["exit_code"])
     return codes
+
+
+JOB_FILE = "job.json"
+
+
+class Submitted(_Model):
+    """``<paths.watch>/<time>/job.json``: which job a stage submitted, for ``tuneloop status``."""
+
+    launcher: str
+    job_id: str
+    submitted_at: str
+
+
+def latest_submitted(watch_root: Path) -> Submitted | None:
+    """The newest job a train stage of this project submitted, if any."""
+    found = sorted(watch_root.glob(f"*/{JOB_FILE}"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        return None
+    return Submitted.model_validate_json(found[-1].read_text())
+
+
+def describe(status: JobStatus) -> str:
+    """One line for a person: ``slurm job 12 RUNNING on node1,node2, elapsed 0:05:12``."""
+    minutes, secs = divmod(int(status.elapsed_s), 60)
+    hours, minutes = divmod(minutes, 60)
+    where = ",".join(status.nodes) or "no node yet"
+    restarts = f", requeued {status.restarts}x" if status.restarts else ""
+    return (
+        f"job {status.job_id} {status.state} on {where}, elapsed "
+        f"{hours}:{minutes:02d}:{secs:02d}{restarts}"
+    )

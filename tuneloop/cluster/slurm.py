@@ -154,7 +154,10 @@ def batch_script(params: Params, folder: Path, project: Path, python: str) -> st
         "}",
         "trap requeue USR1",
         # In the background: bash runs a trap only between commands, so wait, not srun itself.
-        f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c {shell_words([node_line(node)])} &",
+        # When one node's task ends, the others get a while to end on their own: a hung
+        # node's peers stop stepping too, and their own watchdogs dump their stacks.
+        f"srun --kill-on-bad-exit=0 --wait={peer_wait_s(params)} --ntasks-per-node=1 "
+        f"bash -c {shell_words([node_line(node)])} &",
         "step=$!",
         'wait "$step"',
         "code=$?",
@@ -163,6 +166,12 @@ def batch_script(params: Params, folder: Path, project: Path, python: str) -> st
         'exit "$code"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def peer_wait_s(params: Params) -> int:
+    """Seconds srun lets the other tasks run once one has ended, before ending them."""
+    wd = params.watchdog
+    return int(2 * wd.deadlock_after_s + wd.kill_grace_s + 60)
 
 
 def node_line(argv: list[str]) -> str:

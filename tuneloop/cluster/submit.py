@@ -18,18 +18,20 @@ stage's MLflow run.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 
 from tuneloop.cluster import slurm
 from tuneloop.cluster.job import (
+    JOB_FILE,
     SUCCEEDED,
     TAG_JOB_ID,
     TAG_LAUNCHER,
@@ -38,12 +40,14 @@ from tuneloop.cluster.job import (
     TAG_STATE,
     JobReport,
     JobStatus,
+    Submitted,
     read_exit_codes,
     usage_by_node,
 )
+from tuneloop.cluster.kubernetes import TrainJobs, trainjob
 from tuneloop.io import write_json
 from tuneloop.params import Params
-from tuneloop.preflight.launch import launch_problems
+from tuneloop.preflight.launch import launch_problems, world_size_problems
 from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE, new_out_dir
 
 STAGE = "train"
@@ -104,42 +108,52 @@ class LogTail:
             sys.stderr.flush()
 
 
-def wait_for(job_id: str, tail: LogTail, poll_s: float) -> JobStatus:
-    """Poll until the job has ended, streaming its log; the last status Slurm gave."""
+def wait_for(
+    job_id: str,
+    status: Callable[[str], JobStatus | None],
+    pump: Callable[[], None],
+    poll_s: float,
+) -> JobStatus:
+    """Poll until the job has ended, streaming its log; the last status the scheduler gave."""
     last: JobStatus | None = None
     parent = os.getppid()
     while True:
         check_parent(parent)
-        tail.pump()
-        now = slurm.status(job_id)
-        if now is None:  # Slurm forgot it already: the last status seen stands
+        pump()
+        now = status(job_id)
+        if now is None:  # the scheduler forgot it already: the last status seen stands
             if last is None:
-                raise slurm.SlurmError(f"Slurm does not know job {job_id}")
+                raise slurm.SlurmError(f"the scheduler does not know job {job_id}")
             return last
         if last is None or (now.state, now.nodes) != (last.state, last.nodes):
-            log.info("train: Slurm job %s %s on %s", job_id, now.state, ",".join(now.nodes) or "-")
+            log.info("train: job %s %s on %s", job_id, now.state, ",".join(now.nodes) or "-")
             _set_tags({TAG_STATE: now.state, TAG_NODES: ",".join(now.nodes)} if now.nodes else {})
         last = now
         if now.ended:
             time.sleep(min(poll_s, 1.0))  # the last lines reach the shared file
-            tail.pump()
+            pump()
             return now
         time.sleep(poll_s)
 
 
-def cancel(job_id: str, poll_s: float) -> JobStatus | None:
-    """scancel, then wait until Slurm has ended the job; its last status."""
-    log.warning("train: cancelling Slurm job %s", job_id)
-    slurm.cancel(job_id)
+def cancel(
+    job_id: str,
+    status: Callable[[str], JobStatus | None],
+    end: Callable[[str], None],
+    poll_s: float,
+) -> JobStatus | None:
+    """Cancel the job (scancel, delete), then wait until it has ended; its last status."""
+    log.warning("train: cancelling job %s", job_id)
+    end(job_id)
     deadline = time.monotonic() + CANCEL_WAIT_S
     last = None
     while time.monotonic() < deadline:
-        now = slurm.status(job_id)
+        now = status(job_id)
         if now is None or now.ended:
             return now or last
         last = now
         time.sleep(min(poll_s, 1.0))
-    log.error("train: Slurm job %s still %s after scancel", job_id, last.state if last else "?")
+    log.error("train: job %s still %s after cancelling it", job_id, last.state if last else "?")
     return last
 
 
@@ -238,11 +252,16 @@ def _submit_and_wait(params: Params, script: Path, folder: Path, env: dict[str, 
     poll_s = params.cluster.poll_s
     with interrupts_raise():
         job_id = slurm.submit(script, env)
+        submitted = Submitted(
+            launcher="slurm", job_id=job_id, submitted_at=dt.datetime.now(dt.UTC).isoformat()
+        )
+        write_json(folder / JOB_FILE, submitted.model_dump(mode="json"))
         log.info("train: submitted Slurm job %s; its log and evidence: %s", job_id, folder)
         _set_tags({TAG_LAUNCHER: "slurm", TAG_JOB_ID: job_id, TAG_LOGS: str(folder)})
         ended: JobStatus | None = None
         try:
-            ended = wait_for(job_id, LogTail(folder / f"slurm-{job_id}.out"), poll_s)
+            tail = LogTail(folder / f"slurm-{job_id}.out")
+            ended = wait_for(job_id, slurm.status, tail.pump, poll_s)
             return ended
         except StageInterrupted as interrupted:
             log.error("train: %s while waiting; cancelling Slurm job %s", interrupted, job_id)
@@ -250,7 +269,7 @@ def _submit_and_wait(params: Params, script: Path, folder: Path, env: dict[str, 
         finally:
             if ended is None:  # a signal or an error: the job must not outlive the stage
                 with signal_ignored():
-                    last = cancel(job_id, poll_s)
+                    last = cancel(job_id, slurm.status, slurm.cancel, poll_s)
                 if last is not None:
                     _set_tags({TAG_STATE: last.state})
     log.error(
@@ -271,3 +290,91 @@ def signal_ignored() -> Iterator[None]:
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)
+
+
+class PodLogs:
+    """Copies what each pod of the TrainJob has logged since the last poll into the stage's log."""
+
+    def __init__(self, jobs: TrainJobs, name: str) -> None:
+        self.jobs, self.name = jobs, name
+        self.seen: dict[str, int] = {}
+
+    def pump(self) -> None:
+        for pod, text in self.jobs.logs(self.name).items():
+            new = text[self.seen.get(pod, 0) :]
+            self.seen[pod] = len(text)
+            for line in new.splitlines():
+                sys.stderr.write(f"[{pod}] {line}\n")
+        sys.stderr.flush()
+
+
+def run_on_kubernetes(params: Params, jobs: TrainJobs | None = None) -> None:
+    """Create the TrainJob, wait, and end as it ended (SystemExit unless it completed)."""
+    from tuneloop.tracking import runs
+
+    project = Path.cwd().resolve()
+    if problems := world_size_problems(params):
+        lines = "\n".join(f"- {p}" for p in problems)
+        raise SystemExit(f"train: the TrainJob was refused before submitting:\n{lines}")
+    folder = new_out_dir(params.paths.watch).resolve()
+    folder.mkdir(parents=True)
+    name = f"tuneloop-train-{folder.name}".lower()
+    jobs = jobs or TrainJobs(params.cluster.namespace)
+    poll_s = params.cluster.poll_s
+    with runs.stage_run(STAGE, params) as run:
+        manifest = trainjob(params, name, project)
+        manifest["spec"]["trainer"]["env"].append(
+            {"name": "MLFLOW_RUN_ID", "value": run.info.run_id}
+        )
+        write_json(folder / "trainjob.json", manifest)
+        with interrupts_raise():
+            jobs.create(manifest)
+            write_json(
+                folder / JOB_FILE,
+                Submitted(
+                    launcher="kubernetes",
+                    job_id=name,
+                    submitted_at=dt.datetime.now(dt.UTC).isoformat(),
+                ).model_dump(mode="json"),
+            )
+            _set_tags({TAG_LAUNCHER: "kubernetes", TAG_JOB_ID: name, TAG_LOGS: str(folder)})
+            ended: JobStatus | None = None
+            try:
+                ended = wait_for(name, jobs.status, PodLogs(jobs, name).pump, poll_s)
+            except StageInterrupted as interrupted:
+                log.error("train: %s while waiting; deleting TrainJob %s", interrupted, name)
+            finally:
+                if ended is None:
+                    with signal_ignored():
+                        cancel(name, jobs.status, jobs.delete, poll_s)
+        if ended is None:
+            _set_tags({TAG_STATE: "CANCELLED"})
+            raise SystemExit(f"train: TrainJob {name} deleted (CANCELLED); logs in {folder}")
+        usage = usage_by_node([(ended.nodes, ended.elapsed_s)], params.cluster.gpus_per_node)
+        report = JobReport(
+            launcher="kubernetes",
+            job_id=name,
+            state=ended.state,
+            nodes=ended.nodes,
+            restarts=ended.restarts,
+            elapsed_s=ended.elapsed_s,
+            gpu_hours=round(sum(u.gpu_hours for u in usage), 6),
+            usage=tuple(usage),
+            logs=str(folder),
+        )
+        record(params, report)
+        if report.state != SUCCEEDED:
+            raise SystemExit(
+                f"train: TrainJob {name} ended {report.state} on "
+                f"{', '.join(report.nodes) or 'no node'} ({ended.reason}); logs in {folder} "
+                f"and `kubectl logs -n {params.cluster.namespace} -l "
+                f"jobset.sigs.k8s.io/jobset-name={name}`"
+            )
+
+
+def run_on_cluster(params: Params) -> None:
+    """``train.launcher`` slurm or kubernetes: submit the ranks there and wait."""
+    if params.train.launcher == "kubernetes":
+        run_on_kubernetes(params)
+    else:
+        run_on_slurm(params)
