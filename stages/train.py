@@ -32,6 +32,15 @@ re-execs itself under torchrun with ``batch.world_size`` processes. Under torchr
 is not watched: wrap the launcher in ``tuneloop watch --`` on each node. See
 ``tuneloop.training.plan``; the training itself is ``tuneloop.training.run``.
 
+Clusters: with ``train.launcher: slurm`` this process, on the login node, trains nothing: it
+checks the launch (ranks = packed shards, the partition, shared storage), submits one job
+whose task on each node is that node's ``tuneloop watch`` around its torchrun (c10d rendezvous
+on the first node), streams the job's output into its log, and exits as the job ended: 0 on
+COMPLETED, 86 when a node's watchdog ended a hang, else 1 with one sentence naming the state,
+the node and the logs; a signal cancels the job (``tuneloop.cluster.submit``). The job's id,
+nodes and state are tags on the stage's MLflow run, whose training rank 0 logs into; the
+scheduler's GPU-hours go to the run and metrics/train.json (``cluster``).
+
 Checkpoints and resume: every ``train.save_steps`` steps a checkpoint with optimizer,
 scheduler and RNG state (the newest ``train.save_total_limit`` and the best are kept), and a
 validation loss. With ``train.resume: auto`` a rerun of the same params and data continues from
@@ -81,6 +90,12 @@ def needs_watcher(params: Params) -> bool:
     return params.watchdog.enabled and HEARTBEAT_ENV not in os.environ and not launched
 
 
+def needs_submitting(params: Params) -> bool:
+    """True in the process ``dvc repro`` started, when a cluster runs the ranks."""
+    launched = "LOCAL_RANK" in os.environ or HEARTBEAT_ENV in os.environ
+    return params.train.launcher != "local" and not launched
+
+
 def watch_options(params: Params) -> WatchOptions:
     wd = params.watchdog
     return WatchOptions(
@@ -99,6 +114,11 @@ def main() -> None:
     )
     started_at = time.time()
     params = stage_params()
+    if needs_submitting(params):
+        from tuneloop.cluster.submit import run_on_cluster  # the login node's side only
+
+        run_on_cluster(params)
+        return
     if needs_watcher(params):
         # This process only watches: no torch here, so the job's imports and memory are its own.
         outcome = watch(watch_options(params))

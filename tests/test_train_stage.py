@@ -8,13 +8,11 @@ through ``python -m stages.train`` as ``dvc repro`` would start it.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +23,9 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from stages import base, clean, ingest, pack, train
-from tests.helpers import ROOT, write_params
-from tuneloop.demo import domain
+from stages import train
+from tests.helpers import write_params
+from tests.train_helpers import FAST, data, make_project, run_stage, stage_env  # noqa: F401
 from tuneloop.params import load_params
 from tuneloop.telemetry.trace import TraceError, read_trace
 from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE
@@ -38,8 +36,6 @@ from tuneloop.training.plan import Environment, resolve_plan
 # The whole suite (`make test`): training, torchrun ranks, dvc repro
 pytestmark = pytest.mark.slow
 
-# A few steps each; checkpoints (and validation) every 3 so resume and best-model paths run.
-FAST = {"max_steps": 6, "save_steps": 3, "logging_steps": 1}
 ADAPTER_FILES = {
     "adapter_config.json",
     "adapter_model.safetensors",
@@ -50,78 +46,9 @@ ADAPTER_FILES = {
 }
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The tiny project's data and base model, packed for one rank and (data/packed-2) for two."""
-    folder = tmp_path_factory.mktemp("train-data")
-    shutil.copytree(ROOT / "eval", folder / "eval")
-    previous = Path.cwd()
-    os.chdir(folder)
-    try:
-        write_params(folder)
-        params = load_params()
-        domain.seed_month(params.paths.incoming, params.demo)
-        for stage in (base, ingest, clean, pack):
-            stage.main()
-        write_params(folder, {"batch": {"world_size": 2, "effective_batch": 2}})
-        shutil.move(folder / "data/packed", folder / "packed-1")
-        pack.main()
-        shutil.move(folder / "data/packed", folder / "data/packed-2")
-        shutil.move(folder / "packed-1", folder / "data/packed")
-        yield folder
-    finally:
-        os.chdir(previous)
-
-
-def make_project(
-    data: Path,
-    folder: Path,
-    world_size: int = 1,
-    watchdog: dict[str, Any] | None = None,
-    **train_overrides: Any,
-) -> Path:
-    """A project folder with the shared data and params for this test.
-
-    ``watchdog`` None: off, so ``train.main()`` trains in the test's own process; runs
-    through ``python -m stages.train`` turn it on, as the shipped params do.
-    """
-    (folder / "data").mkdir(parents=True)
-    shutil.copytree(data / "data/clean", folder / "data/clean")
-    packed = "packed" if world_size == 1 else f"packed-{world_size}"
-    shutil.copytree(data / "data" / packed, folder / "data/packed")
-    shutil.copytree(data / "models/base", folder / "models/base")
-    # The data stages' MLflow store, tables made: creating them costs seconds per run here.
-    shutil.copy(data / "mlflow.db", folder / "mlflow.db")
-    batch = {"world_size": world_size, "micro_batch_size": 1, "effective_batch": world_size}
-    watch = {"enabled": False} if watchdog is None else {"enabled": True, **watchdog}
-    write_params(folder, {"batch": batch, "train": {**FAST, **train_overrides}, "watchdog": watch})
-    return folder
-
-
 def run_main(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(folder)
     train.main()
-
-
-def stage_env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return os.environ | {
-        "PYTHONPATH": path,
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "HF_HUB_OFFLINE": "1",
-    }
-
-
-def run_stage(folder: Path) -> subprocess.CompletedProcess[str]:
-    """``python -m stages.train`` as dvc repro starts it: no launcher around it."""
-    return subprocess.run(
-        [sys.executable, "-m", "stages.train"],
-        cwd=folder,
-        env=stage_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def metrics(folder: Path) -> dict[str, Any]:

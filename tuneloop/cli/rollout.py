@@ -233,11 +233,32 @@ def _rollback(args: argparse.Namespace) -> int:
     return 0
 
 
+def training_job_line(params: Params) -> str | None:
+    """The newest cluster job the train stage submitted, as the scheduler sees it now."""
+    if params.train.launcher != "slurm":
+        return None
+    from tuneloop.cluster import slurm
+    from tuneloop.cluster.job import describe, latest_submitted
+
+    submitted = latest_submitted(params.paths.watch)
+    if submitted is None:
+        return "no Slurm job submitted from this project yet"
+    try:
+        now = slurm.status(submitted.job_id)
+    except slurm.SlurmError as error:
+        return f"Slurm job {submitted.job_id}: cannot ask Slurm ({error})"
+    if now is None:
+        return f"Slurm job {submitted.job_id} has ended (Slurm no longer lists it)"
+    return "Slurm " + describe(now)
+
+
 def _status(args: argparse.Namespace) -> int:
     from tuneloop.params import load_params
     from tuneloop.release import approval
 
     params = load_params()
+    if (training := training_job_line(params)) is not None:
+        print(f"training: {training}")
     if not params.tasks:
         result = approval.status(params)
         if args.json:

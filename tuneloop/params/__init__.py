@@ -44,6 +44,7 @@ from tuneloop.params.groups import (
 )
 from tuneloop.params.operations import (
     VLLM_LORA_RANKS,
+    ClusterParams,
     FastFailParams,
     LoadTestParams,
     PoolParams,
@@ -74,6 +75,7 @@ __all__ = [
     "BatchParams",
     "BlindReviewParams",
     "CleanParams",
+    "ClusterParams",
     "DemoParams",
     "EvaluateParams",
     "ExportParams",
@@ -128,6 +130,7 @@ class Params(_Group):
     release: ReleaseParams
     serve: ServeParams
     watchdog: WatchdogParams
+    cluster: ClusterParams
     schedule: ScheduleParams
     # Required, so a params.yaml from before tasks says how to write it (``_describe``);
     # ``{}`` is the one-task project, whose per-task stages dvc.yaml generates none of.
@@ -151,6 +154,29 @@ class Params(_Group):
             self.tracking.registered_model,
             self.evaluate.suites,
         )
+        return self
+
+    @model_validator(mode="after")
+    def _cluster_holds_the_ranks(self) -> Params:
+        if self.train.launcher == "local":
+            return self
+        cluster, world_size = self.cluster, self.batch.world_size
+        if cluster.nodes * cluster.gpus_per_node != world_size:
+            raise ValueError(
+                f"cluster.nodes x cluster.gpus_per_node is {cluster.nodes} x "
+                f"{cluster.gpus_per_node} = {cluster.nodes * cluster.gpus_per_node}, but "
+                f"batch.world_size (the shards pack wrote) is {world_size}: make them agree"
+            )
+        if self.train.distributed == "none":
+            raise ValueError(
+                f"train.launcher {self.train.launcher!r} starts ranks under torchrun: set "
+                "train.distributed (ddp, zero2, zero3, fsdp), or train.launcher: local"
+            )
+        if self.train.launcher == "kubernetes" and cluster.image is None:
+            raise ValueError(
+                "train.launcher 'kubernetes' runs the ranks in a container: set cluster.image to "
+                "the image built from the project's Dockerfile"
+            )
         return self
 
     @property

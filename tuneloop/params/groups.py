@@ -365,6 +365,11 @@ class TrainParams(_Group):
     distributed: Literal["none", "ddp", "zero2", "zero3", "fsdp"] = Field(
         description="how batch.world_size processes share the work; configs/ holds each config"
     )
+    launcher: Literal["local", "slurm", "kubernetes"] = Field(
+        default="local",
+        description="local: torchrun on this machine; slurm, kubernetes: the stage submits the "
+        "ranks to the cluster (params group cluster) and waits for them",
+    )
     learning_rate: float = Field(gt=0, lt=1, description="sft phase")
     epochs: float = Field(gt=0, description="sft phase")
     max_steps: int = Field(ge=-1, description="sft phase; -1 = run the epochs")

@@ -251,3 +251,57 @@ class ScheduleParams(_Group):
                 f"({2 * self.heartbeat_s}): one late heartbeat would crash a healthy run"
             )
         return self
+
+
+class ClusterParams(_Group):
+    """Where ``train.launcher`` slurm or kubernetes runs the ranks (``tuneloop.cluster``).
+
+    Not a DVC param: it says where the ranks run, not what they make; ``nodes`` x
+    ``gpus_per_node`` must be ``batch.world_size`` (a DVC param), checked when params load.
+    """
+
+    nodes: int = Field(ge=1, description="machines the job spans; one task (watchdog) per node")
+    gpus_per_node: int = Field(ge=1, description="ranks on each node (torchrun --nproc-per-node)")
+    partition: str | None = Field(
+        default=None, description="Slurm partition; null = the cluster's default"
+    )
+    account: str | None = Field(default=None, description="Slurm account; null = the user's")
+    time_limit: str = Field(
+        pattern=r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$",
+        description="the job's wall-time limit, as Slurm writes it (D-HH:MM:SS, HH:MM:SS, MM)",
+    )
+    signal_before_end_s: int = Field(
+        ge=10,
+        description="Slurm sends USR1 this long before the time limit: the ranks checkpoint and "
+        "the job is requeued (--signal=B:USR1@s)",
+    )
+    rendezvous_port: int = Field(ge=1024, le=65535, description="c10d on the first node")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="variables set for every rank (NCCL_*, MLFLOW_*), beside the submitter's own",
+    )
+    extra_args: tuple[str, ...] = Field(
+        default=(), description="more scheduler arguments, e.g. ['--qos=high', '--exclusive']"
+    )
+    poll_s: float = Field(gt=0, description="how often the stage asks the scheduler for state")
+    image: str | None = Field(
+        default=None, description="kubernetes: the container image the project's Dockerfile built"
+    )
+    namespace: str = Field(default="default", description="kubernetes: the TrainJob's namespace")
+    queue: str | None = Field(
+        default=None,
+        description="kubernetes: Kueue's LocalQueue (label kueue.x-k8s.io/queue-name); "
+        "null = not gang-scheduled through Kueue",
+    )
+    runtime: str = Field(
+        default="torch-distributed",
+        description="kubernetes: the ClusterTrainingRuntime the TrainJob references",
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if not name.replace("_", "a").isalnum() or name[0].isdigit():
+                raise ValueError(f"{name!r} is no environment variable name")
+        return env

@@ -210,15 +210,42 @@ def _distributed_problems(distributed: str, world_size: int, env: Environment) -
     return problems
 
 
-def torchrun_argv(world_size: int) -> list[str]:
-    """The command that starts ``world_size`` ranks of this stage on this node."""
+@dataclass(frozen=True)
+class Rendezvous:
+    """torchrun's c10d rendezvous across nodes; values may be shell references ("$SLURM_NODEID")."""
+
+    nodes: int
+    node_rank: str
+    endpoint: str
+    """host:port on the first node, where the c10d store runs."""
+    run_id: str
+
+
+def torchrun_argv(
+    nproc_per_node: int, rendezvous: Rendezvous | None = None, python: str = sys.executable
+) -> list[str]:
+    """The command that starts ``nproc_per_node`` ranks of this stage on this node.
+
+    Alone: a standalone rendezvous on a free port. Across nodes (``rendezvous``): every node
+    runs the same line, meeting at the first node's c10d store; a cluster launcher writes it.
+    """
+    if rendezvous is None:
+        # A free port and a local rendezvous: two runs on one machine do not collide.
+        meet = ["--standalone"]
+    else:
+        meet = [
+            f"--nnodes={rendezvous.nodes}",
+            f"--node-rank={rendezvous.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rendezvous.endpoint}",
+            f"--rdzv-id={rendezvous.run_id}",
+        ]
     return [
-        sys.executable,
+        python,
         "-m",
         "torch.distributed.run",
-        # A free port and a local rendezvous: two runs on one machine do not collide.
-        "--standalone",
-        f"--nproc-per-node={world_size}",
+        *meet,
+        f"--nproc-per-node={nproc_per_node}",
         "-m",
         STAGE_MODULE,
     ]

@@ -1,0 +1,125 @@
+"""The cluster launchers' pure parts: params, the launch checks, the job script, accounting."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import write_params
+from tuneloop.cluster import slurm
+from tuneloop.cluster.job import JobReport, NodeUsage, shell_words, usage_by_node
+from tuneloop.cluster.submit import failure
+from tuneloop.params import ParamsError, load_params
+from tuneloop.preflight.launch import filesystem_type, shared_path_problems, world_size_problems
+
+# The fast tier: no pipeline, server or rank.
+pytestmark = pytest.mark.fast
+
+TWO_NODES = {
+    "batch": {"world_size": 2, "micro_batch_size": 1, "effective_batch": 2},
+    "train": {"method": "lora", "distributed": "ddp", "launcher": "slurm"},
+    "cluster": {"nodes": 2, "gpus_per_node": 1, "env": {"NCCL_DEBUG": "INFO"}},
+}
+
+
+def two_nodes(tmp_path: Path, **cluster: object) -> Path:
+    overrides = {**TWO_NODES, "cluster": {**TWO_NODES["cluster"], **cluster}}
+    return write_params(tmp_path, overrides)
+
+
+def test_nodes_times_gpus_must_be_the_world_size(tmp_path: Path) -> None:
+    with pytest.raises(ParamsError, match=r"2 x 2 = 4, but batch.world_size .* is 2"):
+        load_params(two_nodes(tmp_path, gpus_per_node=2))
+    write_params(tmp_path, {**TWO_NODES, "train": {**TWO_NODES["train"], "distributed": "none"}})
+    with pytest.raises(ParamsError, match=r"set train\.distributed"):
+        load_params(tmp_path / "params.yaml")
+    kube = {**TWO_NODES, "train": {**TWO_NODES["train"], "launcher": "kubernetes"}}
+    with pytest.raises(ParamsError, match=r"set cluster\.image"):
+        load_params(write_params(tmp_path, kube))
+    with pytest.raises(ParamsError, match=r"cluster\.env"):
+        load_params(two_nodes(tmp_path, env={"1BAD": "x"}))
+
+
+def test_the_launch_is_refused_when_the_shards_were_packed_for_other_ranks(
+    tmp_path: Path,
+) -> None:
+    params = load_params(two_nodes(tmp_path))
+    packed = tmp_path / params.paths.packed
+    packed.mkdir(parents=True)
+    (packed / "rank-00000.parquet").touch()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        (problem,) = world_size_problems(params)
+        assert "2 ranks" in problem and "holds 1 rank shards" in problem
+        (packed / "rank-00001.parquet").touch()
+        assert world_size_problems(params) == []
+
+
+def test_paths_on_a_local_disk_are_refused_for_nodes_elsewhere(tmp_path: Path) -> None:
+    params = load_params(two_nodes(tmp_path))
+    assert shared_path_problems(params, ["127.0.0.1", "localhost"], tmp_path) == []
+    kind = filesystem_type(tmp_path)
+    problems = shared_path_problems(params, ["10.0.0.1", "10.0.0.2"], tmp_path)
+    if kind in ("nfs", "nfs4", "lustre"):  # a CI runner on shared storage
+        assert problems == []
+    else:
+        assert len(problems) == 9 and f"on a {kind} filesystem" in problems[0]
+
+
+def test_the_batch_script_runs_each_nodes_watchdog_around_its_torchrun(tmp_path: Path) -> None:
+    params = load_params(two_nodes(tmp_path, partition="gpu", extra_args=["--qos=high"]))
+    script = slurm.batch_script(params, tmp_path / "job", tmp_path, "/venv/bin/python")
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n" in script
+    assert "#SBATCH --signal=B:USR1@300" in script and "#SBATCH --requeue" in script
+    assert "#SBATCH --partition=gpu" in script and "#SBATCH --qos=high" in script
+    assert "export NCCL_DEBUG=INFO" in script
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    (srun,) = [line for line in script.splitlines() if line.startswith("srun ")]
+    # What the node's bash runs, with the node's own variables expanded there.
+    inner = subprocess.run(
+        ["bash", "-c", f"echo {srun.split(' bash -c ', 1)[1].removesuffix(' &')}"],
+        capture_output=True,
+        text=True,
+        env={"SLURM_NODEID": "1", "SLURMD_NODENAME": "n2", "SLURM_JOB_ID": "7"}
+        | {"TUNELOOP_RDZV_HOST": "10.0.0.1"},
+    ).stdout
+    assert inner.startswith("exec /venv/bin/python -m tuneloop.cli watch --deadlock-after=")
+    assert f"--out-dir={tmp_path}/job/$SLURMD_NODENAME" in inner
+    assert "-- /venv/bin/python -m torch.distributed.run --nnodes=2" in inner
+    assert '"--node-rank=$SLURM_NODEID" --rdzv-backend=c10d' in inner
+    assert '"--rdzv-endpoint=$TUNELOOP_RDZV_HOST:29500"' in inner
+    assert inner.rstrip().endswith("--nproc-per-node=1 -m stages.train")
+
+
+def test_gpu_hours_are_elapsed_times_gpus_per_node_over_every_run() -> None:
+    usage = usage_by_node([(("a", "b"), 1800.0), (("b", "c"), 1800.0)], gpus_per_node=8)
+    assert [(u.node, u.seconds, u.gpu_hours) for u in usage] == [
+        ("a", 1800.0, 4.0),
+        ("b", 3600.0, 8.0),
+        ("c", 1800.0, 4.0),
+    ]
+    assert slurm.seconds("1-02:03:04") == 93784 and slurm.seconds("05:06") == 306
+
+
+def test_a_failed_job_is_one_sentence_naming_state_node_and_logs() -> None:
+    report = JobReport(
+        launcher="slurm",
+        job_id="12",
+        state="NODE_FAIL",
+        nodes=("n1", "n2"),
+        restarts=0,
+        elapsed_s=60,
+        gpu_hours=0.1,
+        usage=(NodeUsage(node="n1", seconds=60, gpus=1, gpu_hours=0.05),),
+        logs="/shared/watch/x",
+    )
+    code, sentence = failure(report, {"n1": 0, "n2": 137})
+    assert code == 1
+    assert sentence.startswith("train: Slurm job 12 ended NODE_FAIL on n2; logs in /shared/watch/x")
+    code, sentence = failure(report, {"n1": 86, "n2": 143})
+    assert code == 86 and "the watchdog on n1 found a hang" in sentence
+    assert shell_words(["a b", "$X:1"]) == "'a b' \"$X:1\""
