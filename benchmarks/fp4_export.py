@@ -11,7 +11,7 @@ each export against the merged model, paired, with the gate's bootstrap interval
 
 Prints sizes, export times and the table, with the load average before and after.
 
-    .venv/bin/python benchmarks/fp4_export.py [--limit 40] [--work /tmp/fp4-bench]
+    .venv/bin/python benchmarks/fp4_export.py [--limit 40] [--suite general_demo]
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ MODEL = "builtin:smollm2-135m-instruct"
 FORMATS: tuple[ExportFormat, ...] = ("fp8", "nvfp4", "nvfp4a16")
 
 
-def write_project(work: Path, limit: int, calibration: int) -> None:
+def write_project(work: Path, limit: int, calibration: int, suite: str | None) -> None:
     data = yaml.safe_load((ROOT / "params.yaml").read_text())
+    if suite is not None:  # scored as the business suite, so not as a general one too
+        data["evaluate"] |= {"suites": [suite], "general_suites": []}
     data["model"] |= {"base": MODEL, "dtype": "float32"}
     data["paths"]["downloads"] = str((ROOT / ".hf/downloads").resolve())
     data["export"]["formats"] = list(FORMATS)
@@ -68,6 +70,11 @@ def write_calibration(path: Path, count: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit", type=int, default=40, help="items of the business suite")
+    parser.add_argument(
+        "--suite",
+        help="score this eval suite instead of params.yaml's business suites (general_demo: "
+        "skills an untrained base has, where support_demo's domain is all zeros)",
+    )
     parser.add_argument("--calibration", type=int, default=8, help="nvfp4's calibration chats")
     parser.add_argument("--scored", nargs="+", default=["fp8", "nvfp4"], help="exports scored")
     parser.add_argument("--work", type=Path, default=Path("/tmp/fp4-bench"))
@@ -75,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args.work.mkdir(parents=True, exist_ok=True)
-    write_project(args.work, args.limit, args.calibration)
+    write_project(args.work, args.limit, args.calibration, args.suite)
     os.chdir(args.work)
     params = load_params()
     print(f"load average before: {os.getloadavg()}", flush=True)

@@ -304,7 +304,8 @@ def test_a_team_that_accepts_the_loss_registers_the_candidate_and_its_fp4_format
     assert registry.formats_of(version) == ("fp8", "nvfp4a16")
     folder = registry.download_folder(version, "nvfp4a16", tmp_path)
     assert (folder / "README.md").read_text() == (project / "reports/model-card.md").read_text()
-    assert json.loads((folder / "manifest.json").read_text())["format"] == "nvfp4a16"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
     with pytest.raises(KeyError, match="no 'nvfp4' artifact"):
         registry.download_folder(version, "nvfp4", tmp_path / "again")
 

@@ -270,6 +270,17 @@ class ClusterParams(_Group):
         pattern=r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$",
         description="the job's wall-time limit, as Slurm writes it (D-HH:MM:SS, HH:MM:SS, MM)",
     )
+
+    @field_validator("time_limit", mode="before")
+    @classmethod
+    def _sexagesimal(cls, value: object) -> object:
+        """YAML 1.1 reads an unquoted 12:00:00 as 43200 (base 60), and `dvc exp run -S`
+        writes params.yaml back without the quotes: seconds become H:MM:SS again."""
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            hours, rest = divmod(value, 3600)
+            return f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+        return value
+
     signal_before_end_s: int = Field(
         ge=10,
         description="Slurm sends USR1 this long before the time limit: the ranks checkpoint and "

@@ -135,7 +135,12 @@ def fetch(name: str, alias: str, serve_dir: Path = SERVE_DIR) -> tuple[str, dict
             tmp = given.resolve()  # the downloads come back as absolute paths
             relative = {}
             for artifact in (registry.MERGED, *registry.formats_of(version)):
-                got = registry.download_folder(version, artifact, tmp / "download")
+                try:
+                    got = registry.download_folder(version, artifact, tmp / "download")
+                except KeyError:
+                    if artifact == registry.MERGED:
+                        raise
+                    continue  # registered without that export (a base, or an older version)
                 relative[artifact] = str(got.relative_to(tmp))
             write_json(tmp / "folders.json", relative)
         log.info("downloaded %s v%s into %s", name, number, target)
