@@ -42,6 +42,19 @@ def test_nodes_times_gpus_must_be_the_world_size(tmp_path: Path) -> None:
         load_params(two_nodes(tmp_path, env={"1BAD": "x"}))
 
 
+def test_a_time_limit_written_back_unquoted_is_read_as_slurm_writes_it(tmp_path: Path) -> None:
+    # `dvc exp run -S` rewrites params.yaml without quotes; YAML 1.1 reads 12:00:00 as 43200.
+    path = two_nodes(tmp_path)
+    text = path.read_text()
+    assert "time_limit:" in text
+    lines = [
+        "  time_limit: 12:00:00" if line.strip().startswith("time_limit:") else line
+        for line in text.splitlines()
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    assert load_params(path).cluster.time_limit == "12:00:00"
+
+
 def test_the_launch_is_refused_when_the_shards_were_packed_for_other_ranks(
     tmp_path: Path,
 ) -> None:
