@@ -244,3 +244,22 @@ def edited_code(folder: Path, source: Path, names: tuple[str, ...], edited: str)
     with (folder / edited).open("a", encoding="utf-8") as out:
         out.write("# edited\n")
     return folder
+
+
+def changed_tokenizer(change: str, tokenizer: Any, folder: Path, monkeypatch: Any) -> Any | None:
+    """The tokenizer after ``change`` to what its token ids depend on (its files, the
+    tokenizers or jinja2 version), or None when ``change`` is none of those."""
+    from tuneloop.data import chat
+    from tuneloop.data.chat import ChatTokenizer
+
+    if change in ("tokenizer.json", "chat template"):
+        return ChatTokenizer.from_folder(demo_tokenizer(folder / "other", change))
+    if change == "tokenizers version":
+        import tokenizers
+
+        monkeypatch.setattr(tokenizers, "__version__", "0.0.0")
+    elif change == "jinja2 version":
+        monkeypatch.setattr(chat, "version", lambda name: "0.0.0")
+    else:
+        return None
+    return ChatTokenizer.from_folder(tokenizer.folder or folder)

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tokenizers
 
 from tests import helpers
-from tuneloop.data import chat, clean_parts, pack_cache, token_cache
+from tuneloop.data import clean_parts, pack_cache, token_cache
 from tuneloop.data.chat import ChatTokenizer
 from tuneloop.data.pack import Overlong, pack_samples
 from tuneloop.data.pack_cache import Packed, pack_file, part_ranges
@@ -250,14 +249,10 @@ def test_a_change_to_what_a_part_depends_on_misses_it(
         seq_len = 64
     elif change == "pack.overlong":
         overlong = "drop"
-    elif change in ("tokenizer.json", "chat template"):
-        tokenizer = ChatTokenizer.from_folder(helpers.demo_tokenizer(tmp_path / "other", change))
-    elif change == "tokenizers version":
-        monkeypatch.setattr(tokenizers, "__version__", "0.0.0")
-        tokenizer = ChatTokenizer.from_folder(tokenizer.folder or tmp_path)
-    elif change == "jinja2 version":
-        monkeypatch.setattr(chat, "version", lambda name: "0.0.0")
-        tokenizer = ChatTokenizer.from_folder(tokenizer.folder or tmp_path)
+    elif (
+        changed := helpers.changed_tokenizer(change, tokenizer, tmp_path, monkeypatch)
+    ) is not None:
+        tokenizer = changed
     elif change.startswith("code "):
         names = ("pack.py", "pack_cache.py", "chat.py", "shards.py", "token_cache.py")
         source = Path(pack_cache.__file__).parent

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tokenizers
 
-from tests.helpers import chat_lines, demo_tokenizer, edited_code, tokens_of
-from tuneloop.data import chat, token_cache
+from tests.helpers import changed_tokenizer, chat_lines, edited_code, tokens_of
+from tuneloop.data import token_cache
 from tuneloop.data.chat import ChatTokenizer
 from tuneloop.data.token_cache import Tokens
 from tuneloop.demo import domain, tiny
@@ -144,14 +143,8 @@ def test_a_change_to_what_a_line_depends_on_misses_it(
     lines = chat_lines(5, 60)
     path, cache = write(tmp_path / "train.jsonl", lines), tmp_path / "cache"
     tokens_of(path, cache, tokenizer)
-    if change in ("tokenizer.json", "chat template"):
-        tokenizer = ChatTokenizer.from_folder(demo_tokenizer(tmp_path / "other", change))
-    elif change == "tokenizers version":
-        monkeypatch.setattr(tokenizers, "__version__", "0.0.0")
-        tokenizer = ChatTokenizer.from_folder(tokenizer.folder or tmp_path)
-    elif change == "jinja2 version":
-        monkeypatch.setattr(chat, "version", lambda name: "0.0.0")
-        tokenizer = ChatTokenizer.from_folder(tokenizer.folder or tmp_path)
+    if (changed := changed_tokenizer(change, tokenizer, tmp_path, monkeypatch)) is not None:
+        tokenizer = changed
     elif change.startswith("code "):
         names = ("chat.py", "shards.py", "token_cache.py")
         source = Path(token_cache.__file__).parent
