@@ -15,7 +15,11 @@ def _seed_demo(args: argparse.Namespace) -> int:
     from tuneloop.params import load_params
 
     params = load_params()
-    written = domain.seed_month(params.paths.incoming, params.demo)
+    # A month of another size (the tutorial's few hundred lines): the demo group's, resized.
+    sizes = {"n_support": args.chats, "n_badcases": args.badcases}
+    given = {name: size for name, size in sizes.items() if size is not None}
+    demo = type(params.demo).model_validate(params.demo.model_dump() | given)  # checked again
+    written = domain.seed_month(params.paths.incoming, demo)
     for path in written:
         print(f"wrote {path}")
     if not written:
@@ -133,6 +137,12 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
     seed = commands.add_parser(
         "seed-demo", help="write the demo month of support chats and badcases into incoming/"
+    )
+    seed.add_argument(
+        "--chats", type=int, help="support chats to write (default: params.yaml's demo.n_support)"
+    )
+    seed.add_argument(
+        "--badcases", type=int, help="badcases to write (default: params.yaml's demo.n_badcases)"
     )
     seed.set_defaults(run=_seed_demo)
 

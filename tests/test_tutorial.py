@@ -1,0 +1,128 @@
+"""The tutorial (docs/tutorial/your-model.md) run as written, from a fresh clone.
+
+Every block titled ``step …`` runs, in the page's order, in one bash (so step 1's
+``source .venv/bin/activate`` holds for the rest); the block titled ``params.yaml`` is merged
+into the clone's params.yaml where the page says to set those keys. The clone is ``git clone``
+of this checkout's committed code, so an uncommitted change is not what the page is checked
+against. Two things are shared with the suite rather than built again, and neither is a
+command of the page: the clone's ``.venv`` is this suite's environment (step 1's
+``make setup`` finds it built and does nothing; the test checks that it did nothing, so it
+never installs into the suite's environment), and its ``.hf`` is this checkout's, where the
+SmolLM2 wheel is kept once fetched. The month itself is SmolLM2-135M on the CPU: the page's
+params keep its first run to minutes (``train.max_steps``, ``evaluate.limit``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.slow
+
+PAGE = ROOT / "docs" / "tutorial" / "your-model.md"
+# A fenced block with a title: ```bash title="step 2: ..."
+FENCE = re.compile(r'^```(\w+) title="([^"]+)"\n(.*?)^```', re.S | re.M)
+
+
+def blocks() -> list[tuple[str, str]]:
+    """(title, body) of each titled block, in the page's order."""
+    return [(title, body) for _, title, body in FENCE.findall(PAGE.read_text(encoding="utf-8"))]
+
+
+def clone(target: Path) -> Path:
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: the tutorial starts from a clone")
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(target)], check=True)
+    # What a fresh machine gets from step 1 and a first download: this suite's own.
+    (target / ".venv").symlink_to(Path(sys.prefix))
+    (target / ".hf").symlink_to((ROOT / ".hf").resolve())
+    # git writes files with the time of the clone: make would see pyproject.toml as newer than
+    # the environment and rebuild it. Their committed contents are what the suite was set up
+    # from (checked below: step 1 must report nothing to do).
+    for name in ("pyproject.toml", "constraints.txt"):
+        stamp = (ROOT / name).stat()
+        os.utime(target / name, (stamp.st_atime, stamp.st_mtime))
+    return target
+
+
+@pytest.fixture(scope="module")
+def month(tmp_path_factory: pytest.TempPathFactory, prefect_harness: None) -> Path:
+    from prefect.settings import PREFECT_API_URL
+
+    repo = clone(tmp_path_factory.mktemp("tutorial") / "tuneloop")
+    # Step 1 must find the environment built: were it to rebuild, it would install into this
+    # suite's own. `make -n` says what it would do without doing it.
+    dry = subprocess.run(["make", "-n", "setup"], cwd=repo, capture_output=True, text=True)
+    if "-m venv" in dry.stdout:
+        pytest.skip("this suite's .venv is not what `make setup` builds from the committed files")
+    installed = (repo / ".venv" / ".installed").stat().st_mtime
+    script = ["set -euo pipefail"]
+    for title, body in blocks():
+        if title == "params.yaml":
+            script.append(f"python - <<'PY'\n{apply_params(body)}\nPY")
+        else:
+            script += [f"echo '--- {title}'", body]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env |= {"PYTHONPATH": str(repo), "PREFECT_API_URL": str(PREFECT_API_URL.value())}
+    log = repo.parent / "tutorial.log"
+    with log.open("w") as out:
+        ran = subprocess.run(
+            ["bash", "-c", "\n".join(script)], cwd=repo, env=env, stdout=out, stderr=out
+        )
+    text = log.read_text(errors="replace")
+    assert ran.returncode == 0, text[-6000:]
+    (repo / "tutorial.log").write_text(text)
+    assert (repo / ".venv" / ".installed").stat().st_mtime == installed, "step 1 installed"
+    return repo
+
+
+def apply_params(block: str) -> str:
+    """Python that sets the page's keys in params.yaml, group by group, keeping the rest."""
+    return (
+        "import yaml\n"
+        "def merge(into, keys):\n"
+        "    for name, value in keys.items():\n"
+        "        if isinstance(value, dict) and isinstance(into.get(name), dict):\n"
+        "            merge(into[name], value)\n"
+        "        else:\n"
+        "            into[name] = value\n"
+        "params = yaml.safe_load(open('params.yaml'))\n"
+        f"merge(params, yaml.safe_load({block!r}))\n"
+        "yaml.safe_dump(params, open('params.yaml', 'w'), sort_keys=False)"
+    )
+
+
+def test_the_month_ends_with_the_gates_decision_on_the_tutorial_suite(month: Path) -> None:
+    decision = json.loads((month / "metrics" / "decision.json").read_text())
+    assert decision["verdict"] in {"pass", "fail", "inconclusive"}
+    assert decision["reasons"] and decision["checks"], "a reason for each rule"
+    assert any(check["suite"] == "my_support" for check in decision["checks"]), decision["checks"]
+    report = (month / "reports" / "eval.md").read_text()
+    assert "my_support" in report
+    params = yaml.safe_load((month / "params.yaml").read_text())
+    assert params["model"]["base"] == "builtin:smollm2-135m-instruct"
+    assert (month / "models" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_step_6_shows_the_decision_and_the_registry(month: Path) -> None:
+    text = (month / "tutorial.log").read_text()
+    step_6 = text.split("--- step 6", 1)[1]
+    assert "champion" in step_6, step_6[-3000:]
+
+
+def test_the_clone_left_the_suites_environment_where_it_was(month: Path) -> None:
+    # The editable install still points at this checkout, not at the tutorial's clone.
+    import tuneloop
+
+    assert Path(tuneloop.__file__).resolve().is_relative_to(ROOT.resolve())
+    shutil.rmtree(month / "models" / "merged", ignore_errors=True)  # 0.5 GB of float32
