@@ -61,11 +61,17 @@ def month(tmp_path_factory: pytest.TempPathFactory, prefect_harness: None) -> Pa
 
     repo = clone(tmp_path_factory.mktemp("tutorial") / "tuneloop")
     # Step 1 must find the environment built: were it to rebuild, it would install into this
-    # suite's own. `make -n` says what it would do without doing it.
-    dry = subprocess.run(["make", "-n", "setup"], cwd=repo, capture_output=True, text=True)
-    if "-m venv" in dry.stdout:
-        pytest.skip("this suite's .venv is not what `make setup` builds from the committed files")
-    installed = (repo / ".venv" / ".installed").stat().st_mtime
+    # suite's own. Make's test, in Python: `make -n` cannot tell, the key file's rule always runs.
+    key = re.search(r"printf '%s\\n' '([^']*)'", dry_run(repo, ".venv/.key"))
+    installed = repo / ".venv" / ".installed"
+    built = (repo / ".venv" / ".key").read_text() if (repo / ".venv" / ".key").exists() else ""
+    sources = ("pyproject.toml", "constraints.txt", ".venv/.key")
+    newest = max((repo / name).stat().st_mtime for name in sources)
+    if not key or built != key[1] + "\n" or not installed.exists():
+        pytest.skip("this suite's .venv was not built by `make setup` with its defaults")
+    if installed.stat().st_mtime < newest:
+        pytest.skip("this suite's .venv is older than what it is built from")
+    installed_at = installed.stat().st_mtime
     script = ["set -euo pipefail"]
     for title, body in blocks():
         if title == "params.yaml":
@@ -82,8 +88,14 @@ def month(tmp_path_factory: pytest.TempPathFactory, prefect_harness: None) -> Pa
     text = log.read_text(errors="replace")
     assert ran.returncode == 0, text[-6000:]
     (repo / "tutorial.log").write_text(text)
-    assert (repo / ".venv" / ".installed").stat().st_mtime == installed, "step 1 installed"
+    assert installed.stat().st_mtime == installed_at, "step 1 built the environment again"
     return repo
+
+
+def dry_run(repo: Path, target: str) -> str:
+    return subprocess.run(
+        ["make", "-n", target], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout
 
 
 def apply_params(block: str) -> str:
