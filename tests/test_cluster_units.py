@@ -12,7 +12,12 @@ from tuneloop.cluster import slurm
 from tuneloop.cluster.job import JobReport, NodeUsage, shell_words, usage_by_node
 from tuneloop.cluster.submit import failure
 from tuneloop.params import ParamsError, load_params
-from tuneloop.preflight.launch import filesystem_type, shared_path_problems, world_size_problems
+from tuneloop.preflight.launch import (
+    check_launch,
+    filesystem_type,
+    shared_path_problems,
+    world_size_problems,
+)
 
 # The fast tier: no pipeline, server or rank.
 pytestmark = pytest.mark.fast
@@ -136,3 +141,24 @@ def test_a_failed_job_is_one_sentence_naming_state_node_and_logs() -> None:
     code, sentence = failure(report, {"n1": 86, "n2": 143})
     assert code == 86 and "the watchdog on n1 found a hang" in sentence
     assert shell_words(["a b", "$X:1"]) == "'a b' \"$X:1\""
+
+
+def test_preflight_checks_the_launch_so_dvc_repro_stops_before_train(tmp_path: Path) -> None:
+    params = load_params(two_nodes(tmp_path))
+    params = params.model_copy(
+        update={"train": params.train.model_copy(update={"launcher": "kubernetes"})}
+    )
+    packed = tmp_path / params.paths.packed
+    packed.mkdir(parents=True)
+    (packed / "rank-00000.parquet").touch()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        refused = check_launch(params)
+        assert refused.status == "fail" and "holds 1 rank shards" in refused.detail
+        (packed / "rank-00001.parquet").touch()
+        passed = check_launch(params)
+        assert passed.status == "pass" and "2 node(s) x 1 = 2 ranks" in passed.detail
+        local = params.model_copy(
+            update={"train": params.train.model_copy(update={"launcher": "local"})}
+        )
+        assert check_launch(local).status == "skip"

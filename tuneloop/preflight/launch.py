@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tuneloop.cluster import slurm
 from tuneloop.data.shards import SHARD_GLOB
+from tuneloop.judge.verdict import Check
 from tuneloop.params import Params
 
 # Filesystems every node of a cluster mounts alike.
@@ -131,3 +132,24 @@ def launch_problems(params: Params, project: Path | None = None) -> list[str]:
     if params.train.launcher == "slurm":
         problems += slurm_problems(params, project)
     return problems
+
+
+def check_launch(params: Params, project: Path | None = None) -> Check:
+    """The preflight stage's view of the launch, so ``dvc repro`` stops there, before train
+    submits anything (train checks again at submit time: the cluster may change between)."""
+    name = "cluster_launch"
+    launcher, cluster = params.train.launcher, params.cluster
+    if launcher == "local":
+        return Check(name, "skip", "train.launcher local: torchrun on this machine")
+    problems = launch_problems(params, project)
+    if problems:
+        return Check(name, "fail", "; ".join(problems))
+    ranks = cluster.nodes * cluster.gpus_per_node
+    where = f"partition {cluster.partition!r}" if cluster.partition else "the default partition"
+    found = f", {where} up with the nodes" if launcher == "slurm" else ""
+    return Check(
+        name,
+        "pass",
+        f"{launcher}: {cluster.nodes} node(s) x {cluster.gpus_per_node} = {ranks} ranks, the "
+        f"packed shards'{found}",
+    )

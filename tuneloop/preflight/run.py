@@ -43,6 +43,7 @@ from tuneloop.preflight.data import (
     check_template_roundtrip,
     check_vocab,
 )
+from tuneloop.preflight.launch import check_launch
 from tuneloop.preflight.machine import (
     check_checkpoint_dir,
     check_checkpoint_disk,
@@ -172,6 +173,7 @@ def run_preflight(
         disk,
         lambda: check_checkpoint_dir(paths.checkpoints, dvc_out_folders(params), paths.packed),
         lambda: check_stop_loss(train.max_wall_hours, batch.world_size, bool(inv.gpus)),
+        lambda: check_launch(params),
     ]
     results = run_timed(checks)
     return Report(results, time.perf_counter() - started, read_seconds, plan)
