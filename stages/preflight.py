@@ -5,8 +5,10 @@ Reads:  ``paths.packed`` shards and manifest; ``paths.clean``/train.jsonl (the p
         tokenizer and weight files; the machine (NVML, disks, ``NCCL_*``).
 Writes: ``reports/preflight.json`` and ``reports/preflight.md`` (every check with its status,
         detail and duration); ``metrics/preflight.json``; the same to the MLflow run.
-Params: ``preflight``, ``pack``, ``batch``, ``train``, ``cluster`` (the launch, when
-        ``train.launcher`` is not local), ``model.base``, ``paths``.
+Params: ``preflight``, ``pack``, ``batch``, ``train``, ``model.base``, ``paths``. It reads
+        ``cluster`` too, to check the launch when ``train.launcher`` is not local, but not as
+        a DVC param: an edit there would rerun train through ``reports/preflight.json``, and
+        train checks the launch again when it submits.
 
 The checks live in ``tuneloop/preflight/``. The stage exits non-zero when any check fails, so
 ``train`` never starts after it, under ``dvc repro`` or the retrain flow.
