@@ -31,6 +31,8 @@ from tuneloop.params import load_params
 pytestmark = pytest.mark.slow
 
 LORA = {"method": "lora", "distributed": "ddp"}
+# Steps of the run the pre-end signal interrupts: far more than it makes before the signal.
+MAX_STEPS = 24
 
 
 def cluster_project(data: Path, folder: Path, **train: Any) -> Path:
@@ -88,6 +90,22 @@ def training_job(cluster: SlurmCluster, log: Path, timeout: float = 300) -> str:
             return text.split("submitted Slurm job ", 1)[1].split(";", 1)[0]
         time.sleep(1)
     raise AssertionError(f"no training step within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def wait_requeued(cluster: SlurmCluster, job_id: str, timeout: float = 180) -> None:
+    """Until the requeued job is PENDING and its last run has left both nodes.
+
+    Slurm holds a requeued job back a while (BeginTime); a test releases it at once, but a
+    run released while the last one still completes on a node fails ("credential revoked").
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pending = "PENDING" in cluster.run("squeue", "-h", "-j", job_id, "-o", "%T")
+        states = cluster.run("sinfo", "-h", "-N", "-o", "%t").split()
+        if pending and states and all(state == "idle" for state in states):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} was not requeued within {timeout} s")
 
 
 def train_run(folder: Path) -> Any:
@@ -235,9 +253,7 @@ def test_a_requeued_job_resumes_from_its_last_checkpoint_and_ends_at_the_planned
         time.sleep(0.5)
     assert checkpoints.newest_complete(phase) is not None, log.read_text()[-3000:]
     slurm_cluster.run("scontrol", "requeue", job_id)
-    # Slurm holds a requeued job back a while (BeginTime); a test need not wait for it.
-    while "PENDING" not in slurm_cluster.run("squeue", "-h", "-j", job_id, "-o", "%T"):
-        time.sleep(0.5)
+    wait_requeued(slurm_cluster, job_id)
     slurm_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
     err = finish(stage, log)
     assert stage.returncode == 0, err[-4000:]
@@ -248,6 +264,42 @@ def test_a_requeued_job_resumes_from_its_last_checkpoint_and_ends_at_the_planned
     assert resumed is not None and resumed % 3 == 0 and 3 <= resumed < 30
     assert m["cluster"]["restarts"] == 1 and m["cluster"]["state"] == "COMPLETED"
     assert train_run(folder).info.status == "FINISHED"
+
+
+def test_the_signal_before_the_time_limit_saves_that_step_then_the_job_requeues_and_resumes(
+    data: Path,
+    tmp_path: Path,
+    slurm_cluster: SlurmCluster,
+) -> None:
+    """What Slurm does ``signal_before_end_s`` before the time limit (--signal=B:USR1), sent by
+    hand: the ranks save the step they are at, far from any ``save_steps`` multiple, stop, and
+    the batch shell requeues the job; the next run resumes from that step."""
+    from tuneloop.telemetry.heartbeat import merge, read_heartbeats
+    from tuneloop.training import checkpoints
+
+    folder = cluster_project(data, tmp_path, max_steps=MAX_STEPS, save_steps=1000)
+    stage, log = start_stage(folder, slurm_cluster)
+    job_id = training_job(slurm_cluster, log)
+    (job,) = (p.parent for p in (folder / "reports/watch").glob("*/job.json"))
+    beat = merge(read_heartbeats(job / "node1/heartbeat.json"))
+    assert beat is not None and beat.step is not None and beat.step < MAX_STEPS // 2
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+    wait_requeued(slurm_cluster, job_id)
+    (saved,) = job.glob(f"save-request-{job_id}-0.saved")
+    step = json.loads(saved.read_text())["step"]
+    assert beat.step <= step < MAX_STEPS and step % 1000 != 0
+    assert checkpoints.is_complete(folder / f"checkpoints/train/sft/checkpoint-{step}")
+    slurm_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+    err = finish(stage, log)
+    assert stage.returncode == 0, err[-4000:]
+    assert f"saving step {step} and stopping" in err
+    assert f"job {job_id} run 1 on node[1-2]" in err
+    m = json.loads((folder / "metrics/train.json").read_text())
+    assert m["global_steps"] == MAX_STEPS
+    assert m["phases"]["sft"]["resumed_from_step"] == step
+    assert m["cluster"]["restarts"] == 1 and m["cluster"]["state"] == "COMPLETED"
+    assert train_run(folder).info.status == "FINISHED"
+    assert slurm_cluster.queue() == []
 
 
 def test_a_rank_that_stops_stepping_on_one_node_ends_the_job_with_86_and_its_stacks(

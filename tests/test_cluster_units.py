@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from transformers import TrainerControl, TrainerState
 
 from tests.helpers import write_params
 from tuneloop.cluster import slurm
@@ -13,11 +16,12 @@ from tuneloop.cluster.job import JobReport, NodeUsage, shell_words, usage_by_nod
 from tuneloop.cluster.submit import failure
 from tuneloop.params import ParamsError, load_params
 from tuneloop.preflight.launch import filesystem_type, shared_path_problems, world_size_problems
+from tuneloop.training.preemption import SaveOnRequest
 
 # The fast tier: no pipeline, server or rank.
 pytestmark = pytest.mark.fast
 
-TWO_NODES = {
+TWO_NODES: dict[str, dict[str, Any]] = {
     "batch": {"world_size": 2, "micro_batch_size": 1, "effective_batch": 2},
     "train": {"method": "lora", "distributed": "ddp", "launcher": "slurm"},
     "cluster": {"nodes": 2, "gpus_per_node": 1, "env": {"NCCL_DEBUG": "INFO"}},
@@ -106,6 +110,42 @@ def test_the_batch_script_runs_each_nodes_watchdog_around_its_torchrun(tmp_path:
     assert '"--node-rank=$SLURM_NODEID" --rdzv-backend=c10d' in inner
     assert '"--rdzv-endpoint=$TUNELOOP_RDZV_HOST:29500"' in inner
     assert inner.rstrip().endswith("--nproc-per-node=1 -m stages.train")
+
+
+def test_the_signal_before_the_end_asks_the_ranks_to_save_then_requeues(tmp_path: Path) -> None:
+    params = load_params(two_nodes(tmp_path, signal_before_end_s=120))
+    script = slurm.batch_script(params, tmp_path / "job", tmp_path, "/venv/bin/python")
+    lines = script.splitlines()
+    request = f'export TUNELOOP_SAVE_REQUEST="{tmp_path}/job/save-request-$SLURM_JOB_ID-'
+    assert any(line.startswith(request) for line in lines)
+    start, end = lines.index("save_and_requeue() {"), lines.index("trap save_and_requeue USR1")
+    trap = "\n".join(lines[start:end])
+    # The request, a bounded wait for the step, then the requeue that ends whatever is left.
+    assert (
+        trap.index('touch "$TUNELOOP_SAVE_REQUEST"')
+        < trap.index("-lt 90 ]")
+        < trap.index('scontrol requeue "$SLURM_JOB_ID"')
+    )
+    assert '[ ! -e "$TUNELOOP_SAVE_REQUEST.saved" ]' in trap and "exit 0" in trap
+    assert end < next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert slurm.save_wait_s(load_params(two_nodes(tmp_path, signal_before_end_s=10))) == 5
+
+
+def test_a_save_request_saves_and_stops_at_the_next_step_once(tmp_path: Path) -> None:
+    request = tmp_path / "save-request-7-0"
+    callback = SaveOnRequest(request)
+    args: Any = type("Args", (), {"device": torch.device("cpu")})()
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = 3
+    callback.on_step_end(args, state, control)
+    assert not control.should_save and not control.should_training_stop
+    request.touch()
+    state.global_step = 4
+    callback.on_step_end(args, state, control)
+    assert control.should_save and control.should_training_stop and callback.step == 4
+    state.global_step, control = 5, TrainerControl()
+    callback.on_step_end(args, state, control)
+    assert callback.step == 4 and not control.should_save
 
 
 def test_gpu_hours_are_elapsed_times_gpus_per_node_over_every_run() -> None:
