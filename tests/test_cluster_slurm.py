@@ -7,7 +7,9 @@ through ``python -m stages.train`` as ``dvc repro`` starts it on the login node.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -33,6 +35,8 @@ pytestmark = pytest.mark.slow
 LORA = {"method": "lora", "distributed": "ddp"}
 # Steps of the run the pre-end signal interrupts: far more than it makes before the signal.
 MAX_STEPS = 24
+# How long Prefect's runner waits after SIGTERM before it sends SIGKILL.
+PREFECT_KILL_GRACE_S = 30
 
 
 def cluster_project(data: Path, folder: Path, **train: Any) -> Path:
@@ -58,9 +62,10 @@ def cluster_project(data: Path, folder: Path, **train: Any) -> Path:
 
 
 def start_stage(
-    folder: Path, cluster: SlurmCluster, *parent: str
+    folder: Path, cluster: SlurmCluster, *parent: str, session: bool = False
 ) -> tuple[subprocess.Popen[bytes], Path]:
-    """``python -m stages.train`` (under ``parent``, a shell say) and the file of its output."""
+    """``python -m stages.train`` (under ``parent``, a shell say; in a session of its own with
+    ``session``) and the file of its output."""
     log = folder / "stage.log"
     with log.open("wb") as out:
         stage = subprocess.Popen(
@@ -69,6 +74,7 @@ def start_stage(
             env=stage_env() | {"SLURM_CONF": cluster.env["SLURM_CONF"]},
             stdout=out,
             stderr=subprocess.STDOUT,
+            start_new_session=session,
         )
     return stage, log
 
@@ -213,26 +219,35 @@ def test_a_job_cancelled_from_outside_fails_the_stage_naming_cancelled(
     assert not (folder / "models/adapter").exists()
 
 
-def test_when_whoever_started_the_stage_is_gone_the_job_is_cancelled(
+def test_cancelling_the_flow_run_ends_the_stage_and_its_job(
     data: Path,
     tmp_path: Path,
     slurm_cluster: SlurmCluster,
 ) -> None:
-    """A flow run cancelled mid-``dvc repro`` ends the process that started the stage: the
-    orphaned stage cancels its job."""
+    """What Prefect 3's runner does to a cancelled flow run: SIGTERM to the flow's process
+    group (``_PosixProcessGroupTerminationScope``), SIGKILL after a grace. The flow's process,
+    its ``dvc repro`` and the stage share that group; the stage cancels its job on SIGTERM,
+    and the SIGKILL that follows (here at once) does not leave the job behind."""
     folder = cluster_project(data, tmp_path, max_steps=2000, save_steps=1000)
-    # The parent shell waits for the stage, as dvc repro does; then it is killed.
-    stage, log = start_stage(folder, slurm_cluster, "bash", "-c", '"$@"; exit $?', "parent")
+    # The parent shell waits for the stage, as the flow's process and dvc repro do.
+    stage, log = start_stage(
+        folder, slurm_cluster, "bash", "-c", '"$@"; exit $?', "parent", session=True
+    )
     job_id = training_job(slurm_cluster, log)
-    stage.send_signal(signal.SIGKILL)
+    os.killpg(stage.pid, signal.SIGTERM)
     stage.wait()
+    grace = time.monotonic() + PREFECT_KILL_GRACE_S
+    while "ended CANCELLED" not in log.read_text() and time.monotonic() < grace:
+        time.sleep(0.5)
+    with contextlib.suppress(ProcessLookupError):  # the stage ended within the grace
+        os.killpg(stage.pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while job_id in slurm_cluster.queue() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert slurm_cluster.queue() == []
     text = log.read_text()
-    assert "the process that started the stage" in text and "is gone" in text
-    assert f"cancelling Slurm job {job_id}" in text
+    assert f"train: SIGTERM while waiting; cancelling Slurm job {job_id}" in text
+    assert f"train: Slurm job {job_id} ended CANCELLED (the stage was interrupted)" in text
 
 
 def test_a_requeued_job_resumes_from_its_last_checkpoint_and_ends_at_the_planned_step(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from transformers import TrainerControl, TrainerState
 from tests.helpers import write_params
 from tuneloop.cluster import slurm
 from tuneloop.cluster.job import JobReport, NodeUsage, shell_words, usage_by_node
-from tuneloop.cluster.submit import failure
+from tuneloop.cluster.submit import StageInterrupted, check_parent, failure
 from tuneloop.params import ParamsError, load_params
 from tuneloop.preflight.launch import filesystem_type, shared_path_problems, world_size_problems
 from tuneloop.training.preemption import SaveOnRequest
@@ -146,6 +147,14 @@ def test_a_save_request_saves_and_stops_at_the_next_step_once(tmp_path: Path) ->
     state.global_step, control = 5, TrainerControl()
     callback.on_step_end(args, state, control)
     assert callback.step == 4 and not control.should_save
+
+
+def test_a_stage_whose_parent_is_gone_stops_waiting() -> None:
+    """A flow run cancelled by SIGTERM to its process alone: the flow stops ``dvc repro``,
+    and the stage, orphaned, cancels its job at its next poll."""
+    check_parent(os.getppid())
+    with pytest.raises(StageInterrupted, match=r"the process that started the stage .* is gone"):
+        check_parent(os.getppid() + 1)
 
 
 def test_gpu_hours_are_elapsed_times_gpus_per_node_over_every_run() -> None:
