@@ -78,6 +78,7 @@ def test_the_launch_is_refused_when_the_shards_were_packed_for_other_ranks(
 def test_paths_on_a_local_disk_are_refused_for_nodes_elsewhere(tmp_path: Path) -> None:
     params = load_params(two_nodes(tmp_path))
     assert shared_path_problems(params, ["127.0.0.1", "localhost"], tmp_path) == []
+    assert shared_path_problems(params, ["127.0.0.2", "127.0.0.3", "::1"], tmp_path) == []
     kind = filesystem_type(tmp_path)
     problems = shared_path_problems(params, ["10.0.0.1", "10.0.0.2"], tmp_path)
     if kind in ("nfs", "nfs4", "lustre"):  # a CI runner on shared storage
