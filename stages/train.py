@@ -39,7 +39,9 @@ on the first node), streams the job's output into its log, and exits as the job 
 COMPLETED, 86 when a node's watchdog ended a hang, else 1 with one sentence naming the state,
 the node and the logs; a signal cancels the job (``tuneloop.cluster.submit``). The job's id,
 nodes and state are tags on the stage's MLflow run, whose training rank 0 logs into; the
-scheduler's GPU-hours go to the run and metrics/train.json (``cluster``).
+scheduler's GPU-hours go to the run and metrics/train.json (``cluster``). Before the job's time
+limit the ranks save the step they are at and stop, and the job requeues itself and resumes
+(``tuneloop.training.preemption``).
 
 Checkpoints and resume: every ``train.save_steps`` steps a checkpoint with optimizer,
 scheduler and RNG state (the newest ``train.save_total_limit`` and the best are kept), and a

@@ -7,7 +7,9 @@ through ``python -m stages.train`` as ``dvc repro`` starts it on the login node.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -31,6 +33,10 @@ from tuneloop.params import load_params
 pytestmark = pytest.mark.slow
 
 LORA = {"method": "lora", "distributed": "ddp"}
+# Steps of the run the pre-end signal interrupts: far more than it makes before the signal.
+MAX_STEPS = 24
+# How long Prefect's runner waits after SIGTERM before it sends SIGKILL.
+PREFECT_KILL_GRACE_S = 30
 
 
 def cluster_project(data: Path, folder: Path, **train: Any) -> Path:
@@ -56,9 +62,10 @@ def cluster_project(data: Path, folder: Path, **train: Any) -> Path:
 
 
 def start_stage(
-    folder: Path, cluster: SlurmCluster, *parent: str
+    folder: Path, cluster: SlurmCluster, *parent: str, session: bool = False
 ) -> tuple[subprocess.Popen[bytes], Path]:
-    """``python -m stages.train`` (under ``parent``, a shell say) and the file of its output."""
+    """``python -m stages.train`` (under ``parent``, a shell say; in a session of its own with
+    ``session``) and the file of its output."""
     log = folder / "stage.log"
     with log.open("wb") as out:
         stage = subprocess.Popen(
@@ -67,6 +74,7 @@ def start_stage(
             env=stage_env() | {"SLURM_CONF": cluster.env["SLURM_CONF"]},
             stdout=out,
             stderr=subprocess.STDOUT,
+            start_new_session=session,
         )
     return stage, log
 
@@ -88,6 +96,22 @@ def training_job(cluster: SlurmCluster, log: Path, timeout: float = 300) -> str:
             return text.split("submitted Slurm job ", 1)[1].split(";", 1)[0]
         time.sleep(1)
     raise AssertionError(f"no training step within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def wait_requeued(cluster: SlurmCluster, job_id: str, timeout: float = 180) -> None:
+    """Until the requeued job is PENDING and its last run has left both nodes.
+
+    Slurm holds a requeued job back a while (BeginTime); a test releases it at once, but a
+    run released while the last one still completes on a node fails ("credential revoked").
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pending = "PENDING" in cluster.run("squeue", "-h", "-j", job_id, "-o", "%T")
+        states = cluster.run("sinfo", "-h", "-N", "-o", "%t").split()
+        if pending and states and all(state == "idle" for state in states):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} was not requeued within {timeout} s")
 
 
 def train_run(folder: Path) -> Any:
@@ -195,26 +219,35 @@ def test_a_job_cancelled_from_outside_fails_the_stage_naming_cancelled(
     assert not (folder / "models/adapter").exists()
 
 
-def test_when_whoever_started_the_stage_is_gone_the_job_is_cancelled(
+def test_cancelling_the_flow_run_ends_the_stage_and_its_job(
     data: Path,
     tmp_path: Path,
     slurm_cluster: SlurmCluster,
 ) -> None:
-    """A flow run cancelled mid-``dvc repro`` ends the process that started the stage: the
-    orphaned stage cancels its job."""
+    """What Prefect 3's runner does to a cancelled flow run: SIGTERM to the flow's process
+    group (``_PosixProcessGroupTerminationScope``), SIGKILL after a grace. The flow's process,
+    its ``dvc repro`` and the stage share that group; the stage cancels its job on SIGTERM,
+    and the SIGKILL that follows (here at once) does not leave the job behind."""
     folder = cluster_project(data, tmp_path, max_steps=2000, save_steps=1000)
-    # The parent shell waits for the stage, as dvc repro does; then it is killed.
-    stage, log = start_stage(folder, slurm_cluster, "bash", "-c", '"$@"; exit $?', "parent")
+    # The parent shell waits for the stage, as the flow's process and dvc repro do.
+    stage, log = start_stage(
+        folder, slurm_cluster, "bash", "-c", '"$@"; exit $?', "parent", session=True
+    )
     job_id = training_job(slurm_cluster, log)
-    stage.send_signal(signal.SIGKILL)
+    os.killpg(stage.pid, signal.SIGTERM)
     stage.wait()
+    grace = time.monotonic() + PREFECT_KILL_GRACE_S
+    while "ended CANCELLED" not in log.read_text() and time.monotonic() < grace:
+        time.sleep(0.5)
+    with contextlib.suppress(ProcessLookupError):  # the stage ended within the grace
+        os.killpg(stage.pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while job_id in slurm_cluster.queue() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert slurm_cluster.queue() == []
     text = log.read_text()
-    assert "the process that started the stage" in text and "is gone" in text
-    assert f"cancelling Slurm job {job_id}" in text
+    assert f"train: SIGTERM while waiting; cancelling Slurm job {job_id}" in text
+    assert f"train: Slurm job {job_id} ended CANCELLED (the stage was interrupted)" in text
 
 
 def test_a_requeued_job_resumes_from_its_last_checkpoint_and_ends_at_the_planned_step(
@@ -235,9 +268,7 @@ def test_a_requeued_job_resumes_from_its_last_checkpoint_and_ends_at_the_planned
         time.sleep(0.5)
     assert checkpoints.newest_complete(phase) is not None, log.read_text()[-3000:]
     slurm_cluster.run("scontrol", "requeue", job_id)
-    # Slurm holds a requeued job back a while (BeginTime); a test need not wait for it.
-    while "PENDING" not in slurm_cluster.run("squeue", "-h", "-j", job_id, "-o", "%T"):
-        time.sleep(0.5)
+    wait_requeued(slurm_cluster, job_id)
     slurm_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
     err = finish(stage, log)
     assert stage.returncode == 0, err[-4000:]
@@ -248,6 +279,42 @@ def test_a_requeued_job_resumes_from_its_last_checkpoint_and_ends_at_the_planned
     assert resumed is not None and resumed % 3 == 0 and 3 <= resumed < 30
     assert m["cluster"]["restarts"] == 1 and m["cluster"]["state"] == "COMPLETED"
     assert train_run(folder).info.status == "FINISHED"
+
+
+def test_the_signal_before_the_time_limit_saves_that_step_then_the_job_requeues_and_resumes(
+    data: Path,
+    tmp_path: Path,
+    slurm_cluster: SlurmCluster,
+) -> None:
+    """What Slurm does ``signal_before_end_s`` before the time limit (--signal=B:USR1), sent by
+    hand: the ranks save the step they are at, far from any ``save_steps`` multiple, stop, and
+    the batch shell requeues the job; the next run resumes from that step."""
+    from tuneloop.telemetry.heartbeat import merge, read_heartbeats
+    from tuneloop.training import checkpoints
+
+    folder = cluster_project(data, tmp_path, max_steps=MAX_STEPS, save_steps=1000)
+    stage, log = start_stage(folder, slurm_cluster)
+    job_id = training_job(slurm_cluster, log)
+    (job,) = (p.parent for p in (folder / "reports/watch").glob("*/job.json"))
+    beat = merge(read_heartbeats(job / "node1/heartbeat.json"))
+    assert beat is not None and beat.step is not None and beat.step < MAX_STEPS // 2
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+    wait_requeued(slurm_cluster, job_id)
+    (saved,) = job.glob(f"save-request-{job_id}-0.saved")
+    step = json.loads(saved.read_text())["step"]
+    assert beat.step <= step < MAX_STEPS and step % 1000 != 0
+    assert checkpoints.is_complete(folder / f"checkpoints/train/sft/checkpoint-{step}")
+    slurm_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+    err = finish(stage, log)
+    assert stage.returncode == 0, err[-4000:]
+    assert f"saving step {step} and stopping" in err
+    assert f"job {job_id} run 1 on node[1-2]" in err
+    m = json.loads((folder / "metrics/train.json").read_text())
+    assert m["global_steps"] == MAX_STEPS
+    assert m["phases"]["sft"]["resumed_from_step"] == step
+    assert m["cluster"]["restarts"] == 1 and m["cluster"]["state"] == "COMPLETED"
+    assert train_run(folder).info.status == "FINISHED"
+    assert slurm_cluster.queue() == []
 
 
 def test_a_rank_that_stops_stepping_on_one_node_ends_the_job_with_86_and_its_stacks(

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from transformers import TrainerControl, TrainerState
 
 from tests.helpers import write_params
 from tuneloop.cluster import slurm
 from tuneloop.cluster.job import JobReport, NodeUsage, shell_words, usage_by_node
-from tuneloop.cluster.submit import failure
+from tuneloop.cluster.submit import StageInterrupted, check_parent, failure
 from tuneloop.params import ParamsError, load_params
 from tuneloop.preflight.launch import (
     check_launch,
@@ -18,11 +22,12 @@ from tuneloop.preflight.launch import (
     shared_path_problems,
     world_size_problems,
 )
+from tuneloop.training.preemption import SaveOnRequest
 
 # The fast tier: no pipeline, server or rank.
 pytestmark = pytest.mark.fast
 
-TWO_NODES = {
+TWO_NODES: dict[str, dict[str, Any]] = {
     "batch": {"world_size": 2, "micro_batch_size": 1, "effective_batch": 2},
     "train": {"method": "lora", "distributed": "ddp", "launcher": "slurm"},
     "cluster": {"nodes": 2, "gpus_per_node": 1, "env": {"NCCL_DEBUG": "INFO"}},
@@ -78,6 +83,7 @@ def test_the_launch_is_refused_when_the_shards_were_packed_for_other_ranks(
 def test_paths_on_a_local_disk_are_refused_for_nodes_elsewhere(tmp_path: Path) -> None:
     params = load_params(two_nodes(tmp_path))
     assert shared_path_problems(params, ["127.0.0.1", "localhost"], tmp_path) == []
+    assert shared_path_problems(params, ["127.0.0.2", "127.0.0.3", "::1"], tmp_path) == []
     kind = filesystem_type(tmp_path)
     problems = shared_path_problems(params, ["10.0.0.1", "10.0.0.2"], tmp_path)
     if kind in ("nfs", "nfs4", "lustre"):  # a CI runner on shared storage
@@ -111,6 +117,50 @@ def test_the_batch_script_runs_each_nodes_watchdog_around_its_torchrun(tmp_path:
     assert '"--node-rank=$SLURM_NODEID" --rdzv-backend=c10d' in inner
     assert '"--rdzv-endpoint=$TUNELOOP_RDZV_HOST:29500"' in inner
     assert inner.rstrip().endswith("--nproc-per-node=1 -m stages.train")
+
+
+def test_the_signal_before_the_end_asks_the_ranks_to_save_then_requeues(tmp_path: Path) -> None:
+    params = load_params(two_nodes(tmp_path, signal_before_end_s=120))
+    script = slurm.batch_script(params, tmp_path / "job", tmp_path, "/venv/bin/python")
+    lines = script.splitlines()
+    request = f'export TUNELOOP_SAVE_REQUEST="{tmp_path}/job/save-request-$SLURM_JOB_ID-'
+    assert any(line.startswith(request) for line in lines)
+    start, end = lines.index("save_and_requeue() {"), lines.index("trap save_and_requeue USR1")
+    trap = "\n".join(lines[start:end])
+    # The request, a bounded wait for the step, then the requeue that ends whatever is left.
+    assert (
+        trap.index('touch "$TUNELOOP_SAVE_REQUEST"')
+        < trap.index("-lt 90 ]")
+        < trap.index('scontrol requeue "$SLURM_JOB_ID"')
+    )
+    assert '[ ! -e "$TUNELOOP_SAVE_REQUEST.saved" ]' in trap and "exit 0" in trap
+    assert end < next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert slurm.save_wait_s(load_params(two_nodes(tmp_path, signal_before_end_s=10))) == 5
+
+
+def test_a_save_request_saves_and_stops_at_the_next_step_once(tmp_path: Path) -> None:
+    request = tmp_path / "save-request-7-0"
+    callback = SaveOnRequest(request)
+    args: Any = type("Args", (), {"device": torch.device("cpu")})()
+    state, control = TrainerState(), TrainerControl()
+    state.global_step = 3
+    callback.on_step_end(args, state, control)
+    assert not control.should_save and not control.should_training_stop
+    request.touch()
+    state.global_step = 4
+    callback.on_step_end(args, state, control)
+    assert control.should_save and control.should_training_stop and callback.step == 4
+    state.global_step, control = 5, TrainerControl()
+    callback.on_step_end(args, state, control)
+    assert callback.step == 4 and not control.should_save
+
+
+def test_a_stage_whose_parent_is_gone_stops_waiting() -> None:
+    """A flow run cancelled by SIGTERM to its process alone: the flow stops ``dvc repro``,
+    and the stage, orphaned, cancels its job at its next poll."""
+    check_parent(os.getppid())
+    with pytest.raises(StageInterrupted, match=r"the process that started the stage .* is gone"):
+        check_parent(os.getppid() + 1)
 
 
 def test_gpu_hours_are_elapsed_times_gpus_per_node_over_every_run() -> None:

@@ -40,6 +40,11 @@ TAG_NODES = "tuneloop.cluster.nodes"
 TAG_STATE = "tuneloop.cluster.state"
 TAG_LOGS = "tuneloop.cluster.logs"
 
+# The file whose appearance asks the ranks to save and stop (tuneloop.training.preemption);
+# rank 0 writes the same name + SAVED_SUFFIX once the checkpoint is complete.
+SAVE_REQUEST_ENV = "TUNELOOP_SAVE_REQUEST"
+SAVED_SUFFIX = ".saved"
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

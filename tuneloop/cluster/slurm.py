@@ -20,12 +20,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tuneloop.cluster.job import JobStatus, node_argv, shell_words
+from tuneloop.cluster.job import SAVE_REQUEST_ENV, SAVED_SUFFIX, JobStatus, node_argv, shell_words
 from tuneloop.params import Params
 from tuneloop.training.plan import Rendezvous
 
 COMMAND_TIMEOUT_S = 60
 JOB_NAME = "tuneloop-train"
+# Which run of the job this is: 0, then 1 after a requeue.
+RUN = "${SLURM_RESTART_COUNT:-0}"
 _PAIR = re.compile(r"(\w[\w/:.]*)=(\S*)")
 
 
@@ -118,7 +120,7 @@ def batch_script(params: Params, folder: Path, project: Path, python: str) -> st
         f"--chdir={project}",
         f"--time={cluster.time_limit}",
         "--requeue",
-        # B: the batch shell gets it, and its trap requeues the job (train.resume: auto).
+        # B: the batch shell gets it; its trap has the ranks save, then requeues the job.
         f"--signal=B:USR1@{cluster.signal_before_end_s}",
     ]
     if cluster.partition:
@@ -147,12 +149,10 @@ def batch_script(params: Params, folder: Path, project: Path, python: str) -> st
         "export TUNELOOP_RDZV_HOST",
         'echo "tuneloop: job $SLURM_JOB_ID run ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST,'
         ' rendezvous $TUNELOOP_RDZV_HOST"',
-        "requeue() {",
-        '  echo "tuneloop: the time limit nears; requeueing, the next run resumes from the'
-        ' newest checkpoint"',
-        '  scontrol requeue "$SLURM_JOB_ID"',
-        "}",
-        "trap requeue USR1",
+        # One file per run of the job: a requeued run must not find its predecessor's.
+        f'export {SAVE_REQUEST_ENV}="{folder}/save-request-$SLURM_JOB_ID-{RUN}"',
+        *save_and_requeue_lines(params),
+        "trap save_and_requeue USR1",
         # In the background: bash runs a trap only between commands, so wait, not srun itself.
         # When one node's task ends, the others get a while to end on their own: a hung
         # node's peers stop stepping too, and their own watchdogs dump their stacks.
@@ -166,6 +166,39 @@ def batch_script(params: Params, folder: Path, project: Path, python: str) -> st
         'exit "$code"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def save_wait_s(params: Params) -> int:
+    """Seconds the batch shell gives the ranks to save before it requeues the job regardless:
+    the requeue must come before the time limit, or the job ends TIMEOUT instead."""
+    before = params.cluster.signal_before_end_s
+    return max(before - 30, before // 2)
+
+
+def save_and_requeue_lines(params: Params) -> list[str]:
+    """The batch shell's trap for Slurm's signal before the time limit.
+
+    It asks the ranks to save (tuneloop.training.preemption), waits until the step has ended
+    or ``save_wait_s`` has passed, and requeues the job; the requeue ends any rank still
+    running. A step that ended 0 without a save had finished training: the job completes.
+    """
+    request, saved = f'"${SAVE_REQUEST_ENV}"', f'"${SAVE_REQUEST_ENV}{SAVED_SUFFIX}"'
+    return [
+        "save_and_requeue() {",
+        '  echo "tuneloop: the time limit nears; the ranks save a checkpoint at their next step"',
+        f"  touch {request}",
+        "  waited=0",
+        f'  while kill -0 "$step" 2>/dev/null && [ "$waited" -lt {save_wait_s(params)} ]; do',
+        "    sleep 1; waited=$((waited + 1))",
+        "  done",
+        f'  if ! kill -0 "$step" 2>/dev/null && [ ! -e {saved} ]; then',
+        '    wait "$step" && { echo "tuneloop: training had ended; no requeue"; exit 0; }',
+        "  fi",
+        f'  [ -e {saved} ] && echo "tuneloop: saved $(cat {saved})"',
+        '  echo "tuneloop: requeueing; the next run resumes from the newest checkpoint"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "}",
+    ]
 
 
 def peer_wait_s(params: Params) -> int:

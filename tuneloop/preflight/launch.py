@@ -11,6 +11,7 @@ Each problem is one sentence naming the key and the fix.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from pathlib import Path
@@ -77,13 +78,18 @@ def filesystem_type(path: Path) -> str:
     return kind
 
 
-def _this_host() -> set[str]:
-    return {"127.0.0.1", "::1", "localhost", socket.gethostname(), socket.getfqdn()}
+def is_this_host(address: str) -> bool:
+    """A node address that reaches this machine: any loopback address (127.0.0.0/8, not only
+    127.0.0.1: nodes on one host may each have their own), or this host's name."""
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address in {"localhost", socket.gethostname(), socket.getfqdn()}
 
 
 def shared_path_problems(params: Params, node_addresses: list[str], project: Path) -> list[str]:
     """Paths not on shared storage; none when every node is this host (one machine)."""
-    if set(node_addresses) <= _this_host():
+    if all(is_this_host(address) for address in node_addresses):
         return []
     problems = []
     named = {"project": project, **{f"paths.{k}": getattr(params.paths, k) for k in RANK_PATHS}}

@@ -9,6 +9,7 @@ Modules, one concern each:
 - ``checkpoints``: which checkpoints belong to this run, the newest complete one,
   phase results kept for resume, the ``checkpoint-N`` names
 - ``stoploss``: wall-time, memory and loss-spike rules that end a run cleanly
+- ``preemption``: save and stop when the scheduler asks, before the job's time limit
 - ``merge``: stage ``merge``'s work: fold a LoRA adapter into its base and check that the
   merged model answers as the adapter model did
 

@@ -32,7 +32,7 @@ from tuneloop.stage import write_metrics
 from tuneloop.telemetry.actions import AlertHook, send_alert
 from tuneloop.telemetry.callback import HeartbeatCallback
 from tuneloop.tracking import init_from, lineage, runs
-from tuneloop.training import checkpoints, methods
+from tuneloop.training import checkpoints, methods, preemption
 from tuneloop.training.plan import TrainPlan
 from tuneloop.training.stoploss import StepMeter, StopLossCallback, StopRules, TrainingStopped
 
@@ -146,6 +146,7 @@ class PhaseTrainer:
     trainer: Any
     meter: StepMeter
     stop: StopLossCallback
+    save_on_request: preemption.SaveOnRequest | None
 
 
 def build_trainer(
@@ -176,6 +177,10 @@ def build_trainer(
         checkpoints.MarkCompleteCheckpoints(),
         stop,
     ]
+    request = preemption.request_file()
+    save_on_request = preemption.SaveOnRequest(request) if request is not None else None
+    if save_on_request is not None:
+        callbacks.insert(0, save_on_request)
     if phase == "dpo":
         trainer = methods.MeteredDPOTrainer(
             model=model,
@@ -186,7 +191,7 @@ def build_trainer(
             callbacks=callbacks,
             meter=meter,
         )
-        return PhaseTrainer(trainer, meter, stop)
+        return PhaseTrainer(trainer, meter, stop, save_on_request)
     val = methods.val_set(params.paths.packed)
     patience = params.train.early_stopping_patience
     if val is not None and patience is not None:
@@ -201,7 +206,7 @@ def build_trainer(
         callbacks=callbacks,
         meter=meter,
     )
-    return PhaseTrainer(sft, meter, stop)
+    return PhaseTrainer(sft, meter, stop, save_on_request)
 
 
 def run_phase(
@@ -229,6 +234,8 @@ def run_phase(
         metrics = phase_metrics(trainer, seconds, tokens, resume_from)
         if stop.event is not None:  # inside the phase's run, which ends FAILED with it
             raise TrainingStopped(stop.event, phase, metrics)
+        if built.save_on_request is not None and built.save_on_request.step is not None:
+            raise saved_on_request(phase, phase_dir, built.save_on_request.step)
         if rank.is_main and phase != params.train.phases[0]:
             runs.log_metrics(metrics)
 
@@ -248,6 +255,18 @@ def run_phase(
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return PhaseResult(phase, final, metrics)
+
+
+def saved_on_request(phase: str, phase_dir: Path, step: int) -> preemption.SaveRequested:
+    """The save the scheduler asked for; an error (the rank exits non-zero) when it is not
+    complete, so the batch script still requeues and the next run resumes from an older one."""
+    folder = checkpoints.checkpoint_dir(phase_dir, step)
+    if not checkpoints.is_complete(folder):
+        raise RuntimeError(
+            f"train: asked to save before the job's end, but {folder} is not complete; "
+            "the next run resumes from the newest complete checkpoint"
+        )
+    return preemption.SaveRequested(phase, step, folder)
 
 
 def run_phases(
@@ -417,6 +436,13 @@ def train(params: Params, plan: TrainPlan, started_at: float) -> None:
             if rank.is_main:
                 report_stop(params, plan, stopped, time.time() - started_at)
             raise SystemExit(f"train: {stopped}") from None
+        except preemption.SaveRequested as saved:
+            request = preemption.request_file()
+            if rank.is_main and request is not None:
+                preemption.report_saved(request, saved)
+                # Not FAILED: the requeued job logs into this run again (MLFLOW_RUN_ID).
+                mlflow.end_run("KILLED")
+            raise SystemExit(0) from None
         if rank.is_main:
             metrics = stage_metrics(params, plan, results, time.time() - started_at)
             write_output(params, plan, results, metrics)

@@ -143,7 +143,7 @@ def gpu_max_allocated_bytes() -> int:
     return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0
 
 
-def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return values
     # float64 holds byte counts exactly; gloo wants a CPU tensor, NCCL a CUDA one: args.device.
@@ -176,7 +176,7 @@ class StopLossCallback(TrainerCallback):
         wall = time.time() - self.started_at
         host = float(host_rss_bytes()) if rules.max_host_memory_bytes is not None else 0.0
         gpu = float(gpu_max_allocated_bytes()) if rules.max_gpu_memory_bytes is not None else 0.0
-        loss, wall, host, gpu = _max_over_ranks([loss, wall, host, gpu], args.device)
+        loss, wall, host, gpu = max_over_ranks([loss, wall, host, gpu], args.device)
         event = self._decide(state.global_step, loss if watch_loss else None, wall, host, gpu)
         if event is None:
             if watch_loss:
