@@ -100,13 +100,16 @@ class Browser:
 
     def visit(self, url: str, ready: str) -> None:
         """Open ``url`` and wait until the JavaScript ``ready`` is true there."""
+        # A blank page between two: a change of the hash alone would keep the last page's
+        # images, which could answer ``ready`` for the next one.
+        self.send("Page.navigate", url="about:blank")
         self.send("Page.navigate", url=url)
         self.wait(ready, url)
 
     def wait(self, ready: str, where: str = "the page") -> None:
         def rendered() -> bool:
             with contextlib.suppress(RuntimeError):  # mid-navigation: nothing to evaluate in
-                return bool(self.evaluate(f"document.readyState === 'complete' && ({ready})"))
+                return bool(self.evaluate(f"document.readyState === 'complete' && !!({ready})"))
             return False
 
         poll(rendered, RENDER_TIMEOUT_S, f"{where} to render ({ready})")
@@ -207,25 +210,24 @@ class Month:
 
 
 def retrain_months(project: Path) -> list[Month]:
-    """The newest two retrain runs of the first task that has two (oldest first)."""
+    """The newest two retrain runs (oldest first) of the task with the most of them; one
+    after the demo's first month."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     experiments = [e.experiment_id for e in client.search_experiments()]
     found = client.search_runs(
         experiments,
-        filter_string="tags.`tuneloop.pipeline` = 'retrain'",
+        filter_string="tags.`tuneloop.pipeline` = 'retrain' and tags.task != ''",
         order_by=["attributes.start_time ASC"],
     )
     by_task: dict[str, list[Any]] = {}
     for run in found:
-        by_task.setdefault(run.data.tags.get("task", ""), []).append(run)
-    for task, task_runs in by_task.items():
-        if len(task_runs) >= 2:
-            return [_month(client, task, run) for run in task_runs[-2:]]
-    raise RuntimeError(
-        f"{project / 'mlflow.db'} has no task with two retrain runs; run `make demo` first"
-    )
+        by_task.setdefault(run.data.tags["task"], []).append(run)
+    if not by_task:
+        raise RuntimeError(f"{project / 'mlflow.db'} has no task's retrain run; run `make demo`")
+    task = max(sorted(by_task), key=lambda t: len(by_task[t]))
+    return [_month(client, task, run) for run in by_task[task][-2:]]
 
 
 def _month(client: Any, task: str, run: Any) -> Month:
@@ -258,35 +260,33 @@ def mlflow_shots(project: Path, out: Path, browser: Browser, logs: Path) -> list
     ]
     written = []
     with served(command, f"{base}/health", logs / "mlflow-server.log"):
-        ids = ",".join(f'"{m.run_id}"' for m in months)
-        compare = f'{base}/#/compare-runs?runs=[{ids}]&experiments=["{months[0].experiment_id}"]'
-        # Both months' columns, each a link to its run.
-        columns = " && ".join(
-            f"!!document.querySelector('a[href*=\"{m.run_id}\"]')" for m in months
-        )
-        written.append(browser.shoot(compare, columns, out / "mlflow-compare.png"))
+        if len(months) < 2:
+            print("one month of retrain runs: no compare view (the demo's second month makes it)")
+        else:
+            written.append(compare_shot(base, months, out, browser))
         newer = months[-1]
         run_page = f"{base}/#/experiments/{newer.experiment_id}/runs"
-        image = "[...document.images].some(i => i.complete && i.naturalWidth > 200)"
-        written.append(
-            browser.shoot(
-                f"{run_page}/{newer.run_id}/artifacts/evaluation/eval.png",
-                image,
-                out / "eval-chart.png",
-            )
-        )
+        chart = f"{run_page}/{newer.run_id}/artifacts/evaluation/eval.png"
+        written.append(browser.shoot(chart, SHOWN, out / "eval-chart.png"))
         train = next((m.train_run_id for m in reversed(months) if m.train_run_id), None)
         if train is None:
             print("no train run with a watchdog timeline; skipped watchdog-timeline.png")
         else:
-            written.append(
-                browser.shoot(
-                    f"{run_page}/{train}/artifacts/watchdog/timeline.png",
-                    image,
-                    out / "watchdog-timeline.png",
-                )
-            )
+            timeline = f"{run_page}/{train}/artifacts/watchdog/timeline.png"
+            written.append(browser.shoot(timeline, SHOWN, out / "watchdog-timeline.png"))
     return written
+
+
+# An artifact's page shows the picture: an image wider than the page's icons, loaded.
+SHOWN = "[...document.images].some(i => i.complete && i.naturalWidth > 200)"
+
+
+def compare_shot(base: str, months: list[Month], out: Path, browser: Browser) -> Path:
+    ids = ",".join(f'"{m.run_id}"' for m in months)
+    compare = f'{base}/#/compare-runs?runs=[{ids}]&experiments=["{months[0].experiment_id}"]'
+    # Both months' columns, each a link to its run.
+    columns = " && ".join(f"!!document.querySelector('a[href*=\"{m.run_id}\"]')" for m in months)
+    return browser.shoot(compare, columns, out / "mlflow-compare.png")
 
 
 def review_shot(project: Path, out: Path, browser: Browser, work: Path) -> Path:
