@@ -90,7 +90,7 @@ class Browser:
             if message.get("id") == self.calls:
                 if "error" in message:
                     raise RuntimeError(f"{method}: {message['error']}")
-                return message.get("result", {})  # type: ignore[no-any-return]
+                return message.get("result", {})
 
     def evaluate(self, expression: str) -> Any:
         found = self.send(
@@ -233,17 +233,21 @@ def retrain_months(project: Path) -> list[Month]:
 def _month(client: Any, task: str, run: Any) -> Month:
     children = client.search_runs(
         [run.info.experiment_id],
-        filter_string=(
-            f"tags.mlflow.parentRunId = '{run.info.run_id}' and tags.`tuneloop.stage` = 'train'"
-        ),
+        filter_string=f"tags.mlflow.parentRunId = '{run.info.run_id}'",
         order_by=["attributes.start_time DESC"],
     )
+    # A task's train stage is `task-train@<task>` (dvc.yaml's foreach), a project's `train`.
+    train = [
+        c.info.run_id
+        for c in children
+        if c.data.tags.get("tuneloop.stage") in {"train", f"task-train@{task}"}
+    ]
     return Month(
         task=task,
         run_id=run.info.run_id,
         run_name=run.info.run_name,
         experiment_id=run.info.experiment_id,
-        train_run_id=children[0].info.run_id if children else None,
+        train_run_id=train[0] if train else None,
     )
 
 
