@@ -6,7 +6,7 @@ Against the folder ``make demo`` leaves (``demos/tasks``: its ``mlflow.db``, ``m
 and ``review.db``), read-only:
 
 - ``mlflow-compare.png``: MLflow's compare view of one task's two monthly retrain runs;
-- ``eval-chart.png``: the gate's bar chart (``evaluation/eval.png``) on the newer run's page;
+- ``eval-chart.png``: the gate's bar chart (``eval.png``) on the newer month's evaluate run;
 - ``watchdog-timeline.png``: the power watchdog's timeline (``watchdog/timeline.png``) on that
   month's train run;
 - ``review-page.png``: the blind review's page as a newly invited reviewer sees it, served by
@@ -207,6 +207,7 @@ class Month:
     run_name: str
     experiment_id: str
     train_run_id: str | None
+    evaluate_run_id: str | None
 
 
 def retrain_months(project: Path) -> list[Month]:
@@ -236,18 +237,20 @@ def _month(client: Any, task: str, run: Any) -> Month:
         filter_string=f"tags.mlflow.parentRunId = '{run.info.run_id}'",
         order_by=["attributes.start_time DESC"],
     )
-    # A task's train stage is `task-train@<task>` (dvc.yaml's foreach), a project's `train`.
-    train = [
-        c.info.run_id
-        for c in children
-        if c.data.tags.get("tuneloop.stage") in {"train", f"task-train@{task}"}
-    ]
+
+    def stage(name: str) -> str | None:
+        # A task's stage is `task-<name>@<task>` (dvc.yaml's foreach), a project's `<name>`.
+        names = {name, f"task-{name}@{task}"}
+        found = [c.info.run_id for c in children if c.data.tags.get("tuneloop.stage") in names]
+        return found[0] if found else None
+
     return Month(
         task=task,
         run_id=run.info.run_id,
         run_name=run.info.run_name,
         experiment_id=run.info.experiment_id,
-        train_run_id=train[0] if train else None,
+        train_run_id=stage("train"),
+        evaluate_run_id=stage("evaluate"),
     )
 
 
@@ -268,16 +271,20 @@ def mlflow_shots(project: Path, out: Path, browser: Browser, logs: Path) -> list
             print("one month of retrain runs: no compare view (the demo's second month makes it)")
         else:
             written.append(compare_shot(base, months, out, browser))
-        newer = months[-1]
-        run_page = f"{base}/#/experiments/{newer.experiment_id}/runs"
-        chart = f"{run_page}/{newer.run_id}/artifacts/evaluation/eval.png"
-        written.append(browser.shoot(chart, SHOWN, out / "eval-chart.png"))
-        train = next((m.train_run_id for m in reversed(months) if m.train_run_id), None)
-        if train is None:
-            print("no train run with a watchdog timeline; skipped watchdog-timeline.png")
-        else:
-            timeline = f"{run_page}/{train}/artifacts/watchdog/timeline.png"
-            written.append(browser.shoot(timeline, SHOWN, out / "watchdog-timeline.png"))
+        run_page = f"{base}/#/experiments/{months[-1].experiment_id}/runs"
+        pictures = (
+            ("evaluate", "eval.png", "eval-chart.png"),
+            ("train", "watchdog/timeline.png", "watchdog-timeline.png"),
+        )
+        for stage, artifact, name in pictures:
+            # The newest month whose stage ran (a cached stage makes no run).
+            ids = [getattr(m, f"{stage}_run_id") for m in reversed(months)]
+            run = next((i for i in ids if i), None)
+            if run is None:
+                print(f"no {stage} run in the months shot; skipped {name}")
+                continue
+            page = f"{run_page}/{run}/artifacts/{artifact}"
+            written.append(browser.shoot(page, SHOWN, out / name))
     return written
 
 
