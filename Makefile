@@ -120,11 +120,14 @@ docs: setup
 docs-serve: setup
 	$(IN_VENV) $(BIN)/mkdocs serve
 
-# The manual's screenshots, taken by headless Chromium from the test suite's two-month loop
-# (tests/test_loop.py: the MLflow compare view, docs/mlflow-compare.png). Runs the loop first.
+# The manual's screenshots (docs/img/), taken by headless Chromium from the project `make demo`
+# leaves in demos/tasks (docs/screenshots.py): the MLflow compare view, the gate's bar chart,
+# the watchdog's timeline, the blind review's page. It does not run the demo itself: that is
+# 15 minutes or more, and a second run continues the first one's months.
 docs-screenshots: setup
 	@command -v chromium >/dev/null || { echo "needs Debian's chromium: apt-get install chromium"; exit 1; }
-	TUNELOOP_SCREENSHOTS=$(CURDIR)/docs $(IN_VENV) $(BIN)/pytest -p no:cacheprovider tests/test_loop.py -k mlflow_ui
+	@test -f demos/tasks/mlflow.db || { echo "no demo project in demos/tasks: run 'make demo' first"; exit 1; }
+	$(IN_VENV) $(BIN)/python docs/screenshots.py --project demos/tasks --out docs/img
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -237,10 +237,8 @@ def test_month_one_was_reviewed_blind_by_the_panel_and_its_release_showed_it(
 def test_the_mlflow_ui_compares_the_two_months(
     loop: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
-    """The compare view of the two retrain runs, rendered by a real browser.
-
-    ``TUNELOOP_SCREENSHOTS=docs`` keeps the screenshot (docs/mlflow-compare.png is made so).
-    """
+    """The compare view of the two retrain runs, rendered by a real browser (the manual's
+    picture of it comes from the demo: docs/screenshots.py)."""
     repo, history = loop
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     runs = [month["retrain"]["mlflow_run_id"] for month in history]
@@ -251,6 +249,6 @@ def test_the_mlflow_ui_compares_the_two_months(
         dom = chromium(page, tmp_path / "profile", "--dump-dom")
         for run in runs:
             assert client.get_run(run).info.run_name in dom, "a month is missing from the view"
-        shot = Path(os.environ.get("TUNELOOP_SCREENSHOTS") or tmp_path) / "mlflow-compare.png"
+        shot = tmp_path / "mlflow-compare.png"
         chromium(page, tmp_path / "profile2", f"--screenshot={shot}", "--window-size=1400,1000")
     assert shot.stat().st_size > 10_000

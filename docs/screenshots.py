@@ -1,0 +1,465 @@
+"""The manual's screenshots, taken by headless Chromium from a demo project.
+
+    python docs/screenshots.py --project demos/tasks --out docs/img     (``make docs-screenshots``)
+
+Against the folder ``make demo`` leaves (``demos/tasks``: its ``mlflow.db``, ``mlartifacts/``
+and ``review.db``), read-only:
+
+- ``mlflow-compare.png``: MLflow's compare view of one task's two monthly retrain runs;
+- ``eval-chart.png``: the gate's bar chart (``eval.png``) on the newer month's evaluate run;
+- ``watchdog-timeline.png``: the power watchdog's timeline (``watchdog/timeline.png``) on that
+  month's train run;
+- ``review-page.png``: the blind review's page as a newly invited reviewer sees it, served by
+  ``tuneloop review serve`` from a copy of ``review.db`` (the invitation lands in the copy, and
+  no vote is cast).
+
+MLflow's UI is served by ``mlflow server`` over the project's store on a free port, as the
+demo serves it. Every shot polls the page until what it shows is drawn, in a fixed window, so a
+rerun after the next ``make demo`` gives the same pictures of the new runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from tuneloop.net import free_port
+
+WINDOW = (1400, 900)
+START_TIMEOUT_S = 300  # servers on a busy 2-core machine
+RENDER_TIMEOUT_S = 90
+REVIEWER = "reviewer"  # the invited name on the copy's page
+
+
+class Browser:
+    """Headless Chromium over the DevTools protocol: open a page, poll it, shoot it."""
+
+    def __init__(self, profile: Path, window: tuple[int, int] = WINDOW) -> None:
+        from websockets.sync.client import connect
+
+        found = shutil.which("chromium") or shutil.which("chromium-browser")
+        if found is None:
+            raise RuntimeError("needs Debian's chromium: apt-get install chromium")
+        port = free_port()
+        self.process = subprocess.Popen(
+            [
+                found,
+                *("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"),
+                *("--disable-background-networking", "--disable-component-update"),
+                *("--disable-sync", "--hide-scrollbars", f"--user-data-dir={profile}"),
+                f"--remote-debugging-port={port}",
+                f"--window-size={window[0]},{window[1]}",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        page = poll(lambda: _page_target(port), START_TIMEOUT_S, "chromium's DevTools port")
+        self.socket = connect(page, max_size=None, open_timeout=30)
+        self.calls = 0
+        self.send(
+            "Emulation.setDeviceMetricsOverride",
+            width=window[0],
+            height=window[1],
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+
+    def send(self, method: str, **params: Any) -> dict[str, Any]:
+        self.calls += 1
+        self.socket.send(json.dumps({"id": self.calls, "method": method, "params": params}))
+        while True:
+            message = json.loads(self.socket.recv(timeout=120))
+            if message.get("id") == self.calls:
+                if "error" in message:
+                    raise RuntimeError(f"{method}: {message['error']}")
+                return message.get("result", {})
+
+    def evaluate(self, expression: str) -> Any:
+        found = self.send(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
+        return found["result"].get("value")
+
+    def visit(self, url: str, ready: str) -> None:
+        """Open ``url`` and wait until the JavaScript ``ready`` is true there."""
+        # A blank page between two: a change of the hash alone would keep the last page's
+        # images, which could answer ``ready`` for the next one.
+        self.send("Page.navigate", url="about:blank")
+        self.send("Page.navigate", url=url)
+        self.wait(ready, url)
+
+    def wait(self, ready: str, where: str = "the page") -> None:
+        def rendered() -> bool:
+            with contextlib.suppress(RuntimeError):  # mid-navigation: nothing to evaluate in
+                return bool(self.evaluate(f"document.readyState === 'complete' && !!({ready})"))
+            return False
+
+        poll(rendered, RENDER_TIMEOUT_S, f"{where} to render ({ready})")
+
+    def capture(self, out: Path, clip: str | None = None) -> Path:
+        """The window (or the box of the element ``clip`` selects) as a PNG in ``out``."""
+        self.evaluate("document.fonts.ready.then(() => true)")  # no fallback font in the shot
+        params: dict[str, Any] = {"format": "png"}
+        if clip is not None:
+            box = self.evaluate(
+                f"(() => {{ const r = document.querySelector({json.dumps(clip)})"
+                ".getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; })()"
+            )
+            x, y, width, height = box
+            params["clip"] = {"x": x, "y": y, "width": width, "height": height, "scale": 1}
+        data = self.send("Page.captureScreenshot", **params)["data"]
+        out.write_bytes(base64.b64decode(data))
+        return out
+
+    def shoot(self, url: str, ready: str, out: Path) -> Path:
+        self.visit(url, ready)
+        return self.capture(out)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.socket.close()
+        stop(self.process)
+
+
+def _page_target(port: int) -> str | None:
+    with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=2) as answer:
+            targets = json.load(answer)
+        pages = [t["webSocketDebuggerUrl"] for t in targets if t.get("type") == "page"]
+        return pages[0] if pages else None
+    return None
+
+
+def poll(check: Any, timeout: float, what: str) -> Any:
+    """``check()``'s first true value, asked every 0.3 s; an error naming ``what`` after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise RuntimeError(f"gave up waiting {timeout:.0f} s for {what}")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _answers(url: str) -> bool:
+    with (
+        contextlib.suppress(urllib.error.URLError, OSError),
+        urllib.request.urlopen(url, timeout=2) as answer,
+    ):
+        return bool(answer.status == 200)
+    return False
+
+
+@contextlib.contextmanager
+def served(
+    command: list[str], health: str, log: Path, env: dict[str, str] | None = None
+) -> Iterator[None]:
+    """``command`` running until the block ends, once ``health`` answers 200."""
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        poll(
+            lambda: _answers(health) or process.poll() is not None,
+            START_TIMEOUT_S,
+            f"{command[0]} (see {log})",
+        )
+        if process.poll() is not None:
+            raise RuntimeError(f"{' '.join(command[:3])} stopped; see {log}")
+        yield
+    finally:
+        stop(process)
+
+
+@dataclass(frozen=True)
+class Month:
+    """A task's retrain run of one month, and the runs the pictures come from."""
+
+    task: str
+    run_id: str
+    run_name: str
+    experiment_id: str
+    train_run_id: str | None
+    evaluate_run_id: str | None
+
+
+def retrain_months(project: Path) -> list[Month]:
+    """The newest two retrain runs (oldest first) of the task with the most of them; one
+    after the demo's first month."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    found = client.search_runs(
+        experiments,
+        filter_string="tags.`tuneloop.pipeline` = 'retrain' and tags.task != ''",
+        order_by=["attributes.start_time ASC"],
+    )
+    by_task: dict[str, list[Any]] = {}
+    for run in found:
+        by_task.setdefault(run.data.tags["task"], []).append(run)
+    if not by_task:
+        raise RuntimeError(f"{project / 'mlflow.db'} has no task's retrain run; run `make demo`")
+    task = max(sorted(by_task), key=lambda t: len(by_task[t]))
+    return [_month(client, task, run) for run in by_task[task][-2:]]
+
+
+def _month(client: Any, task: str, run: Any) -> Month:
+    children = client.search_runs(
+        [run.info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{run.info.run_id}'",
+        order_by=["attributes.start_time DESC"],
+    )
+
+    def stage(name: str) -> str | None:
+        # A task's stage is `task-<name>@<task>` (dvc.yaml's foreach), a project's `<name>`.
+        names = {name, f"task-{name}@{task}"}
+        found = [c.info.run_id for c in children if c.data.tags.get("tuneloop.stage") in names]
+        return found[0] if found else None
+
+    return Month(
+        task=task,
+        run_id=run.info.run_id,
+        run_name=run.info.run_name,
+        experiment_id=run.info.experiment_id,
+        train_run_id=stage("train"),
+        evaluate_run_id=stage("evaluate"),
+    )
+
+
+def mlflow_shots(project: Path, out: Path, browser: Browser, logs: Path) -> list[Path]:
+    months = retrain_months(project)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = [
+        str(Path(sys.executable).with_name("mlflow")),
+        "server",
+        *("--host", "127.0.0.1", "--port", str(port), "--workers", "1"),
+        *("--backend-store-uri", f"sqlite:///{project / 'mlflow.db'}"),
+        *("--no-serve-artifacts", "--default-artifact-root", (project / "mlartifacts").as_uri()),
+    ]
+    written = []
+    with served(command, f"{base}/health", logs / "mlflow-server.log"):
+        if len(months) < 2:
+            print("one month of retrain runs: no compare view (the demo's second month makes it)")
+        else:
+            written.append(compare_shot(base, months, out, browser))
+        run_page = f"{base}/#/experiments/{months[-1].experiment_id}/runs"
+        pictures = (
+            ("evaluate", "eval.png", "eval-chart.png"),
+            ("train", "watchdog/timeline.png", "watchdog-timeline.png"),
+        )
+        for stage, artifact, name in pictures:
+            # The newest month whose stage ran (a cached stage makes no run).
+            ids = [getattr(m, f"{stage}_run_id") for m in reversed(months)]
+            run = next((i for i in ids if i), None)
+            if run is None:
+                print(f"no {stage} run in the months shot; skipped {name}")
+                continue
+            page = f"{run_page}/{run}/artifacts/{artifact}"
+            written.append(browser.shoot(page, SHOWN, out / name))
+    return written
+
+
+# An artifact's page shows the picture: an image wider than the page's icons, loaded.
+SHOWN = "[...document.images].some(i => i.complete && i.naturalWidth > 200)"
+
+
+def compare_shot(base: str, months: list[Month], out: Path, browser: Browser) -> Path:
+    ids = ",".join(f'"{m.run_id}"' for m in months)
+    compare = f'{base}/#/compare-runs?runs=[{ids}]&experiments=["{months[0].experiment_id}"]'
+    # Both months' columns, each a link to its run.
+    columns = " && ".join(f"!!document.querySelector('a[href*=\"{m.run_id}\"]')" for m in months)
+    return browser.shoot(compare, columns, out / "mlflow-compare.png")
+
+
+def review_shot(project: Path, out: Path, browser: Browser, work: Path) -> Path:
+    """The newest review's page for a reviewer invited into a copy of the store."""
+    from tuneloop.review.store import ReviewStore, create_invite
+
+    source = project / "review.db"
+    if not source.is_file():
+        raise RuntimeError(f"{source} is missing: the demo's month 1 makes it; run `make demo`")
+    copy = work / "review.db"
+    shutil.copyfile(source, copy)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    store = ReviewStore(f"sqlite:///{copy}")
+    try:
+        invite = create_invite(store, REVIEWER, base_url=base)
+    finally:
+        store.close()
+    command = [sys.executable, "-m", "tuneloop.cli", "review", "serve"]
+    command += ["--db", f"sqlite:///{copy}", "--port", str(port)]
+    with served(command, f"{base}/healthz", work / "review-server.log"):
+        ready = "!!document.getElementById('progress')"
+        return browser.shoot(invite.link, ready, out / "review-page.png")
+
+
+@dataclass(frozen=True)
+class Pause:
+    """A release's flow run that once paused for approval, and the keys of that pause's form."""
+
+    flow_run_id: str
+    pause_key: str
+    keys: dict[str, str]
+
+
+def copy_prefect_db(source: Path, copy: Path) -> Pause | None:
+    """``source`` (Prefect's SQLite store) copied to ``copy``; the newest release run in it
+    that paused with a form (None: no release paused in it)."""
+    with (
+        contextlib.closing(sqlite3.connect(f"file:{source}?mode=ro", uri=True)) as db,
+        contextlib.closing(sqlite3.connect(copy)) as out,
+    ):
+        db.backup(out)
+    with contextlib.closing(sqlite3.connect(copy)) as db:
+        found = db.execute(
+            "SELECT i.flow_run_id, i.key FROM flow_run_input i"
+            " JOIN flow_run r ON r.id = i.flow_run_id JOIN flow f ON f.id = r.flow_id"
+            " WHERE f.name = 'release' AND i.key LIKE 'paused-%-schema'"
+            " ORDER BY i.created DESC LIMIT 1"
+        ).fetchone()
+    if found is None:
+        return None
+    run_id, key = found
+    pause_key = key.removeprefix("paused-").removesuffix("-schema")
+    base = f"paused-{pause_key}"
+    keys = {part: f"{base}-{part}" for part in ("description", "response", "schema")}
+    return Pause(str(UUID(run_id)), pause_key, keys)
+
+
+def prefect_db() -> Path | None:
+    """The SQLite file of Prefect's own server (the one ``make demo`` starts), if that is what
+    Prefect's settings name."""
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().server.database.connection_url
+    if url is None or not url.get_secret_value().startswith("sqlite"):
+        return None
+    path = Path(url.get_secret_value().split(":///", 1)[1])
+    return path if path.is_file() else None
+
+
+def approval_shot(out: Path, browser: Browser, work: Path) -> Path | None:
+    """The approval form of the demo's newest release, as the Prefect UI shows a paused run:
+    its run set back to that pause in a copy of Prefect's store, served on a free port."""
+    source = prefect_db()
+    home = work / "prefect"
+    home.mkdir()
+    pause = copy_prefect_db(source, home / "prefect.db") if source else None
+    if pause is None:
+        print(f"no release paused for approval in Prefect's store ({source}); skipped the form")
+        return None
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = os.environ | {
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        "PREFECT_API_URL": f"{base}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    command = [str(Path(sys.executable).with_name("prefect")), "server", "start"]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    with served(command, f"{base}/api/health", work / "prefect-server.log", env):
+        _pause_again(base, pause)
+        browser.visit(f"{base}/runs/flow-run/{pause.flow_run_id}", RESUME_BUTTON)
+        browser.evaluate(f"({RESUME_BUTTON}).click()")
+        browser.wait(FORM, "the approval form")
+        return browser.capture(out / "approval-form.png", clip=MODAL)
+
+
+# The Prefect UI's button on a paused run, and the form it opens (the fields of ``Approval``).
+RESUME_BUTTON = (
+    "[...document.querySelectorAll('button')].find(b => b.innerText.trim() === 'Resume')"
+)
+MODAL = ".p-modal__card"
+FORM = f"(document.querySelector('{MODAL}')?.innerText || '').toLowerCase().includes('approver')"
+
+
+def _pause_again(base: str, pause: Pause) -> None:
+    """The copy's run back in the state it was in while it waited for a person."""
+    timeout = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    state = {
+        "type": "PAUSED",
+        "name": "Paused",
+        "state_details": {
+            "pause_key": pause.pause_key,
+            "pause_reschedule": False,
+            "pause_timeout": timeout,
+            "run_input_keyset": pause.keys,
+        },
+    }
+    body = json.dumps({"state": state, "force": True}).encode()
+    request = urllib.request.Request(
+        f"{base}/api/flow_runs/{pause.flow_run_id}/set_state",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        result = json.load(answer)
+    if result.get("status") != "ACCEPT":
+        raise RuntimeError(f"Prefect did not pause the copy's run again: {result}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--project",
+        type=Path,
+        default=Path("demos/tasks"),
+        help="the demo project to shoot (what `make demo` leaves; default: demos/tasks)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("docs/img"), help="folder for the PNGs (docs/img)"
+    )
+    args = parser.parse_args(argv)
+    project = args.project.resolve()
+    if not (project / "mlflow.db").is_file():
+        print(f"{project / 'mlflow.db'} is missing: run `make demo` first", file=sys.stderr)
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tuneloop-shots-") as folder:
+        work = Path(folder)
+        browser = Browser(work / "profile")
+        try:
+            written = mlflow_shots(project, args.out, browser, work)
+            written.append(review_shot(project, args.out, browser, work))
+            form = approval_shot(args.out, browser, work)
+            written += [form] if form else []
+        finally:
+            browser.close()
+    for path in written:
+        print(f"wrote {path} ({path.stat().st_size // 1024} KB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
