@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -19,6 +19,9 @@ from tests.helpers import (  # noqa: F401
 )
 from tests.tiers import fast_by_default, untiered
 from tests.vllm_helpers import vllm_shared, vllm_tiny  # noqa: F401
+
+if TYPE_CHECKING:
+    from tuneloop.data.chat import ChatTokenizer
 
 # pytester: tests/test_tiers.py runs pytest on a project of two modules, one per tier.
 pytest_plugins = ("pytester",)
@@ -159,6 +162,17 @@ def tiny_project(
     repo = copy_project(tmp_path_factory.mktemp("tiny-project"))
     seed_demo_month(repo)
     return repo, retrain(repo=repo)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
+    """The demo's tiny chat tokenizer, trained once per module (a fraction of a second)."""
+    from tuneloop.data.chat import ChatTokenizer
+    from tuneloop.demo import domain, tiny
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tiny.build_tokenizer(domain.tokenizer_corpus(0), 512).save_pretrained(folder)
+    return ChatTokenizer.from_folder(folder)
 
 
 @pytest.fixture

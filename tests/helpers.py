@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -62,6 +62,28 @@ PASSING_TRAIN: dict[str, Any] = {
     "learning_rate": 3.0e-3,
     "logging_steps": 10,
 }
+
+
+def wait_until(
+    check: Callable[[], object],
+    timeout: float,
+    what: str = "the condition",
+    step: float = 0.1,
+    retry_on: tuple[type[BaseException], ...] = (),
+) -> float:
+    """Seconds until ``check()`` is true, polled every ``step``; fails the test after
+    ``timeout``. A check that raises one of ``retry_on`` (a server restarting) counts as false.
+
+    Waits on a condition, not on the wall clock: a test is as fast as the thing it waits for.
+    """
+    start = time.monotonic()
+    while True:
+        with contextlib.suppress(*retry_on):
+            if check():
+                return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(step)
 
 
 def write_params(folder: Path, overrides: dict[str, dict[str, Any]] | None = None) -> Path:

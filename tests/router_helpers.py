@@ -202,12 +202,13 @@ def running_state(
         yield client, app.state.router
 
 
-def looked(state: RouterState, timeout: float = 5) -> None:
-    """Wait until the router's lease watch has looked at the lease again: twice, since a
-    look under way when this was asked may have read the clock before the test moved it."""
-    seen = state.lease_looks
+def looked(*states: RouterState, timeout: float = 5) -> None:
+    """Wait until each router's lease watch has looked at the lease again: twice, since a
+    look under way when this was asked may have read the clock before the test moved it.
+    The routers look side by side, so several are waited for at once."""
+    seen = [state.lease_looks for state in states]
     deadline = time.monotonic() + timeout
-    while state.lease_looks < seen + 2:
+    while any(state.lease_looks < n + 2 for state, n in zip(states, seen, strict=True)):
         if time.monotonic() > deadline:
             raise AssertionError(f"the lease watch did not look within {timeout} s")
         time.sleep(0.01)

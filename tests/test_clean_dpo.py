@@ -19,7 +19,7 @@ from tests.clean_helpers import PARAMS, pool_line, write_pool
 from tuneloop.data.chat import ChatTokenizer
 from tuneloop.data.clean import DPO_CODE, dpo_pair, pair_verdicts
 from tuneloop.data.clean_cache import CleanReport, clean_pool
-from tuneloop.demo import domain, tiny
+from tuneloop.demo import domain
 
 # The fast tier: no pipeline, server or rank.
 pytestmark = pytest.mark.fast
@@ -71,13 +71,6 @@ CASES: dict[str, tuple[dict[str, Any], str, str]] = {
         "badcase_without_correction",
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
-    folder = tmp_path_factory.mktemp("tokenizer")
-    tiny.build_tokenizer(domain.tokenizer_corpus(0), 512).save_pretrained(folder)
-    return ChatTokenizer.from_folder(folder)
 
 
 def clean(

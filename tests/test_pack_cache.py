@@ -22,19 +22,11 @@ from tuneloop.data.chat import ChatTokenizer
 from tuneloop.data.pack import Overlong, pack_samples
 from tuneloop.data.pack_cache import Packed, pack_file, part_ranges
 from tuneloop.data.shards import IGNORE_INDEX
-from tuneloop.demo import domain, tiny
 
 # The fast tier: no pipeline, server or rank.
 pytestmark = pytest.mark.fast
 
 SEQ_LEN = 96
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
-    folder = tmp_path_factory.mktemp("tokenizer")
-    tiny.build_tokenizer(domain.tokenizer_corpus(0), 512).save_pretrained(folder)
-    return ChatTokenizer.from_folder(folder)
 
 
 @pytest.fixture(autouse=True)

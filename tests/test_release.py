@@ -26,16 +26,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prefect.input import RunInput
 
 from serving.app import create_app
+from serving.clock import SYSTEM, Clock
 from serving.metrics import new_stats
-from tests.helpers import write_params
+from serving.router_state import RouterState
+from tests.helpers import wait_until, write_params
 from tests.router_helpers import (
     SECRET_ENV,
     TOKEN,
+    ManualClock,
     StreamGate,
     fake_backend,
+    looked,
     make_config,
     router_secrets,  # noqa: F401  (autouse: the request-id key and producer token)
-    running_router,
+    running_state,
     serve,
 )
 from tuneloop.judge.stats import mcnemar_p, two_proportion_p
@@ -530,15 +534,23 @@ def backends() -> Iterator[dict[str, str]]:
 
 
 @contextmanager
-def routers(backends: dict[str, str], tmp_path: Path, n: int) -> Iterator[list[str]]:
+def router_states(
+    backends: dict[str, str], tmp_path: Path, n: int, clock: Clock = SYSTEM
+) -> Iterator[list[tuple[str, RouterState]]]:
+    """``n`` routers on ``clock``: each one's URL and live state."""
     with ExitStack() as stack:
-        urls = []
+        found = []
         for i in range(n):
-            client = stack.enter_context(
-                running_router(make_config(backends, tmp_path / f"feedback{i}"))
-            )
-            urls.append(str(client.base_url).rstrip("/"))
-        yield urls
+            config = make_config(backends, tmp_path / f"feedback{i}")
+            client, state = stack.enter_context(running_state(config, clock))
+            found.append((str(client.base_url).rstrip("/"), state))
+        yield found
+
+
+@contextmanager
+def routers(backends: dict[str, str], tmp_path: Path, n: int) -> Iterator[list[str]]:
+    with router_states(backends, tmp_path, n) as found:
+        yield [url for url, _ in found]
 
 
 def test_admin_calls_without_the_token_fail_and_change_nothing(
@@ -643,18 +655,35 @@ def test_the_lease_keeper_renews_while_it_runs_and_ends_the_lease(
     backends: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TUNELOOP_ADMIN_TOKEN", TOKEN)
-    with routers(backends, tmp_path, 2) as urls, RouterAdmin(urls, TOKEN) as admin:
+    clock = ManualClock()  # the routers'; the keeper renews on the wall clock, a third of ttl
+    ttl = 1.0  # the routers' least
+    with (
+        router_states(backends, tmp_path, 2, clock) as found,
+        RouterAdmin([url for url, _ in found], TOKEN) as admin,
+    ):
+        states = [state for _, state in found]
         fast_fail = {"window": 20, "max_errors": 10}
-        with LeaseKeeper(admin, "release-1", 1.5, fast_fail) as keeper:
+        with LeaseKeeper(admin, "release-1", ttl, fast_fail) as keeper:
             admin.set_weight(10, "canary")
-            time.sleep(3.0)  # twice the lease: only the renewals keep it
+
+            def renewed_now() -> bool:
+                leases = [state.lease for state in states]
+                return all(x is not None and x.expires_at >= clock.now + ttl for x in leases)
+
+            # More than twice the lease on the routers' clock, half of it after each renewal
+            # (the first move after the lease was taken): only the renewals keep it.
+            for step in range(5):
+                wait_until(renewed_now, 10, f"the lease renewed before move {step}", step=0.02)
+                clock.advance(ttl / 2)
+            looked(*states)
             leases = [s["lease"] for s in admin.status().values()]
             assert {lease["holder"] for lease in leases} == {"release-1"}
             assert {s["challenger_percent"] for s in admin.status().values()} == {10}
             assert keeper.renewals >= 4 and keeper.failures == 0
             assert leases[0]["fast_fail"] == fast_fail
         # Ended on leaving: no rollback follows, the weight stays.
-        time.sleep(2.0)
+        clock.advance(2 * ttl)
+        looked(*states)
         statuses = admin.status().values()
         assert [s["lease"] for s in statuses] == [None, None]
         assert {s["challenger_percent"] for s in statuses} == {10}

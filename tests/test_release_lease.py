@@ -7,8 +7,8 @@ test server and a temp MLflow registry. The test:
 
 1. waits until the flow has put the challenger at 10 % and paused for approval,
    and keeps it paused for longer than the lease (the renewals must hold it);
-2. SIGKILLs one router replica and starts it again: it comes back at 10 % with
-   the release's lease, from its state file;
+2. meanwhile, within that lease, SIGKILLs one router replica and starts it again: it
+   comes back at 10 % with the release's lease, from its state file;
 3. SIGKILLs the release process (no handler, no hook can run): every replica
    sets the challenger to 0 % within the lease time, and records why.
 """
@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from serving.routing import load_state
-from tests.helpers import write_params
+from tests.helpers import wait_until, write_params
 from tests.registry_helpers import register_champion_and_challenger
 from tests.router_helpers import (
     PRODUCER_ENV,
@@ -55,6 +55,8 @@ TOKEN = "lease-test-token"
 MODEL = "tuneloop-support"
 # Longer than a router takes to restart on a busy 2-core machine (3 to 11 s seen), short for a test.
 TTL = 20.0
+# A replica restarting answers nothing for a moment: a check against it is tried again.
+RETRY: dict[str, Any] = {"retry_on": (httpx.HTTPError,)}
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 RELEASE = {
     "admin_token_env": "TUNELOOP_ADMIN_TOKEN",
@@ -174,19 +176,6 @@ def traffic(urls: list[str]) -> Iterator[None]:
         thread.join(timeout=10)
 
 
-def wait_for(check: Callable[[], bool], timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while True:
-        try:
-            if check():
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        time.sleep(0.1)
-
-
 def crash(flow_run_id: str) -> None:
     """Mark the killed run Crashed, as a worker would: a paused run must not linger."""
     from uuid import UUID
@@ -260,19 +249,18 @@ def test_a_release_killed_mid_canary_is_rolled_back_by_every_router(
             assert flow.poll() is None, flow_output()
             return bool(approval.waiting_releases())
 
-        wait_for(paused, 240, "the release pausing for approval")
+        wait_until(paused, 240, "the release pausing for approval", **RETRY)
         assert "loadtest: SKIPPED: release.loadtest.enabled is false" in flow_output()
         stack.callback(crash, approval.waiting_releases()[0]["id"])
         statuses = [r.status() for r in replicas]
         assert [s["challenger_percent"] for s in statuses] == [10, 10], statuses
         holder = statuses[0]["lease"]["holder"]
         assert holder == approval.waiting_releases()[0]["id"]
-        time.sleep(TTL + 1)  # longer than the lease: only the renewals hold it
-        statuses = [r.status() for r in replicas]
-        assert [s["challenger_percent"] for s in statuses] == [10, 10], statuses
-        assert {s["lease"]["holder"] for s in statuses} == {holder}
+        # The lease as the routers hold it now: it must be outlived, renewed, at step 1's end.
+        lapses_at = time.monotonic() + max(s["lease"]["seconds_left"] for s in statuses)
 
-        # 2. One replica dies and comes back: its state file restores the weight and lease.
+        # 2. One replica dies and comes back within that lease: its state file restores the
+        # weight and lease.
         replicas[1].kill()
         replicas[1].start()
         restored = replicas[1].status()
@@ -285,17 +273,25 @@ def test_a_release_killed_mid_canary_is_rolled_back_by_every_router(
             assert lease is not None, replicas[1].log() + flow_output()
             return bool(lease["expires_at"] != restored["lease"]["expires_at"])
 
-        wait_for(renewed, TTL / 3 + 3, "the restarted replica's lease being renewed")
+        wait_until(renewed, TTL / 3 + 3, "the restarted replica's lease being renewed", **RETRY)
+
+        # 1, continued. Past the lease seen at the pause (the routers' own wall clock, in
+        # their processes): only the renewals hold it, on both replicas.
+        time.sleep(max(0.0, lapses_at + 1 - time.monotonic()))
+        statuses = [r.status() for r in replicas]
+        assert [s["challenger_percent"] for s in statuses] == [10, 10], statuses
+        assert {s["lease"]["holder"] for s in statuses} == {holder}
 
         # 3. The release process dies outright: nothing of it runs any more.
         os.killpg(flow.pid, signal.SIGKILL)
         flow.wait()
         killed = time.monotonic()
         for replica in replicas:
-            wait_for(
+            wait_until(
                 lambda r=replica: r.status()["challenger_percent"] == 0,
                 TTL + 2,
                 f"{replica.url} rolling back",
+                **RETRY,
             )
         took = time.monotonic() - killed
         statuses = [r.status() for r in replicas]

@@ -10,7 +10,8 @@ acts at checkpoints put into the block (the shell waits at each until the test l
    elsewhere) reaches 10 % and pauses for approval; the test SIGKILLs that process. Nothing
    of it runs any more, so every replica must set the challenger to 0 % by itself when the
    lease lapses (``lease_lapsed``, which only a router's own lease watch records), within
-   the lease time, and ``tuneloop status`` shows it;
+   the lease time (a shorter lease than the block's release takes: no router restarts
+   under it), and ``tuneloop status`` shows it;
 2. the block's release then reaches 10 % and pauses; the test SIGKILLs the second replica
    and starts it again: it comes back at 10 % with the release's lease from its state file
    (saved for these arms), routes its users by it, and the release renews it;
@@ -47,7 +48,7 @@ from tests.byhand_helpers import (
     make_project,
     page_block,
 )
-from tests.helpers import write_params
+from tests.helpers import wait_until, write_params
 from tuneloop.demo.customers import ARM_HEADER, USER_HEADER
 from tuneloop.net import free_port
 from tuneloop.release import approval
@@ -55,10 +56,19 @@ from tuneloop.release import approval
 # The whole suite (`make test`): router replicas, transformers serve
 pytestmark = pytest.mark.slow
 
-# Longer than a router takes to restart on a busy 2-core machine beside two CPU backends
-# (3 to 11 s seen), short for a test; the flow renews every third of it.
+# The block's release: longer than a router takes to restart on a busy 2-core machine beside
+# two CPU backends (3 to 11 s seen), short for a test; the flow renews every third of it.
 TTL = 30.0
-OVERRIDES = {"release": {**OVERLAY["release"], "lease_ttl_s": TTL}}
+# The first release, killed before any router restarts: the routers wait out its lease alone,
+# so a shorter one, still renewed every few seconds, keeps the test short.
+KILLED_TTL = 12.0
+
+
+def overrides(ttl: float) -> dict[str, dict[str, Any]]:
+    """configs/demo.yaml for a release whose lease lasts ``ttl`` seconds."""
+    return {"release": {**OVERLAY["release"], "lease_ttl_s": ttl}}
+
+
 VERSIONS = {"champion": "1", "challenger": "2"}
 
 
@@ -123,7 +133,7 @@ class Replica:
             self.process = subprocess.Popen(
                 self.command, cwd=self.project, env=self.env, stdout=log, stderr=subprocess.STDOUT
             )
-        wait_for(lambda: get(self.url, "/health") is not None, 90, f"{self.url} starting")
+        wait_until(lambda: get(self.url, "/health") is not None, 90, f"{self.url} starting")
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -151,15 +161,6 @@ def percent(url: str, token: str) -> int | None:
     return None if status is None else int(status["challenger_percent"])
 
 
-def wait_for(check: Callable[[], object], timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        time.sleep(0.2)
-    return time.monotonic() - start
-
-
 def crash_waiting_runs() -> None:
     """Mark paused release runs Crashed, as a worker would for a dead process: none lingers."""
     from uuid import UUID
@@ -175,7 +176,7 @@ def crash_waiting_runs() -> None:
 def test_replicas_outlive_a_router_restart_and_a_killed_release(
     prefect_harness: None, tmp_path: Path
 ) -> None:
-    project = make_project(tmp_path, OVERRIDES)
+    project = make_project(tmp_path, overrides(KILLED_TTL))
     script, ports = localised_block()
     second_port = str(free_port())
     urls = [f"http://127.0.0.1:{ports['8080']}", f"http://127.0.0.1:{second_port}"]
@@ -256,7 +257,7 @@ def test_replicas_outlive_a_router_restart_and_a_killed_release(
 
         # 1. A first release pauses at 10 % and is SIGKILLed: the routers roll back alone.
         marks.reached("killed", shell, output)
-        wait_for(paused_at(10), 300, "the first release pausing at 10 %")
+        wait_until(paused_at(10), 300, "the first release pausing at 10 %", step=0.2)
         holder = approval.waiting_releases()[0]["id"]
         assert [s["lease"]["holder"] for s in statuses()] == [holder, holder]
         release = psutil.Process(int((marks.folder / "killed.pid").read_text()))
@@ -266,7 +267,7 @@ def test_replicas_outlive_a_router_restart_and_a_killed_release(
         release.wait(10)
         killed = time.monotonic()
         for url in urls:
-            wait_for(lambda u=url: percent(u, token) == 0, TTL + 3, f"{url} rolling back")
+            wait_until(lambda u=url: percent(u, token) == 0, KILLED_TTL + 3, f"{url} rolling back")
         took = time.monotonic() - killed
         for status in statuses():
             assert status["lease"] is None, status
@@ -285,18 +286,20 @@ def test_replicas_outlive_a_router_restart_and_a_killed_release(
                     None,
                 )
 
-            wait_for(saved_rollback, 10, f"{state_file} recording the rollback")
+            wait_until(saved_rollback, 10, f"{state_file} recording the rollback")
         shown = tuneloop_status()
         for url in urls:
             assert f"router    {url}: champion v1 at 100 %, challenger v2 at 0 %" in shown, shown
         assert shown.count("last change: lease_lapsed 10 -> 0 %") == 2, shown
         assert shown.count("lease: none") == 2, shown
         crash_waiting_runs()  # what a worker does with a run whose process died
+        # The block's release reads its overrides as it starts: a lease a restart outlasts.
+        (project / "configs" / "demo.yaml").write_text(yaml.safe_dump(overrides(TTL)))
         marks.go("killed")
 
         # 2. The block's release pauses at 10 %; the second replica dies and comes back.
         marks.reached("at10", shell, output)
-        wait_for(paused_at(10), 300, "the release pausing at 10 %")
+        wait_until(paused_at(10), 300, "the release pausing at 10 %", step=0.2)
         holder = approval.waiting_releases()[0]["id"]
         before = statuses()
         assert [s["lease"]["holder"] for s in before] == [holder, holder]
@@ -329,7 +332,7 @@ def test_replicas_outlive_a_router_restart_and_a_killed_release(
             assert answer.status_code == 200, answer.text
             assert answer.headers[ARM_HEADER] == arm
         # ... the release, still paused, renews the restarted replica's lease ...
-        wait_for(
+        wait_until(
             lambda: statuses()[1]["lease"]["expires_at"] != restored["lease"]["expires_at"],
             TTL / 3 + 5,
             "the restarted replica's lease being renewed",
@@ -341,7 +344,7 @@ def test_replicas_outlive_a_router_restart_and_a_killed_release(
 
         # 3. Approved to 50 %: both replicas there.
         marks.reached("at50", shell, output)
-        wait_for(paused_at(50), 300, "the release pausing at 50 %")
+        wait_until(paused_at(50), 300, "the release pausing at 50 %", step=0.2)
         assert [s["lease"]["holder"] for s in statuses()] == [holder, holder]
         shown = tuneloop_status()
         for url in urls:
@@ -363,7 +366,7 @@ def test_replicas_outlive_a_router_restart_and_a_killed_release(
     block_out = out_file.read_text()
     for url in urls:
         assert f"router    {url}: champion v1 at 0 %, challenger v2 at 100 %" in block_out
-    assert took <= TTL + 3, took
+    assert took <= KILLED_TTL + 3, took
     aliases = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").get_registered_model(MODEL).aliases
     assert {k: str(v) for k, v in aliases.items()} == {"champion": "2", "previous-champion": "1"}
     assert not re.search(r"^release (promoted|rolled back)", killed_log.read_text(), re.M)

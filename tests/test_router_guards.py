@@ -53,16 +53,6 @@ def with_versions(config: RouterConfig, champion: str, challenger: str) -> Route
     return config.model_copy(update={"arms": arms})
 
 
-def wait_for(check: Any, timeout: float, step: float = 0.05) -> float:
-    """Seconds until ``check()`` is true; fails the test after ``timeout``."""
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not true within {timeout} s")
-        time.sleep(step)
-    return time.monotonic() - start
-
-
 def percent(client: httpx.Client) -> int:
     value: int = client.get("/admin/status", headers=HEADERS).json()["challenger_percent"]
     return value

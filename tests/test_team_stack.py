@@ -45,6 +45,7 @@ from tests.helpers import (
     copy_project,
     postgres_bin,
     seed_demo_month,
+    wait_until,
     write_params,
 )
 from tuneloop.net import free_port
@@ -104,7 +105,7 @@ class Service:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url, timeout=5).status_code == 200:
                     return
-            time.sleep(1)
+            time.sleep(0.25)
         pytest.fail(f"{self.name}: no answer from {url} in {timeout:.0f} s:\n{tail(self.log)}")
 
     def stop(self) -> None:
@@ -171,6 +172,18 @@ class Stack:
             return (await client.read_flow_run(flow_run_id)).state
 
         return self.api(read)
+
+    def heartbeats(self, flow_run_id: str) -> int:
+        """How many heartbeats of ``flow_run_id`` the Prefect server has recorded."""
+        query = {
+            "event": {"name": ["prefect.flow-run.heartbeat"]},
+            "resource": {"id": [f"prefect.flow-run.{flow_run_id}"]},
+        }
+        reply = httpx.post(
+            f"{self.prefect_api}/events/filter", json={"filter": query, "limit": 1}, timeout=10
+        )
+        reply.raise_for_status()
+        return int(reply.json()["total"])
 
     def mlflow(self) -> Any:
         from mlflow.tracking import MlflowClient
@@ -242,6 +255,9 @@ def stack(postgres: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1",
+        # Workers ask for runs every second (Prefect's default: 10 s), so a run the test
+        # starts or a slot a crash frees is taken at once, not at the next poll.
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
     }
     artifacts = root / "artifacts"
     servers = [
@@ -255,6 +271,9 @@ def stack(postgres: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
                 "PREFECT_UI_ENABLED": "false",
                 # No monthly runs appear while the test runs, whatever the date.
                 "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+                # The heartbeat automation is looked at every second (Prefect's default: 5 s):
+                # a silent run is crashed when its window ends, not up to 5 s later.
+                "PREFECT_SERVER_EVENTS_PROACTIVE_GRANULARITY": "PT1S",
             },
         ),
         Service.start(
@@ -422,12 +441,8 @@ def test_the_registered_version_reads_back_through_the_server(
             )
         )
 
-    deadline = time.monotonic() + 60
-    started = stack.api(releases)
-    while not started and time.monotonic() < deadline:
-        time.sleep(2)
-        started = stack.api(releases)
-    assert len(started) == 1
+    wait_until(lambda: stack.api(releases), 60, "a release started by the event", step=0.5)
+    assert len(stack.api(releases)) == 1
 
 
 NAP = '''"""A flow that sleeps: a run to stop a worker under."""
@@ -482,11 +497,14 @@ deployments:
     )
     second: Service | None = None
     try:
-        deadline = time.monotonic() + 180
-        while stack.state(stuck).type.value != "RUNNING":
-            assert time.monotonic() < deadline, tail(first.log)
-            time.sleep(2)
-        time.sleep(5)  # its first heartbeat, sent as it starts
+
+        def running() -> bool:
+            assert first.process.poll() is None, tail(first.log)
+            return bool(stack.state(stuck).type.value == "RUNNING")
+
+        wait_until(running, 180, "the first run starting", step=0.5)
+        # Its first heartbeat, sent as it starts: the automation's window opens there.
+        wait_until(lambda: stack.heartbeats(stuck), 60, "the first heartbeat", step=0.5)
         run = psutil.Process(first.process.pid).children(recursive=True)
         os.kill(first.process.pid, signal.SIGTERM)  # `systemctl stop`
         time.sleep(2)
@@ -507,7 +525,7 @@ deployments:
             # The dead run holds the pool's only slot: the next one waits.
             assert stack.state(waiting).type.value == "SCHEDULED"
             assert time.monotonic() - killed < HEARTBEAT["crash_after_s"] + 60, "never crashed"
-            time.sleep(2)
+            time.sleep(0.5)
         assert state.type.value == "CRASHED"
         assert "no heartbeat for 60 s" in state.message
         assert "tuneloop: crash flow runs whose heartbeats stopped" in state.message
@@ -516,7 +534,7 @@ deployments:
         while (after := stack.state(waiting)).type.value != "COMPLETED":
             assert not after.is_final(), f"{after.name}: {after.message}\n{tail(second.log)}"
             assert time.monotonic() < deadline, tail(second.log)
-            time.sleep(2)
+            time.sleep(0.5)
     finally:
         first.stop()
         if second is not None:

@@ -17,13 +17,6 @@ from tuneloop.demo import domain, tiny
 pytestmark = pytest.mark.fast
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ChatTokenizer:
-    folder = tmp_path_factory.mktemp("tokenizer")
-    tiny.build_tokenizer(domain.tokenizer_corpus(0), 512).save_pretrained(folder)
-    return ChatTokenizer.from_folder(folder)
-
-
 def write(path: Path, lines: list[str]) -> Path:
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return path
