@@ -14,7 +14,7 @@ import yaml
 from flows import demo
 from tests.helpers import ROOT
 from tuneloop.demo import customers, orders, workspace
-from tuneloop.demo.report import format_loop
+from tuneloop.demo.report import format_loop, losses, metric_figures
 from tuneloop.io import write_json, write_text
 from tuneloop.judge import tasks_report
 from tuneloop.params import Params, parse_params
@@ -176,3 +176,14 @@ def test_the_summary_shows_each_task_month_by_month(
     release = demo.not_released({"outcome": "retrained", "registration": held})
     assert release["reason"] == "gate fail: nothing registered; support_demo/accuracy: FAIL"
     assert orders.FIELDS == ("product", "express")
+
+
+def test_a_run_too_short_to_log_a_loss_is_said_in_words() -> None:
+    # 2 steps under train.logging_steps 25 log no loss; a suite's first items may hold no
+    # unanswerable one. The summary said so with a TypeError.
+    short = {"loss_first": None, "loss_last": None, "eval_loss": None, "steps": 2}
+    assert losses(short) == "no loss logged (fewer steps than train.logging_steps) in 2 steps"
+    logged = {"loss_first": 2.5, "loss_last": 0.25, "eval_loss": 0.3, "steps": 40}
+    assert losses(logged) == "loss 2.500 -> 0.250 (val 0.300) in 40 steps"
+    figures = metric_figures({"accuracy": 0.5, "hallucination_rate": None})
+    assert figures == "accuracy 0.500, hallucination_rate n/a"

@@ -30,6 +30,8 @@ def _seed_demo(args: argparse.Namespace) -> int:
 def _print_pipeline(result: dict[str, Any]) -> None:
     """One pipeline's data, training, scores, gate and registration: the project's, or one
     task's when params.yaml lists ``tasks:``."""
+    from tuneloop.demo.report import losses, metric_figures
+
     data, train, decision = result["data"], result["train"], result["decision"]
     print(
         f"data   {data['lines']} lines in -> {data['accepted']} accepted, "
@@ -37,15 +39,11 @@ def _print_pipeline(result: dict[str, Any]) -> None:
         f"pool {data['pool']} records -> {data['train']} train / {data['val']} val, "
         f"{data['dpo_pairs']} DPO pairs"
     )
-    print(
-        f"train  loss {train['loss_first']:.3f} -> {train['loss_last']:.3f} "
-        f"(val {train['eval_loss']:.3f}) in {train['steps']} steps, "
-        f"{train['tokens_per_second']:.0f} tokens/s"
-    )
+    speed = train["tokens_per_second"]
+    print(f"train  {losses(train)}" + (f", {speed:.0f} tokens/s" if speed is not None else ""))
     for model, suites in result["eval"].items():
         for suite, metrics in suites.items():
-            shown = ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items()))
-            print(f"eval   {model:<14} {suite}: {shown}")
+            print(f"eval   {model:<14} {suite}: {metric_figures(metrics)}")
     print(f"gate   {str(decision['verdict']).upper()}")
     for reason in decision["reasons"]:
         print(f"       {reason}")

@@ -28,14 +28,32 @@ Where to look:
 """
 
 
+def losses(train: dict[str, Any]) -> str:
+    """A retrain's losses in words; a run shorter than ``train.logging_steps`` logged none."""
+    first, last, val = train.get("loss_first"), train.get("loss_last"), train.get("eval_loss")
+    if first is None or last is None:
+        shown = "no loss logged (fewer steps than train.logging_steps)"
+    else:
+        shown = f"loss {first:.3f} -> {last:.3f}"
+    if val is not None:
+        shown += f" (val {val:.3f})"
+    return f"{shown} in {train['steps']} steps"
+
+
+def metric_figures(metrics: dict[str, Any]) -> str:
+    """``accuracy 0.625, ...``; a metric a suite could not compute (no unanswerable item
+    among the scored ones, say) is "n/a", not a crash."""
+    return ", ".join(
+        f"{name} {value:.3f}" if isinstance(value, int | float) else f"{name} n/a"
+        for name, value in sorted(metrics.items())
+    )
+
+
 def _scores(evaluation: dict[str, Any], model: str) -> str:
     suites = evaluation.get(model)
     if not suites:
         return "-"
-    return "; ".join(
-        f"{suite}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items()))
-        for suite, metrics in suites.items()
-    )
+    return "; ".join(f"{suite}: {metric_figures(metrics)}" for suite, metrics in suites.items())
 
 
 def _release_lines(release: dict[str, Any]) -> list[str]:
@@ -77,10 +95,7 @@ def _retrain_lines(retrain: dict[str, Any]) -> list[str]:
         + f"; pool {data['pool']}; train {data['train']} / val {data['val']}"
     ]
     train = retrain["train"]
-    out.append(
-        f"  train    from {train.get('init_from', 'base')}: loss {train['loss_first']:.3f} "
-        f"-> {train['loss_last']:.3f} in {train['steps']} steps"
-    )
+    out.append(f"  train    from {train.get('init_from', 'base')}: {losses(train)}")
     evaluation = retrain["eval"]
     for name in ("base", "champion", "candidate"):
         if name in evaluation:
