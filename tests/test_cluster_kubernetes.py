@@ -17,7 +17,9 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from tests.helpers import ROOT, write_params
+from tuneloop.cli.rollout import training_job_line
 from tuneloop.cluster import kubernetes
+from tuneloop.cluster.job import JOB_FILE, Submitted
 from tuneloop.cluster.submit import cancel, wait_for
 from tuneloop.params import load_params
 
@@ -190,3 +192,33 @@ def test_cancelling_deletes_the_trainjob_and_waits_until_it_is_gone(
     (deleted,) = [query for m, _, query, _ in replay.requests if m == "DELETE"]
     assert deleted["propagationPolicy"] == ["Foreground"]
     assert jobs.status(NAME) is None
+
+
+def test_status_shows_the_running_trainjob_with_its_nodes_and_elapsed_time(
+    api: tuple[Replay, Any], tmp_path: Path
+) -> None:
+    replay, client = api
+    params = kube_params(tmp_path)
+    jobs = kubernetes.TrainJobs("ml", client)
+    watch = tmp_path / params.paths.watch
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        assert (
+            training_job_line(params, jobs) == "no Kubernetes job submitted from this project yet"
+        )
+        (watch / "20261205-010000").mkdir(parents=True)
+        submitted = Submitted(launcher="kubernetes", job_id=NAME, submitted_at="2026-12-05T01:00Z")
+        (watch / "20261205-010000" / JOB_FILE).write_text(submitted.model_dump_json())
+        replay.routes = {
+            ("GET", f"{JOBS}/{NAME}"): [
+                (200, "trainjob-running.json"),
+                (404, "trainjob-not-found.json"),
+            ],
+            ("GET", PODS): [(200, "pods.json")],
+        }
+        line = training_job_line(params, jobs)
+        assert line is not None and line.startswith(f"Kubernetes job {NAME} RUNNING on gpu-a,gpu-b")
+        assert "elapsed " in line
+        assert training_job_line(params, jobs) == (
+            f"Kubernetes job {NAME} has ended (Kubernetes no longer lists it)"
+        )

@@ -9,7 +9,7 @@ import getpass
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tuneloop.params import Params
@@ -233,23 +233,47 @@ def _rollback(args: argparse.Namespace) -> int:
     return 0
 
 
-def training_job_line(params: Params) -> str | None:
-    """The newest cluster job the train stage submitted, as the scheduler sees it now."""
-    if params.train.launcher != "slurm":
+def unreachable_scheduler() -> tuple[type[BaseException], ...]:
+    """What asking Slurm or the Kubernetes API raises when it cannot answer: no client, no
+    config, the API refusing or out of reach."""
+    from kubernetes.client.exceptions import ApiException
+    from kubernetes.config import ConfigException
+    from urllib3.exceptions import HTTPError
+
+    from tuneloop.cluster.slurm import SlurmError
+
+    return (SlurmError, ApiException, ConfigException, HTTPError, OSError)
+
+
+def training_job_line(params: Params, trainjobs: Any = None) -> str | None:
+    """The newest cluster job the train stage submitted, as the scheduler sees it now.
+
+    ``trainjobs``: the Kubernetes TrainJob API to ask (``TrainJobs``); by default the one the
+    kube config or the pod's service account points at."""
+    launcher = params.train.launcher
+    if launcher == "local":
         return None
-    from tuneloop.cluster import slurm
     from tuneloop.cluster.job import describe, latest_submitted
 
+    scheduler = {"slurm": "Slurm", "kubernetes": "Kubernetes"}[launcher]
     submitted = latest_submitted(params.paths.watch)
     if submitted is None:
-        return "no Slurm job submitted from this project yet"
+        return f"no {scheduler} job submitted from this project yet"
     try:
-        now = slurm.status(submitted.job_id)
-    except slurm.SlurmError as error:
-        return f"Slurm job {submitted.job_id}: cannot ask Slurm ({error})"
+        if launcher == "slurm":
+            from tuneloop.cluster import slurm
+
+            now = slurm.status(submitted.job_id)
+        else:
+            from tuneloop.cluster.kubernetes import TrainJobs
+
+            jobs = trainjobs or TrainJobs(params.cluster.namespace)
+            now = jobs.status(submitted.job_id)
+    except unreachable_scheduler() as error:
+        return f"{scheduler} job {submitted.job_id}: cannot ask {scheduler} ({error})"
     if now is None:
-        return f"Slurm job {submitted.job_id} has ended (Slurm no longer lists it)"
-    return "Slurm " + describe(now)
+        return f"{scheduler} job {submitted.job_id} has ended ({scheduler} no longer lists it)"
+    return f"{scheduler} {describe(now)}"
 
 
 def _status(args: argparse.Namespace) -> int:
