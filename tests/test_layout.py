@@ -280,3 +280,31 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
 def test_the_circle_check_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert [c for c in strongly_connected(graph) if len(c) > 1] == [{"a", "b", "c"}]
+
+
+# "Task" is tuneloop's word for a business task (glossary, docs/how-to/develop.md). The two
+# other tasks in the stack stay where they are needed: Prefect's @task in the flows, lm-eval's
+# task objects in the one module that scores through lm-eval.
+FOREIGN_TASKS = {"prefect": "flows/", "lm_eval.tasks": "tuneloop/judge/scoring.py"}
+
+
+def foreign_task_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module == "prefect":
+            if any(alias.name == "task" for alias in node.names):
+                found.add("prefect")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lm_eval.tasks"):
+            found.add("lm_eval.tasks")
+    return found
+
+
+def test_prefects_and_lm_evals_tasks_stay_where_they_belong() -> None:
+    offenders = sorted(
+        f"{path.relative_to(ROOT)} imports {kind}'s task"
+        for name in PRODUCT
+        for path in (ROOT / name).rglob("*.py")
+        for kind in foreign_task_imports(path)
+        if not str(path.relative_to(ROOT)).startswith(FOREIGN_TASKS[kind])
+    )
+    assert not offenders, offenders
