@@ -32,7 +32,7 @@ export HF_HOME ?= $(CURDIR)/.hf
 # MkDocs 1.6 prints a notice about its successor at every build.
 export NO_MKDOCS_2_WARNING ?= 1
 
-.PHONY: setup serve-setup demo demo-real test test-fast lint typecheck docs docs-serve docs-screenshots clean
+.PHONY: setup serve-setup demo demo-real test test-fast test-tutorial lint typecheck docs docs-serve docs-screenshots clean
 
 setup: $(VENV)/.installed
 
@@ -104,7 +104,12 @@ demo-real: setup serve-setup
 # others that start it), so it builds vLLM's environment first; a second time this is a no-op.
 test: setup serve-setup
 	$(IN_VENV) $(BIN)/python -c "import importlib as i, importlib.util as u; u.find_spec('deepspeed') and i.import_module('deepspeed.comm.torch').build_shm_op()"
-	$(IN_VENV) $(BIN)/pytest -n $(TEST_WORKERS) -m "fast or slow" $(PYTEST_ARGS)
+	$(IN_VENV) $(BIN)/pytest -n $(TEST_WORKERS) -m "(fast or slow) and not tutorial" $(PYTEST_ARGS)
+
+# docs/tutorial/your-model.md run as written from a clone (tests/test_tutorial.py): a month on
+# SmolLM2, about 11 minutes on 2 cores, on its own so that `make test` stays inside CI's time.
+test-tutorial: setup
+	$(IN_VENV) $(BIN)/pytest -m tutorial tests/test_tutorial.py $(PYTEST_ARGS)
 
 # The inner loop: unit and property tests, no pipeline, server or rank (each module's
 # `pytestmark`); at most 3 minutes, as a bare `pytest` runs it. `make test` runs both tiers.

@@ -30,7 +30,8 @@ import yaml
 
 from tests.helpers import ROOT
 
-pytestmark = pytest.mark.slow
+# The slow tier, and its own marker: `make test-tutorial` runs it, `make test` leaves it out.
+pytestmark = [pytest.mark.slow, pytest.mark.tutorial]
 
 PAGE = ROOT / "docs" / "tutorial" / "your-model.md"
 # The month on SmolLM2 takes minutes on 2 quiet cores; far past that something hangs.
