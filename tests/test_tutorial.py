@@ -126,17 +126,15 @@ def dry_run(repo: Path, target: str) -> str:
 
 
 def apply_params(block: str) -> str:
-    """Python that sets the page's keys in params.yaml, group by group, keeping the rest."""
+    """Python that sets the page's keys in params.yaml as the demo's configs are set
+    (``workspace.merged``: key by key, and a key params.yaml does not have is refused)."""
     return (
+        "from pathlib import Path\n"
         "import yaml\n"
-        "def merge(into, keys):\n"
-        "    for name, value in keys.items():\n"
-        "        if isinstance(value, dict) and isinstance(into.get(name), dict):\n"
-        "            merge(into[name], value)\n"
-        "        else:\n"
-        "            into[name] = value\n"
+        "from tuneloop.demo.workspace import merged\n"
         "params = yaml.safe_load(open('params.yaml'))\n"
-        f"merge(params, yaml.safe_load({block!r}))\n"
+        f"keys = yaml.safe_load({block!r})\n"
+        "params = merged(params, keys, Path('docs/tutorial/your-model.md'))\n"
         "yaml.safe_dump(params, open('params.yaml', 'w'), sort_keys=False)"
     )
 
@@ -160,8 +158,16 @@ def test_step_6_shows_the_decision_and_the_registry(month: Path) -> None:
 
 
 def test_the_clone_left_the_suites_environment_where_it_was(month: Path) -> None:
-    # The editable install still points at this checkout, not at the tutorial's clone.
-    import tuneloop
-
-    assert Path(tuneloop.__file__).resolve().is_relative_to(ROOT.resolve())
+    # A new interpreter, not this one (whose tuneloop was imported before the month ran):
+    # the editable install still points at this checkout, not at the tutorial's clone.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    found = subprocess.run(
+        [sys.executable, "-c", "import tuneloop; print(tuneloop.__file__)"],
+        cwd="/",
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert Path(found).resolve().is_relative_to(ROOT.resolve()), found
     shutil.rmtree(month / "models" / "merged", ignore_errors=True)  # 0.5 GB of float32
