@@ -125,6 +125,8 @@ def test_the_trainjob_runs_every_nodes_watchdog_around_the_same_torchrun(tmp_pat
     assert (bash, flag) == ("bash", "-c")
     assert line.startswith("cd /shared/project && exec python -m tuneloop.cli watch ")
     assert '"--out-dir=/shared/project/reports/watch/' in line
+    assert f"--peers=/shared/project/reports/watch/{NAME}/peers " in line
+    assert '"--node=node-$PET_NODE_RANK"' in line
     assert (
         '-- python -m torch.distributed.run --nnodes=2 "--node-rank=$PET_NODE_RANK" '
         '--rdzv-backend=c10d "--rdzv-endpoint=$PET_MASTER_ADDR:$PET_MASTER_PORT" '

@@ -113,6 +113,9 @@ def test_the_batch_script_runs_each_nodes_watchdog_around_its_torchrun(tmp_path:
     ).stdout
     assert inner.startswith("exec /venv/bin/python -m tuneloop.cli watch --deadlock-after=")
     assert f"--out-dir={tmp_path}/job/$SLURMD_NODENAME" in inner
+    # The watchdogs of one run of the job share a folder, and know each other by Slurm's names.
+    assert f'"--peers={tmp_path}/job/peers-$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}"' in inner
+    assert '"--node=$SLURMD_NODENAME"' in inner
     assert "-- /venv/bin/python -m torch.distributed.run --nnodes=2" in inner
     assert '"--node-rank=$SLURM_NODEID" --rdzv-backend=c10d' in inner
     assert '"--rdzv-endpoint=$TUNELOOP_RDZV_HOST:29500"' in inner
@@ -190,6 +193,9 @@ def test_a_failed_job_is_one_sentence_naming_state_node_and_logs() -> None:
     assert sentence.startswith("train: Slurm job 12 ended NODE_FAIL on n2; logs in /shared/watch/x")
     code, sentence = failure(report, {"n1": 86, "n2": 143})
     assert code == 86 and "the watchdog on n1 found a hang" in sentence
+    code, sentence = failure(report, {"n1": 86, "n2": 86}, {"n1": "peer", "n2": "deadlock"})
+    assert code == 86 and "the watchdog on n2 found a hang" in sentence
+    assert "; n1 wrote its ranks' stacks and ended them too;" in sentence
     assert shell_words(["a b", "$X:1"]) == "'a b' \"$X:1\""
 
 

@@ -177,6 +177,22 @@ def watch_parser() -> argparse.ArgumentParser:
         help="where trace, stacks, plot and watch.json go (default watch/<UTC time>)",
     )
     parser.add_argument(
+        "--peers",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the job's folder on storage every node shares, one per run of the job: a hang "
+        "found by any node's watchdog has every node dump its ranks' stacks before the ranks "
+        "are ended (the cluster launchers pass it)",
+    )
+    parser.add_argument(
+        "--node",
+        default=None,
+        metavar="NAME",
+        help="this node's name among --peers (default: the host name; give it when nodes "
+        "share a host name)",
+    )
+    parser.add_argument(
         "--heartbeat",
         type=Path,
         default=None,
@@ -283,6 +299,8 @@ def watch_main(argv: Sequence[str] | None = None) -> int:
         mlflow_run_id=args.mlflow_run_id,
         tracking_uri=args.mlflow_tracking_uri,
         alert=AlertHook(args.alert_webhook or None, args.alert_command or None),
+        peers=args.peers,
+        **({"node": args.node} if args.node else {}),
     )
     try:
         outcome = watch(options)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -109,8 +110,12 @@ def usage_by_node(runs: list[tuple[tuple[str, ...], float]], gpus_per_node: int)
     ]
 
 
-def watch_argv(params: Params, out_dir: str, python: str) -> list[str]:
-    """``tuneloop watch`` with the params' watchdog knobs, up to and with ``--``."""
+def watch_argv(
+    params: Params, out_dir: str, python: str, peers: str | None = None, node: str | None = None
+) -> list[str]:
+    """``tuneloop watch`` with the params' watchdog knobs, up to and with ``--``. ``peers``
+    (the run's folder every node's watchdog shares) and ``node`` (this node's name in it): a
+    hang found on one node has every node's ranks' stacks written (telemetry/peers.py)."""
     wd = params.watchdog
     argv = [
         python,
@@ -126,15 +131,26 @@ def watch_argv(params: Params, out_dir: str, python: str) -> list[str]:
     ]
     if wd.calibration is not None:
         argv.append(f"--calibration={wd.calibration.resolve()}")
+    if peers is not None:
+        argv.append(f"--peers={peers}")
+    if node is not None:
+        argv.append(f"--node={node}")
     return [*argv, "--"]
 
 
-def node_argv(params: Params, rendezvous: Rendezvous, out_dir: str, python: str) -> list[str]:
+def node_argv(
+    params: Params,
+    rendezvous: Rendezvous,
+    out_dir: str,
+    python: str,
+    peers: str | None = None,
+    node: str | None = None,
+) -> list[str]:
     """The line every node runs: its watchdog (when enabled) around its torchrun."""
     torchrun = torchrun_argv(params.cluster.gpus_per_node, rendezvous, python)
     if not params.watchdog.enabled:
         return torchrun
-    return [*watch_argv(params, out_dir, python), *torchrun]
+    return [*watch_argv(params, out_dir, python, peers, node), *torchrun]
 
 
 def shell_words(argv: list[str]) -> str:
@@ -150,12 +166,25 @@ def shell_words(argv: list[str]) -> str:
 
 def read_exit_codes(folder: Path, nodes: tuple[str, ...]) -> dict[str, int]:
     """Each node watchdog's exit code from its watch.json, where it wrote one."""
-    codes = {}
+    return {node: int(found["exit_code"]) for node, found in _manifests(folder, nodes).items()}
+
+
+def read_alarms(folder: Path, nodes: tuple[str, ...]) -> dict[str, str]:
+    """The kind of each node watchdog's alarm ("peer": another node found the hang)."""
+    return {
+        node: str(found["alarm"]["kind"])
+        for node, found in _manifests(folder, nodes).items()
+        if found.get("alarm")
+    }
+
+
+def _manifests(folder: Path, nodes: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    found = {}
     for node in nodes:
         manifest = folder / node / "watch.json"
         if manifest.is_file():
-            codes[node] = int(json.loads(manifest.read_text())["exit_code"])
-    return codes
+            found[node] = json.loads(manifest.read_text())
+    return found
 
 
 JOB_FILE = "job.json"

@@ -43,8 +43,12 @@ def trainjob(params: Params, name: str, project: Path) -> dict[str, Any]:
         run_id=name,
     )
     # The image's python; the watchdog's evidence beside Slurm's, one folder per pod's node.
-    out_dir = f"{project / params.paths.watch}/{name}/node-$PET_NODE_RANK"
-    line = "exec " + shell_words(node_argv(params, rendezvous, out_dir, "python"))
+    folder = f"{project / params.paths.watch}/{name}"
+    out_dir = f"{folder}/node-$PET_NODE_RANK"
+    argv = node_argv(
+        params, rendezvous, out_dir, "python", peers=f"{folder}/peers", node="node-$PET_NODE_RANK"
+    )
+    line = "exec " + shell_words(argv)
     labels = {QUEUE_LABEL: cluster.queue} if cluster.queue else {}
     return {
         "apiVersion": f"{GROUP}/{VERSION}",

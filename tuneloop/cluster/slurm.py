@@ -134,7 +134,15 @@ def batch_script(params: Params, folder: Path, project: Path, python: str) -> st
         endpoint=f"$TUNELOOP_RDZV_HOST:{cluster.rendezvous_port}",
         run_id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}",
     )
-    node = node_argv(params, rendezvous, f"{folder}/$SLURMD_NODENAME", python)
+    # Nodes may share a host name (containers): the watchdogs know each other by Slurm's.
+    node = node_argv(
+        params,
+        rendezvous,
+        f"{folder}/$SLURMD_NODENAME",
+        python,
+        peers=f"{folder}/peers-$SLURM_JOB_ID-{RUN}",
+        node="$SLURMD_NODENAME",
+    )
     exports = [f"export {name}={shell_words([value])}" for name, value in cluster.env.items()]
     lines = [
         "#!/bin/bash",

@@ -41,6 +41,7 @@ from tuneloop.cluster.job import (
     JobReport,
     JobStatus,
     Submitted,
+    read_alarms,
     read_exit_codes,
     usage_by_node,
 )
@@ -206,14 +207,22 @@ def record(params: Params, report: JobReport) -> None:
             mlflow.log_artifact(str(stacks), f"watchdog/{node}")
 
 
-def failure(report: JobReport, codes: dict[str, int]) -> tuple[int, str]:
-    """The stage's exit code and its one sentence for a job that did not complete."""
+def failure(
+    report: JobReport, codes: dict[str, int], alarms: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """The stage's exit code and its one sentence for a job that did not complete.
+    ``alarms``: each node watchdog's alarm kind, to name the node that found a hang apart
+    from those that ended their ranks because of it ("peer")."""
     logs = f"logs in {report.logs} (slurm-{report.job_id}.out, each node's watchdog by name)"
-    hung = sorted(node for node, code in codes.items() if code == WATCHDOG_EXIT_CODE)
-    if hung:
+    ended = sorted(node for node, code in codes.items() if code == WATCHDOG_EXIT_CODE)
+    if ended:
+        alarms = alarms or {}
+        found = [node for node in ended if alarms.get(node) != "peer"] or ended
+        others = [node for node in ended if node not in found]
+        also = f"; {', '.join(others)} wrote its ranks' stacks and ended them too" if others else ""
         return WATCHDOG_EXIT_CODE, (
-            f"train: the watchdog on {', '.join(hung)} found a hang and ended Slurm job "
-            f"{report.job_id} ({report.state}); every rank's stacks and the {logs}"
+            f"train: the watchdog on {', '.join(found)} found a hang and ended Slurm job "
+            f"{report.job_id} ({report.state}){also}; every rank's stacks and the {logs}"
         )
     failed = sorted(node for node, code in codes.items() if code != 0) or list(report.nodes)
     return 1, (
@@ -243,7 +252,8 @@ def run_on_slurm(params: Params) -> None:
         record(params, report)
         log.info("train: %s", report.model_dump(mode="json"))
         if report.state != SUCCEEDED:
-            code, sentence = failure(report, read_exit_codes(folder, report.nodes))
+            codes = read_exit_codes(folder, report.nodes)
+            code, sentence = failure(report, codes, read_alarms(folder, report.nodes))
             log.error("%s", sentence)
             raise SystemExit(code)
 

@@ -60,9 +60,11 @@ from tuneloop.telemetry.heartbeat import (
     merge,
     read_heartbeats,
 )
+from tuneloop.telemetry.peers import GRACE_S as PEER_GRACE_S
+from tuneloop.telemetry.peers import Peers
 from tuneloop.telemetry.processes import JOB_TOKENS_ENV, JobProcesses, job_tokens
 from tuneloop.telemetry.sampler import Sampler, open_source
-from tuneloop.telemetry.trace import Tick, TraceWriter
+from tuneloop.telemetry.trace import HeartbeatView, Tick, TraceWriter
 from tuneloop.telemetry.watchdog import Alarm, WatchConfig, Watchdog
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,11 @@ class WatchOptions:
     mlflow_run_id: str | None = None
     tracking_uri: str | None = None
     alert: AlertHook = field(default_factory=AlertHook)
+    # The job's folder of peers on shared storage, and this node's name in it: a hang found on
+    # any node has every node dump its stacks before the ranks are ended (telemetry/peers.py).
+    peers: Path | None = None
+    node: str = field(default_factory=lambda: os.uname().nodename)
+    peer_grace_s: float = PEER_GRACE_S
 
     @property
     def heartbeat_path(self) -> Path:
@@ -242,6 +249,9 @@ def watch(options: WatchOptions) -> WatchOutcome:
         sampler.close()
         raise WatchError(f"cannot start {options.command[0]!r}: {err}") from err
     job = JobProcesses(proc.pid, token)
+    peers = Peers(options.peers, options.node) if options.peers else None
+    if peers is not None:
+        peers.join()
     alarm: Alarm | None = None
     actions: dict[str, str] = {}
     job_ended_at: float | None = None
@@ -257,6 +267,8 @@ def watch(options: WatchOptions) -> WatchOutcome:
                 view = merge(records)
                 writer.write(Tick(t, tuple(samples), view))
                 alarm = watchdog.observe(t, samples, view)
+                if alarm is None and peers is not None:
+                    alarm = _peer_alarm(peers, t, view)
                 if alarm is not None:
                     run_id = run_id or job_run_id(records)
                     job_ended_at = _respond(
@@ -331,6 +343,23 @@ def watch(options: WatchOptions) -> WatchOutcome:
     return WatchOutcome(exit_code, command_code, alarm, actions, accounting, manifest, job_ended_at)
 
 
+def _peer_alarm(peers: Peers, t: float, view: HeartbeatView | None) -> Alarm | None:
+    """An alarm of this node's own when another node's watchdog found a hang: its ranks wait
+    on that node's, so they are ended too, after their stacks are written."""
+    raised = peers.raised()
+    if raised is None:
+        return None
+    return Alarm(
+        t=t,
+        kind="peer",
+        reason=f"the watchdog on {raised.node} found a hang: {raised.reason}",
+        last_step=view.step if view is not None else raised.last_step,
+        quiet_s=0.0,
+        stalled_s=None,
+        section=view.section if view is not None else None,
+    )
+
+
 def _plot(options: WatchOptions, watchdog: Watchdog, out: Path) -> str:
     from tuneloop.telemetry.plot import plot_timeline
 
@@ -354,6 +383,17 @@ def _end_leftovers(job: JobProcesses, heartbeat: Path, grace_s: float) -> str:
     return f"ended {ended.terminated} (SIGTERM{killed})"
 
 
+def _await_peers(peers: Peers, grace_s: float) -> str:
+    """Wait for the other nodes' stacks before this node's ranks are ended (and with them the
+    connections the others' ranks are blocked on)."""
+    others = [node for node in peers.joined() if node != peers.node]
+    missing = peers.wait_for_stacks(grace_s)
+    if missing:
+        log.warning("no stacks from %s within %.0f s; ending this node's ranks", missing, grace_s)
+        return f"stacks from {sorted(set(others) - set(missing))}; none from {missing}"
+    return f"stacks from {others}"
+
+
 def _respond(
     alarm: Alarm,
     proc: subprocess.Popen[bytes],
@@ -370,7 +410,15 @@ def _respond(
     ended: list[float] = []
     stacks = out_dir / "stacks.txt"
     plot = out_dir / "timeline.png"
+    peers = Peers(options.peers, options.node) if options.peers else None
+    if peers is not None and alarm.kind != "peer":
+        # First, so the other nodes dump their stacks while this node dumps its own.
+        peers.raise_alarm(alarm.reason, alarm.last_step)
     _run_action(actions, "stacks", lambda: dump_stacks(job.alive(), records, stacks))
+    if peers is not None:
+        peers.stacked()
+        if alarm.kind != "peer":
+            _run_action(actions, "peers", lambda: _await_peers(peers, options.peer_grace_s))
 
     def end() -> str:
         done = job.end(options.config.kill_grace_s, records)

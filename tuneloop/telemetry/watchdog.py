@@ -115,7 +115,8 @@ class WatchConfig:
 @dataclass(frozen=True)
 class Alarm:
     t: float
-    kind: Literal["deadlock", "section-overrun"]
+    # "peer": another node's watchdog found the hang (tuneloop.telemetry.peers)
+    kind: Literal["deadlock", "section-overrun", "peer"]
     reason: str
     last_step: int | None
     quiet_s: float  # since the last sign of life (step, section change, busy window)
