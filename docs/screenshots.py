@@ -11,7 +11,9 @@ and ``review.db``), read-only:
   month's train run;
 - ``review-page.png``: the blind review's page as a newly invited reviewer sees it, served by
   ``tuneloop review serve`` from a copy of ``review.db`` (the invitation lands in the copy, and
-  no vote is cast).
+  no vote is cast);
+- ``approval-form.png``: the Prefect UI's approval form of the demo's newest release that
+  paused, its run set back to that pause in a copy of Prefect's store, served on a free port.
 
 MLflow's UI is served by ``mlflow server`` over the project's store on a free port, as the
 demo serves it. Every shot polls the page until what it shows is drawn, in a fixed window, so a
@@ -267,6 +269,7 @@ def mlflow_shots(project: Path, out: Path, browser: Browser, logs: Path) -> list
     ]
     written = []
     with served(command, f"{base}/health", logs / "mlflow-server.log"):
+        as_a_trainer_sees_it(browser, base)
         if len(months) < 2:
             print("one month of retrain runs: no compare view (the demo's second month makes it)")
         else:
@@ -288,6 +291,23 @@ def mlflow_shots(project: Path, out: Path, browser: Browser, logs: Path) -> list
     return written
 
 
+def as_a_trainer_sees_it(browser: Browser, base: str) -> None:
+    """MLflow 3's UI opens an assistant panel over the page on a first visit and starts in its
+    GenAI view; the shots show the pages themselves, in the view for training models. Both
+    choices are the browser's (its local storage for the server's origin), kept for every
+    page after."""
+    browser.visit(f"{base}/", TRAINING_SWITCH)
+    browser.evaluate(
+        "localStorage.setItem('mlflow.assistant.panelOpen_v1', 'false');"
+        "localStorage.setItem('mlflow.assistant.fab.autoOpenedOnFirstLoad_v1', 'true'); true"
+    )
+    browser.evaluate(f"({TRAINING_SWITCH}).click(); true")
+
+
+TRAINING_SWITCH = (
+    "[...document.querySelectorAll('[role=button]')]"
+    ".find(e => e.innerText.trim() === 'Model training')"
+)
 # An artifact's page shows the picture: an image wider than the page's icons, loaded.
 SHOWN = "[...document.images].some(i => i.complete && i.naturalWidth > 200)"
 
@@ -295,9 +315,11 @@ SHOWN = "[...document.images].some(i => i.complete && i.naturalWidth > 200)"
 def compare_shot(base: str, months: list[Month], out: Path, browser: Browser) -> Path:
     ids = ",".join(f'"{m.run_id}"' for m in months)
     compare = f'{base}/#/compare-runs?runs=[{ids}]&experiments=["{months[0].experiment_id}"]'
-    # Both months' columns, each a link to its run.
+    # The page drawn (its title; placeholders before it), with both months' columns, each a
+    # link to its run.
     columns = " && ".join(f"!!document.querySelector('a[href*=\"{m.run_id}\"]')" for m in months)
-    return browser.shoot(compare, columns, out / "mlflow-compare.png")
+    drawn = f"document.body.innerText.includes('Comparing {len(months)} Runs') && {columns}"
+    return browser.shoot(compare, drawn, out / "mlflow-compare.png")
 
 
 def review_shot(project: Path, out: Path, browser: Browser, work: Path) -> Path:
