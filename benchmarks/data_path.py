@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import shutil
@@ -46,8 +45,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tuneloop.data.metrics import CleanMetrics, IngestMetrics  # noqa: E402
 from tuneloop.demo import domain  # noqa: E402
-from tuneloop.io import write_json  # noqa: E402
+from tuneloop.io import read_model, write_json  # noqa: E402
 from tuneloop.params import load_params  # noqa: E402
 from tuneloop.tracking import init_from  # noqa: E402
 
@@ -101,8 +101,12 @@ def warm_code() -> None:
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
 
 
-def metrics(project: Path, stage: str) -> dict[str, Any]:
-    return json.loads((project / "metrics" / f"{stage}.json").read_text())
+def ingested(project: Path) -> IngestMetrics:
+    return read_model(project / "metrics/ingest.json", IngestMetrics)
+
+
+def cleaned(project: Path) -> CleanMetrics:
+    return read_model(project / "metrics/clean.json", CleanMetrics)
 
 
 def template(folder: Path) -> Path:
@@ -136,9 +140,9 @@ def scaling_row(template_folder: Path, parent: Path, scale: int) -> dict[str, An
     runs = {stage: run_stage(project, stage) for stage in STAGES}
     row = {
         "scale": scale,
-        "lines": metrics(project, "ingest")["lines"],
-        "pool": metrics(project, "ingest")["pool_records"],
-        "train": metrics(project, "clean")["train"],
+        "lines": ingested(project).lines,
+        "pool": ingested(project).pool_records,
+        "train": cleaned(project).train,
         "runs": runs,
     }
     shutil.rmtree(project)
@@ -171,7 +175,7 @@ def incremental_rows(
     while pooled < history:
         seed_month(project, seed, history_month)
         run_stage(project, "ingest")
-        pooled = metrics(project, "ingest")["pool_records"]
+        pooled = ingested(project).pool_records
         seed += 1
     if pooled:
         run_stage(project, "clean")
@@ -191,10 +195,10 @@ def incremental_rows(
             {
                 "history": pooled,
                 "start": start,
-                "lines": metrics(month, "ingest")["lines"],
-                "new": metrics(month, "ingest")["accepted"],
-                "pool": metrics(month, "ingest")["pool_records"],
-                "train": metrics(month, "clean")["train"],
+                "lines": ingested(month).lines,
+                "new": ingested(month).accepted,
+                "pool": ingested(month).pool_records,
+                "train": cleaned(month).train,
                 "runs": runs,
             }
         )

@@ -27,15 +27,18 @@ from prefect import flow, get_run_logger, task
 from prefect.events import emit_event
 from prefect.runtime import flow_run
 
+from tuneloop.data.metrics import CleanMetrics, IngestMetrics
 from tuneloop.data.records import pool_batches
-from tuneloop.io import read_json, write_text
+from tuneloop.io import read_json, read_model, write_text
 from tuneloop.judge import tasks_report
 from tuneloop.judge.gate import GateError
 from tuneloop.orchestration.dvcrun import DvcLockTimeout, run_dvc
 from tuneloop.params import Params, ParamsError, load_params
 from tuneloop.pipeline import SHARED_STAGES, stage_order, task_stages
 from tuneloop.telemetry.actions import TAG_REASON as TAG_WATCHDOG_REASON
-from tuneloop.tracking import init_from, lineage, recovery, registry, results, runs, server
+from tuneloop.tracking import lineage, recovery, registry, results, runs, server
+from tuneloop.tracking.init_from import InitMetrics
+from tuneloop.training.metrics import TrainMetrics
 
 # Every other stage is safe to run again after a failure: outputs are replaced atomically,
 # ingest deduplicates. Preflight and training are not retried: a refusal or a stop-loss
@@ -150,28 +153,34 @@ def register(params: Params, run_id: str) -> dict[str, Any]:
     return done.to_dict()
 
 
-def summary(metrics: dict[str, dict[str, Any]], decision: dict[str, Any]) -> dict[str, Any]:
-    ingest, clean, train = metrics["ingest"], metrics["clean"], metrics["train"]
+def summary(
+    params: Params, metrics: dict[str, dict[str, Any]], decision: dict[str, Any]
+) -> dict[str, Any]:
+    # The stages' files through their models; ingest's is the project's, shared by the tasks.
+    ingest = read_model(params.project_path("metrics") / "ingest.json", IngestMetrics)
+    clean = read_model(params.paths.metrics / "clean.json", CleanMetrics)
+    train = read_model(params.paths.metrics / "train.json", TrainMetrics)
+    init = read_model(params.paths.metrics / "init.json", InitMetrics)
     evaluation = metrics["evaluate"]
     return {
         "data": {
-            "lines": ingest["lines"],
-            "accepted": ingest["accepted"],
-            "quarantined": ingest["quarantined"],
-            "duplicates": ingest["duplicates"],
-            "by_source": ingest.get("accepted_by_source", {}),
-            "pool": ingest["pool_records"],
-            "train": clean["train"],
-            "val": clean["val"],
-            "dpo_pairs": clean["dpo_pairs"],
+            "lines": ingest.lines,
+            "accepted": ingest.accepted,
+            "quarantined": ingest.quarantined,
+            "duplicates": ingest.duplicates,
+            "by_source": ingest.accepted_by_source,
+            "pool": ingest.pool_records,
+            "train": clean.train,
+            "val": clean.val,
+            "dpo_pairs": clean.dpo_pairs,
         },
         "train": {
-            "loss_first": train["first_logged_loss"],
-            "loss_last": train["last_logged_loss"],
-            "eval_loss": train["eval_loss"],
-            "steps": train["global_steps"],
-            "tokens_per_second": train["tokens_per_second"],
-            "init_from": init_from.describe(metrics["init"]),
+            "loss_first": train.first_logged_loss,
+            "loss_last": train.last_logged_loss,
+            "eval_loss": train.eval_loss,
+            "steps": train.global_steps,
+            "tokens_per_second": train.tokens_per_second,
+            "init_from": init.start.describe(),
         },
         "eval": evaluation,
         "decision": decision,
@@ -275,7 +284,7 @@ def _verdict(
     """The pipeline's summary on its run ``run_id`` (the active one), then its registration
     (none when not ``registering``: a single adapter judged beside the tasks' own)."""
     decision = read_json(params.paths.metrics / "decision.json")
-    result = summary(metrics, decision)
+    result = summary(params, metrics, decision)
     # The pipeline's data versions on its own run: its stage runs' DVC tags (oldest
     # first, so a retried stage's last attempt wins).
     for child in MlflowClient().search_runs(

@@ -14,10 +14,12 @@ Writes: ``paths.base_model`` — for ``builtin:tiny`` the model itself, built,
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 from tuneloop import pretrained
 from tuneloop.demo import domain, general, orders, tiny
 from tuneloop.io import atomic_dir, write_json
+from tuneloop.models import BaseMetrics
 from tuneloop.params import Params, load_params
 from tuneloop.stage import setup_logging, write_metrics
 from tuneloop.tracking import lineage
@@ -56,9 +58,9 @@ def copy_corpus(seed: int) -> list[str]:
     ]
 
 
-def build(params: Params) -> dict[str, object]:
+def build(params: Params) -> BaseMetrics:
     with atomic_dir(params.paths.base_model) as folder:
-        metrics: dict[str, object] = {"base": params.model.base}
+        metrics: dict[str, Any] = {"base": params.model.base}
         if (pin := params.model.pinned_gguf) is not None:
             metrics |= pretrained.build_base(
                 pin, params.paths.downloads, folder, params.model.dtype
@@ -81,15 +83,17 @@ def build(params: Params) -> dict[str, object]:
             tokenizer.save_pretrained(folder)
             metrics["parameters"] = sum(p.numel() for p in model.parameters())
             metrics["vocab_size"] = model.config.vocab_size
-        write_json(folder / "manifest.json", lineage.manifest(STAGE, params, inputs={}, **metrics))
-    return metrics
+        built = BaseMetrics(**metrics)
+        manifest = lineage.manifest(STAGE, params, inputs={}, **built.model_dump())
+        write_json(folder / "manifest.json", manifest)
+    return built
 
 
 def main() -> None:
     setup_logging()
     params = load_params()
     with stage_run(STAGE, params):
-        write_metrics(params, STAGE, build(params))
+        write_metrics(params, STAGE, build(params).model_dump())
 
 
 if __name__ == "__main__":

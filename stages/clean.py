@@ -72,21 +72,9 @@ def main() -> None:
                 out / "manifest.json",
                 lineage.manifest(STAGE, params, inputs={"pool": params.paths.pool}),
             )
-        metrics = {
-            "records_in": report.records_in,
-            "train": report.train,
-            "val": report.val,
-            "train_tokens": report.train_tokens,
-            "dpo_pairs": report.dpo_pairs,
-            "removed": dict(report.removed),
-            "dpo_removed": dict(report.dpo_removed),
-            # The pool batches this training set drew from (the lineage of what is trained)
-            # and how much of the ones the start already knew it sees again.
-            "batches": report.batches,
-            "replay": report.replay_metrics(params.clean.replay_fraction),
-        }
-        write_metrics(params, STAGE, metrics)
-        log.info("clean: %s; cache: %s", metrics, dict(report.cache))
+        metrics = report.metrics(params.clean.replay_fraction)
+        write_metrics(params, STAGE, metrics.model_dump())
+        log.info("clean: %s; cache: %s", metrics.model_dump_json(), dict(report.cache))
 
 
 if __name__ == "__main__":

@@ -46,9 +46,9 @@ from pathlib import Path
 
 import mlflow
 
-from tuneloop.io import atomic_dir, read_json, write_json, write_jsonl, write_text
+from tuneloop.io import atomic_dir, read_model, write_json, write_jsonl, write_text
 from tuneloop.judge import cards, scoring
-from tuneloop.judge.fixed_badcases import ITEMS_FOLDER_ENV
+from tuneloop.judge.fixed_badcases import ITEMS_FOLDER_ENV, FixedBadcasesMetrics
 from tuneloop.judge.gate import (
     BASE,
     CANDIDATE,
@@ -79,13 +79,13 @@ def fixed_suite(params: Params, champion: dict[str, str] | None) -> str | None:
     scored against another champion it would count fixes that model never made.
     """
     folder = params.paths.fixed_badcases
-    built = read_json(params.paths.metrics / "fixed_badcases.json")
-    if not built["items"]:
+    built = read_model(params.paths.metrics / "fixed_badcases.json", FixedBadcasesMetrics)
+    if not built.items:
         return None
     version = (champion or {}).get("version")
-    if built["champion_version"] != version:
+    if built.champion_version != version:
         raise GateError(
-            f"{folder} was built for champion {built['champion_version']}, but the champion "
+            f"{folder} was built for champion {built.champion_version}, but the champion "
             f"is {version} now; run `dvc repro` so the suite follows the champion"
         )
     return folder.name

@@ -22,11 +22,11 @@ training data in the month they arrive.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 
-from tuneloop.io import read_json, write_jsonl
+from tuneloop.io import read_model, write_jsonl
 from tuneloop.judge import fixed_badcases
 from tuneloop.stage import logged_after, setup_logging, stage_params, write_metrics
+from tuneloop.tracking.init_from import InitMetrics
 
 STAGE = "fixed_badcases"
 log = logging.getLogger(__name__)
@@ -37,20 +37,13 @@ def main() -> None:
     params = stage_params()
     with logged_after(STAGE, params):
         init = params.paths.metrics / "init.json"
-        champion = read_json(init).get("champion") if init.exists() else None
-        batches = champion["batches"] if champion else []
+        champion = read_model(init, InitMetrics).champion if init.exists() else None
+        batches = champion.batches if champion else ()
         suite = fixed_badcases.build(params.paths.pool, batches, params.task)
         write_jsonl(params.paths.fixed_badcases / "test.jsonl", suite.items)
-        metrics = {
-            "items": len(suite.items),
-            "champion_version": champion["version"] if champion else None,
-            "champion_batches": batches,
-            "items_by_batch": dict(Counter(item["batch"] for item in suite.items)),
-            "items_by_source": dict(Counter(item["source"] for item in suite.items)),
-            "left_out": dict(suite.left_out),
-        }
-        write_metrics(params, STAGE, metrics)
-        log.info("fixed_badcases: %s", metrics)
+        metrics = suite.metrics(champion)
+        write_metrics(params, STAGE, metrics.model_dump())
+        log.info("fixed_badcases: %s", metrics.model_dump_json())
 
 
 if __name__ == "__main__":

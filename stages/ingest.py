@@ -65,14 +65,15 @@ def main() -> None:
             # Nothing enters the pool from a batch this bad: fix the export, then ingest again.
             rejected = params.paths.reports / "ingest-rejected.jsonl"
             write_jsonl(rejected, result.quarantined)
-            write_metrics(params, STAGE, metrics | {"pool_records": pooled})
+            refused = metrics.model_copy(update={"pool_records": pooled})
+            write_metrics(params, STAGE, refused.model_dump())
             raise SystemExit(
                 f"ingest: {result.reject_rate:.1%} of lines were rejected, over "
                 f"ingest.max_reject_rate={limit:.1%}; the pool is unchanged. Each rejected "
                 f"line and its reason: {rejected}"
             )
         ingest.add_batch(pool, now, result, tuple(params.tasks))
-        write_metrics(params, STAGE, metrics)
+        write_metrics(params, STAGE, metrics.model_dump())
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from tuneloop.io import read_json
+from tuneloop.io import read_model
 from tuneloop.params import Params
 from tuneloop.stage import metrics_path, setup_logging, stage_params, write_metrics
 from tuneloop.tracking import aliases, init_from
@@ -35,7 +35,8 @@ def unchanged(params: Params) -> bool:
         log.info("init: reading the registry through MLflow (%s)", why)
         return False
     path = metrics_path(params, STAGE)
-    return init_from.already_recorded(params, serving, read_json(path) if path.exists() else None)
+    recorded = read_model(path, init_from.InitMetrics) if path.exists() else None
+    return init_from.already_recorded(params, serving, recorded)
 
 
 def main() -> None:
@@ -54,7 +55,7 @@ def main() -> None:
         serving = registry.find_alias(params.tracking.registered_model, registry.CHAMPION)
         champion = None if serving is None else registry.as_champion(serving)
         MlflowClient().set_tag(run.info.run_id, init_from.TAG, start.describe())
-        write_metrics(params, STAGE, init_from.stage_metrics(start, champion))
+        write_metrics(params, STAGE, init_from.stage_metrics(start, champion).model_dump())
 
 
 if __name__ == "__main__":

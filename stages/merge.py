@@ -41,25 +41,29 @@ def main() -> None:
         if is_full_model(adapter):
             log.info("merge: %s holds a full model; copying it through", adapter)
             with atomic_dir(params.paths.merged) as out:
-                metrics = pass_through(adapter, out)
+                copied = pass_through(adapter, out)
                 write_json(
                     out / "manifest.json",
-                    lineage.manifest(STAGE, params, inputs={"adapter": adapter}, **metrics),
+                    lineage.manifest(
+                        STAGE, params, inputs={"adapter": adapter}, **copied.model_dump()
+                    ),
                 )
-            write_metrics(params, STAGE, metrics)
+            write_metrics(params, STAGE, copied.model_dump())
             return
         merged, tokenizer, metrics = merge(params)
         # Written before the check, so a failed merge leaves its numbers behind too.
-        write_metrics(params, STAGE, metrics)
+        write_metrics(params, STAGE, metrics.model_dump())
         check(metrics, params.merge.max_abs_logit_diff)
         with atomic_dir(params.paths.merged) as out:
             merged.save_pretrained(out)
             tokenizer.save_pretrained(out)
             write_json(
                 out / "manifest.json",
-                lineage.manifest(STAGE, params, inputs={"adapter": adapter}, **metrics),
+                lineage.manifest(
+                    STAGE, params, inputs={"adapter": adapter}, **metrics.model_dump()
+                ),
             )
-        log.info("merge: %s", metrics)
+        log.info("merge: %s", metrics.model_dump_json())
 
 
 if __name__ == "__main__":

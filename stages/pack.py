@@ -22,6 +22,7 @@ import logging
 
 from tuneloop.data import pack_cache, shards
 from tuneloop.data.chat import ChatTokenizer, load_chat_tokenizer
+from tuneloop.data.metrics import PackMetrics
 from tuneloop.data.pack import balance_ranks
 from tuneloop.data.pack_cache import Packed
 from tuneloop.io import atomic_dir, write_json
@@ -71,28 +72,28 @@ def main() -> None:
             batch.micro_batch_size,
             batch.gradient_accumulation_steps,
         )
-        summary = {
-            "samples": train.n_samples_in,
-            "bins": len(train.bins),
-            "real_tokens": train.real_tokens,
-            "label_tokens": train.label_tokens,
-            "efficiency": round(train.efficiency, 6),
-            "truncated": train.n_truncated,
-            "dropped_overlong": train.n_dropped,
-            "split_overlong": train.n_split,
-            "samples_without_labels": train.n_no_label,
-            "world_size": batch.world_size,
-            "micro_batch_size": batch.micro_batch_size,
-            "gradient_accumulation_steps": batch.gradient_accumulation_steps,
-            "micro_batches_per_rank": plan.micro_batches_per_rank,
-            "optimizer_steps_per_epoch": plan.optimizer_steps,
-            "tokens_per_rank": plan.tokens_per_rank,
-            "max_min_rank_token_ratio": round(plan.max_min_token_ratio, 6),
-            "bins_dropped_for_balance": plan.n_bins_dropped,
-            "tokens_dropped_for_balance": plan.tokens_dropped,
-            "val_samples": val.n_samples_in,
-            "val_bins": len(val.bins),
-        }
+        summary = PackMetrics(
+            samples=train.n_samples_in,
+            bins=len(train.bins),
+            real_tokens=train.real_tokens,
+            label_tokens=train.label_tokens,
+            efficiency=round(train.efficiency, 6),
+            truncated=train.n_truncated,
+            dropped_overlong=train.n_dropped,
+            split_overlong=train.n_split,
+            samples_without_labels=train.n_no_label,
+            world_size=batch.world_size,
+            micro_batch_size=batch.micro_batch_size,
+            gradient_accumulation_steps=batch.gradient_accumulation_steps,
+            micro_batches_per_rank=plan.micro_batches_per_rank,
+            optimizer_steps_per_epoch=plan.optimizer_steps,
+            tokens_per_rank=tuple(plan.tokens_per_rank),
+            max_min_rank_token_ratio=round(plan.max_min_token_ratio, 6),
+            bins_dropped_for_balance=plan.n_bins_dropped,
+            tokens_dropped_for_balance=plan.tokens_dropped,
+            val_samples=val.n_samples_in,
+            val_bins=len(val.bins),
+        )
         with atomic_dir(params.paths.packed) as out:
             for rank, indices in enumerate(plan.shards):
                 shards.write_shard(
@@ -101,9 +102,11 @@ def main() -> None:
             shards.write_shard(val.bins.table(), out / shards.VAL_SHARD)
             write_json(
                 out / "manifest.json",
-                lineage.manifest(STAGE, params, inputs={"clean": params.paths.clean}, **summary),
+                lineage.manifest(
+                    STAGE, params, inputs={"clean": params.paths.clean}, **summary.model_dump()
+                ),
             )
-        write_metrics(params, STAGE, summary)
+        write_metrics(params, STAGE, summary.model_dump())
         log.info(
             "pack: %d samples -> %d bins (efficiency %.1f%%), %d micro-batches on each of %d ranks",
             train.n_samples_in,

@@ -35,19 +35,7 @@ def main() -> None:
         table = report_markdown(report)
         write_json(params.paths.reports / "preflight.json", data)
         write_text(params.paths.reports / "preflight.md", table)
-        write_metrics(
-            params,
-            STAGE,
-            {
-                "seconds": data["seconds"],
-                "read_seconds": data["read_seconds"],
-                "passed": data["counts"]["pass"],
-                "warnings": data["counts"]["warn"],
-                "failed": data["counts"]["fail"],
-                "skipped": data["counts"]["skip"],
-                "optimizer_steps": report.plan.total_steps,
-            },
-        )
+        write_metrics(params, STAGE, report.metrics().model_dump())
         run.log_dict(data, "preflight/preflight.json")
         run.log_text(table, "preflight/preflight.md")
         run.set_tags({f"preflight.{c.name}": c.status for c in report.checks})

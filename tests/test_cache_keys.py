@@ -23,8 +23,8 @@ import yaml
 from mlflow.entities.model_registry import ModelVersion
 
 from tests.helpers import ROOT
-from tuneloop.io import write_json
-from tuneloop.judge.fixed_badcases import ITEMS_FOLDER_ENV
+from tuneloop.io import read_model, write_json
+from tuneloop.judge.fixed_badcases import ITEMS_FOLDER_ENV, FixedBadcasesMetrics
 from tuneloop.judge.gate import GateError
 from tuneloop.params import Params, parse_params
 from tuneloop.release import signoff
@@ -69,7 +69,10 @@ def test_init_reruns_when_anything_it_writes_would_differ(
     start = init_from.start_for(params, CHAMPION)
     (params.paths.init / init_from.MODEL_DIR).mkdir(parents=True)
     write_json(params.paths.init / init_from.INIT_FILE, asdict(start))
-    metrics = json.loads(json.dumps(init_from.stage_metrics(start, CHAMPION)))
+    # Through the file, as the stage reads it back (tuples come back from JSON lists).
+    path = tmp_path / "init-metrics.json"
+    write_json(path, init_from.stage_metrics(start, CHAMPION).model_dump())
+    metrics = read_model(path, init_from.InitMetrics)
     assert init_from.already_recorded(params, CHAMPION, metrics)
     serving: init_from.Champion | None = CHAMPION
     if change == "the champion's version":
@@ -102,8 +105,15 @@ def test_evaluate_uses_the_suite_only_for_its_champion(tmp_path: Path) -> None:
 
     params = project_params(tmp_path)
     params.paths.metrics.mkdir()
-    built = {"items": 2, "champion_version": "3"}
-    write_json(params.paths.metrics / "fixed_badcases.json", built)
+    built = FixedBadcasesMetrics(
+        items=2,
+        champion_version="3",
+        champion_batches=("b1",),
+        items_by_batch={"b1": 2},
+        items_by_source={"router-feedback": 2},
+        left_out={},
+    )
+    write_json(params.paths.metrics / "fixed_badcases.json", built.model_dump())
     assert fixed_suite(params, {"version": "3"}) == params.paths.fixed_badcases.name
     for other in ({"version": "4"}, None):
         with pytest.raises(GateError, match="was built for champion 3"):

@@ -14,10 +14,12 @@ import pytest
 import yaml
 
 from tests.helpers import ROOT
+from tuneloop.data.metrics import CleanMetrics, IngestMetrics, ReplayMetrics
 from tuneloop.io import write_json
 from tuneloop.judge import cards, gate
 from tuneloop.judge.gate import BASE, CANDIDATE, FP8, SuiteItems
 from tuneloop.params import load_params
+from tuneloop.training.metrics import TrainMetrics
 
 # The fast tier: no pipeline, server or rank.
 pytestmark = pytest.mark.fast
@@ -47,18 +49,29 @@ def decision() -> dict:
 
 def project(folder: Path) -> None:
     """The files a run leaves: stage metrics, a pooled month, dvc.lock, a watchdog summary."""
-    write_json(folder / "metrics/ingest.json", {
-        "lines": 10, "accepted": 8, "quarantined": 1, "duplicates": 1,
-        "quarantine_reasons": {"bad_json": 1}, "pii_scrubbed": {"email": 2, "phone": 0},
-    })  # fmt: skip
-    write_json(folder / "metrics/clean.json", {
-        "records_in": 8, "train": 6, "val": 1, "dpo_pairs": 1,
-        "removed": {"eval_contamination": 1},
-    })  # fmt: skip
-    write_json(folder / "metrics/train.json", {
-        "seconds": 12.5, "gpu_hours": 0.5, "tokens_per_second": 900.0, "global_steps": 30,
-        "first_logged_loss": 3.0, "last_logged_loss": 1.0, "eval_loss": 1.2,
-    })  # fmt: skip
+    ingest = IngestMetrics(
+        lines=10, accepted=8, accepted_by_source={"support-export": 8}, accepted_by_task={},
+        quarantined=1, duplicates=1, blank_lines=0, reject_rate=0.1,
+        quarantine_reasons={"bad_json": 1}, pii_scrubbed={"email": 2, "phone": 0},
+        pool_records=8, by_task_folder={},
+    )  # fmt: skip
+    write_json(folder / "metrics/ingest.json", ingest.model_dump())
+    replay = ReplayMetrics(
+        fraction=0.25, seen_batches=(), new_batches=("b1",), replayed_train=0, new_train=6,
+        not_replayed=0, replayed_dpo_pairs=0,
+    )  # fmt: skip
+    clean = CleanMetrics(
+        records_in=8, train=6, val=1, train_tokens=600, dpo_pairs=1,
+        removed={"eval_contamination": 1}, dpo_removed={}, batches=("b1",), replay=replay,
+    )  # fmt: skip
+    write_json(folder / "metrics/clean.json", clean.model_dump())
+    train = TrainMetrics(
+        method="lora", phases={}, train_loss=2.0, first_logged_loss=3.0, last_logged_loss=1.0,
+        eval_loss=1.2, global_steps=30, epochs=1.0, seconds=12.5, tokens_per_second=900.0,
+        gpu_hours=0.5, trainable_parameters=1000, lora_alpha=16,
+        gradient_accumulation_steps=1, world_size=1,
+    )  # fmt: skip
+    write_json(folder / "metrics/train.json", train.model_dump())
     records = folder / "data/pool/records"
     records.mkdir(parents=True)
     lines = []

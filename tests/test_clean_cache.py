@@ -329,9 +329,9 @@ def test_seen_batches_are_replayed_at_the_share_and_new_ones_in_full(
     assert _lines(replay.files["dpo.jsonl"]) < _lines(full.files["dpo.jsonl"])
     assert report.dpo_removed["not_replayed"] > 0
     assert report.records_in == report.train + report.val + sum(report.removed.values())
-    metrics = report.replay_metrics(PARAMS.replay_fraction)
-    assert metrics["seen_batches"] == [month1] and metrics["new_batches"] == [month2]
-    assert metrics["replayed_train"] + metrics["new_train"] == report.train
+    counts = report.metrics(PARAMS.replay_fraction).replay
+    assert counts.seen_batches == (month1,) and counts.new_batches == (month2,)
+    assert counts.replayed_train + counts.new_train == report.train
 
     # Reproducible, and the same bytes from the cache as without it.
     assert run(root, root / "cache", tokenizer, seen=(month1,)).files == replay.files

@@ -13,7 +13,7 @@ from transformers import TrainerControl, TrainerState
 
 from tests.helpers import write_params
 from tuneloop.cluster import slurm
-from tuneloop.cluster.job import JobReport, NodeUsage, shell_words, usage_by_node
+from tuneloop.cluster.job import shell_words, usage_by_node
 from tuneloop.cluster.submit import StageInterrupted, check_parent, failure
 from tuneloop.params import ParamsError, load_params
 from tuneloop.preflight.launch import (
@@ -22,6 +22,7 @@ from tuneloop.preflight.launch import (
     shared_path_problems,
     world_size_problems,
 )
+from tuneloop.training.metrics import JobReport, NodeUsage
 from tuneloop.training.preemption import SaveOnRequest
 
 # The fast tier: no pipeline, server or rank.

@@ -23,8 +23,9 @@ from tests.helpers import ROOT, write_params
 from tuneloop.data.chat import ChatTokenizer
 from tuneloop.data.clean_cache import clean_pool
 from tuneloop.demo import domain, tiny
-from tuneloop.io import read_jsonl, write_json
+from tuneloop.io import read_jsonl, read_model, write_json
 from tuneloop.judge import suites
+from tuneloop.judge.fixed_badcases import FixedBadcasesMetrics
 from tuneloop.judge.gate import (
     BASE,
     CANDIDATE,
@@ -36,6 +37,7 @@ from tuneloop.judge.gate import (
 )
 from tuneloop.judge.gate_report import report
 from tuneloop.params import load_params
+from tuneloop.tracking import init_from
 
 # The fast tier: no pipeline, server or rank.
 pytestmark = pytest.mark.fast
@@ -99,30 +101,34 @@ def project(tmp_path: Path) -> Iterator[Path]:
         os.chdir(previous)
 
 
-def built(champion: dict[str, Any] | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def built(version: str | None, *batches: str) -> tuple[list[dict[str, Any]], FixedBadcasesMetrics]:
+    """The suite for the champion ``version`` (None: none yet) that trained on ``batches``."""
     params = load_params()
-    write_json(params.paths.metrics / "init.json", {"source": "base", "champion": champion})
+    start = init_from.Start("base", "train.init_from is base")
+    champion = None if version is None else init_from.Champion(version, None, batches)
+    init = init_from.stage_metrics(start, champion)
+    write_json(params.paths.metrics / "init.json", init.model_dump())
     fixed_badcases.main()
     items = list(read_jsonl(params.paths.fixed_badcases / "test.jsonl"))
-    return items, json.loads((params.paths.metrics / "fixed_badcases.json").read_text())
+    return items, read_model(params.paths.metrics / "fixed_badcases.json", FixedBadcasesMetrics)
 
 
 def test_the_suite_holds_the_corrections_the_champion_trained_on(project: Path) -> None:
-    items, metrics = built({"version": "2", "batches": [MONTH1]})
+    items, metrics = built("2", MONTH1)
     assert sorted((i["question"], i["answer"]) for i in items) == [
         ("My Aurora kettle leaks, may it still go back to you?", KETTLE),
         ("Shipping time, Zephyr fan?", "[shipping] 1 day."),
     ]
     assert all(i["batch"] == MONTH1 and i["source"] == "router-feedback" for i in items)
-    assert metrics["items"] == 2 and metrics["champion_version"] == "2"
-    assert metrics["left_out"] == {
+    assert metrics.items == 2 and metrics.champion_version == "2"
+    assert metrics.left_out == {
         "not_one_user_turn": 1,
         "superseded_by_a_newer_correction": 1,
         # the new warranty answer and the earbuds: training data this month, tests next month
         "not_trained_on_by_the_champion": 2,
     }
     # The next month: the champion trained on both batches, and the suite grew.
-    grown, _ = built({"version": "3", "batches": [MONTH1, MONTH2]})
+    grown, _ = built("3", MONTH1, MONTH2)
     assert len(grown) == 4
     assert {i["answer"] for i in grown} >= {"[warranty] 36 months.", "[shipping] 2 days."}
     assert "[warranty] 24 months." not in {i["answer"] for i in grown}
@@ -130,13 +136,13 @@ def test_the_suite_holds_the_corrections_the_champion_trained_on(project: Path) 
 
 def test_no_champion_means_an_empty_suite(project: Path) -> None:
     items, metrics = built(None)
-    assert items == [] and metrics["items"] == 0 and metrics["champion_version"] is None
+    assert items == [] and metrics.items == 0 and metrics.champion_version is None
     # The registered base as champion trained on no pool batch: empty too.
-    assert built({"version": "1", "batches": []})[0] == []
+    assert built("1")[0] == []
 
 
 def test_corrections_in_the_suite_are_still_trained_on(project: Path, tmp_path: Path) -> None:
-    built({"version": "2", "batches": [MONTH1]})
+    built("2", MONTH1)
     params = load_params()
     questions = [
         q

@@ -1,14 +1,20 @@
-"""Atomic writes are durable (data fsynced before the rename, the folder after) and private."""
+"""Atomic writes are durable (data fsynced before the rename, the folder after) and private;
+a record written from its model reads back through it, and a file that is not one is refused
+naming the file."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import stat
 from pathlib import Path
 
 import pytest
 
 from tuneloop import io
+from tuneloop.data.metrics import CleanMetrics
+from tuneloop.models import BaseMetrics
 
 # The fast tier: no pipeline, server or rank.
 pytestmark = pytest.mark.fast
@@ -94,3 +100,26 @@ def test_a_failed_write_leaves_neither_file_nor_temp(
     with pytest.raises(OSError, match="disk full"):
         io.write_text(tmp_path / "out.txt", "x")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_metrics_file_reads_back_through_its_model(tmp_path: Path) -> None:
+    path = tmp_path / "metrics/base.json"
+    written = BaseMetrics(base="org/model")  # a hub base: no numbers of a built one
+    io.write_model(path, written)
+    # What a kind of base has no number for is left out, not null (dvc metrics show reads it).
+    assert json.loads(path.read_text()) == {"base": "org/model"}
+    assert io.read_model(path, BaseMetrics) == written
+
+
+def test_a_metrics_file_that_is_not_its_model_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "metrics/clean.json"
+    io.write_json(path, {"train": 7, "removed": {}})  # an older clean's, or edited by hand
+    named = re.escape(f"{path} is not a CleanMetrics")
+    with pytest.raises(io.ModelFileError, match=rf"{named} \(records_in: Field required;"):
+        io.read_model(path, CleanMetrics)
+    path.write_text('{"train": 7,')  # cut short
+    with pytest.raises(io.ModelFileError, match=rf"{named} \(the file: Invalid JSON"):
+        io.read_model(path, CleanMetrics)
+    path.write_text(json.dumps({"base": "x", "parameters": "many"}))
+    with pytest.raises(io.ModelFileError, match=r"parameters: Input should be a valid integer"):
+        io.read_model(path, BaseMetrics)

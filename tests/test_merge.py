@@ -138,7 +138,7 @@ def test_a_bf16_merge_is_checked_in_float32_and_saved_in_bf16(project: Path) -> 
     )
     merged, _, measured = merge.merge(bf16)
     merge.check(measured, bf16.merge.max_abs_logit_diff)  # no rounding noise in the check
-    assert measured["saved_dtype"] == "bfloat16"
+    assert measured.saved_dtype == "bfloat16"
     assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
 
 

@@ -31,11 +31,16 @@ def test_probes_are_spread_over_every_suite(tmp_path: Path) -> None:
 def test_the_check_reports_differing_generations() -> None:
     with pytest.raises(merge.NotEquivalent, match="4 of 16 greedy generations differ"):
         merge.check(
-            {
-                "max_abs_logit_diff": 1e-6,
-                "mean_abs_logit_diff": 1e-7,
-                "identical_generations": 0.75,
-                "probes": 16,
-            },
+            merge.MergeMetrics(
+                max_abs_logit_diff=1e-6,
+                mean_abs_logit_diff=1e-7,
+                max_rel_logit_diff=1e-7,
+                max_abs_logit=10.0,
+                identical_generations=0.75,
+                probes=16,
+                saved_dtype="float32",
+                tolerance=1e-3,
+                passed=False,
+            ),
             1e-3,
         )

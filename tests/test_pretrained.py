@@ -119,7 +119,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     os.chdir(folder)
     try:
         metrics = base.build(load_params())
-        (folder / "metrics.json").write_text(json.dumps(metrics))
+        (folder / "metrics.json").write_text(metrics.model_dump_json())
         yield folder
     finally:
         os.chdir(previous)

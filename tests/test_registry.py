@@ -21,6 +21,7 @@ from mlflow.tracking import MlflowClient
 
 from stages import base, export
 from tests.helpers import ROOT, write_params
+from tuneloop.data.metrics import CleanMetrics, ReplayMetrics
 from tuneloop.io import write_json, write_text
 from tuneloop.judge import cards, gate, gate_report
 from tuneloop.params import Params, load_params
@@ -109,10 +110,26 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         }
         Path("dvc.lock").write_text(yaml.safe_dump(lock))
         # What clean says the training set drew from: month 2 in full, month 1 replayed.
-        write_json(
-            params.paths.metrics / "clean.json",
-            {"batches": BATCHES, "replay": {"fraction": 0.25, "new_batches": BATCHES[1:]}},
+        clean = CleanMetrics(
+            records_in=10,
+            train=8,
+            val=2,
+            train_tokens=800,
+            dpo_pairs=0,
+            removed={},
+            dpo_removed={},
+            batches=tuple(BATCHES),
+            replay=ReplayMetrics(
+                fraction=0.25,
+                seen_batches=tuple(BATCHES[:1]),
+                new_batches=tuple(BATCHES[1:]),
+                replayed_train=2,
+                new_train=6,
+                not_replayed=0,
+                replayed_dpo_pairs=0,
+            ),
         )
+        write_json(params.paths.metrics / "clean.json", clean.model_dump())
         write_evaluation(params, planted(0.75), champion=None)
         yield folder
     finally:
@@ -271,7 +288,7 @@ def test_a_candidate_without_clean_metrics_is_not_registered(project: Path) -> N
     kept = path.read_bytes()
     path.write_text(json.dumps({"train": 1}))  # from before clean named its batches
     try:
-        with pytest.raises(registry.StaleDecision, match="names no pool batches"):
+        with pytest.raises(registry.StaleDecision, match=r"clean\.json is not a CleanMetrics"):
             registry.data_tags(params)
     finally:
         path.write_bytes(kept)

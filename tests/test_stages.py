@@ -12,10 +12,20 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from pydantic import BaseModel
 
 from tests.helpers import ROOT, flow_runs
+from tuneloop.data.metrics import CleanMetrics, IngestMetrics, PackMetrics
 from tuneloop.demo import domain
+from tuneloop.io import read_model
+from tuneloop.judge.fixed_badcases import FixedBadcasesMetrics
+from tuneloop.models import BaseMetrics
 from tuneloop.pipeline import stage_order
+from tuneloop.preflight.run import PreflightMetrics
+from tuneloop.quantization import ExportMetrics
+from tuneloop.tracking.init_from import InitMetrics
+from tuneloop.training.merge import MergeFile
+from tuneloop.training.metrics import TrainMetrics
 
 # The whole suite (`make test`): the tiny project (the retrain flow)
 pytestmark = pytest.mark.slow
@@ -129,6 +139,35 @@ def test_evaluate_scores_every_model_and_decides(project: Path) -> None:
     decision = json.loads((project / "metrics/decision.json").read_text())
     assert isinstance(decision["passed"], bool) and decision["reasons"]
     assert (project / "reports/eval.png").stat().st_size > 1000
+
+
+# Each stage's metrics file and the model its readers read it through.
+METRICS_MODELS: dict[str, type[BaseModel]] = {
+    "base": BaseMetrics,
+    "init": InitMetrics,
+    "ingest": IngestMetrics,
+    "fixed_badcases": FixedBadcasesMetrics,
+    "clean": CleanMetrics,
+    "pack": PackMetrics,
+    "preflight": PreflightMetrics,
+    "train": TrainMetrics,
+    "merge": MergeFile,
+    "export": ExportMetrics,
+}
+# The gate's scores and decision (evaluate.json, decision.json) have their own models.
+GATE_FILES = {"evaluate", "decision"}
+
+
+def test_every_metrics_file_reads_back_through_its_model(project: Path) -> None:
+    files = sorted([*project.glob("metrics/*.json"), *project.glob("tasks/*/metrics/*.json")])
+    # Every stage wrote its file, and no file is left without a model.
+    assert {path.stem for path in files} - GATE_FILES == set(METRICS_MODELS)
+    for path in files:
+        if path.stem in GATE_FILES:
+            continue
+        record = read_model(path, METRICS_MODELS[path.stem])
+        # Nothing lost or added on the way: the model writes back the file it read.
+        assert record.model_dump(mode="json") == json.loads(path.read_text()), path
 
 
 def test_each_stage_logged_an_mlflow_run_with_lineage(project: Path) -> None:

@@ -19,9 +19,19 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, Field, ValidationError
 
 PRIVATE = 0o600
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+T = TypeVar("T")
+
+# A field written only when it has a value: a kind of run that has no such number (a hub base
+# has no pre-training loss, a local run no cluster job) leaves the key out rather than write
+# null, as the file did before it had a model.
+Omissible = Annotated[T | None, Field(exclude_if=lambda value: value is None)]
 
 
 def fsync_dir(folder: Path) -> None:
@@ -106,6 +116,31 @@ def write_json(path: Path, data: Any, mode: int = PRIVATE) -> None:
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+class ModelFileError(ValueError):
+    """A JSON file that does not hold what its reader expects; the message names the file."""
+
+
+def write_model(path: Path, model: BaseModel, mode: int = PRIVATE) -> None:
+    """``model`` as ``write_json`` lays JSON out, for ``read_model`` to read back."""
+    write_json(path, model.model_dump(mode="json"), mode)
+
+
+def read_model(path: Path, model: type[ModelT]) -> ModelT:
+    """The JSON file ``path`` as ``model``; ``ModelFileError`` naming the file and what is
+    wrong in it when it is not valid JSON or not such a record (a missing file raises
+    ``FileNotFoundError``, which names it too)."""
+    try:
+        return model.model_validate_json(path.read_bytes())
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'the file'}: {e['msg']}" for e in error.errors()
+        )
+        raise ModelFileError(
+            f"{path} is not a {model.__name__} ({problems}); rewrite it with the code that "
+            "writes it (for a stage's metrics, `dvc repro` that stage)"
+        ) from None
 
 
 def read_yaml(path: Path) -> Any:

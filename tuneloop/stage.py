@@ -59,7 +59,11 @@ def metrics_path(params: Params, stage: str) -> Path:
 
 
 def write_metrics(params: Params, stage: str, metrics: dict[str, Any]) -> Path:
-    """Write ``metrics/<stage>.json`` and log its numbers to the stage's MLflow run."""
+    """Write ``metrics/<stage>.json`` and log its numbers to the stage's MLflow run.
+
+    ``metrics`` is the dump of the stage's metrics model (``BaseModel.model_dump()``), which
+    its readers read the file back through (``tuneloop.io.read_model``).
+    """
     path = metrics_path(params, stage)
     write_json(path, metrics)
     if _pending is not None:

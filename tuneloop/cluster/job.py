@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from tuneloop.params import Params
+from tuneloop.training.metrics import NodeUsage
 from tuneloop.training.plan import Rendezvous, torchrun_argv
 
 # The scheduler's words for a job that ended; only COMPLETED yields the adapter.
@@ -64,29 +65,6 @@ class JobStatus(_Model):
     @property
     def ended(self) -> bool:
         return self.state in ENDED_STATES
-
-
-class NodeUsage(_Model):
-    node: str
-    seconds: float
-    """Wall time the job held the node, every run of it (requeues) together."""
-    gpus: int
-    gpu_hours: float
-
-
-class JobReport(_Model):
-    """What the stage records of the job: metrics/train.json's ``cluster`` and the MLflow run."""
-
-    launcher: str
-    job_id: str
-    state: str
-    nodes: tuple[str, ...]
-    restarts: int
-    elapsed_s: float
-    gpu_hours: float
-    usage: tuple[NodeUsage, ...]
-    logs: str
-    """The folder with the job's output and each node's watchdog evidence."""
 
 
 def usage_by_node(runs: list[tuple[tuple[str, ...], float]], gpus_per_node: int) -> list[NodeUsage]:

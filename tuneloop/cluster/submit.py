@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import logging
 import os
 import signal
@@ -38,7 +37,6 @@ from tuneloop.cluster.job import (
     TAG_LOGS,
     TAG_NODES,
     TAG_STATE,
-    JobReport,
     JobStatus,
     Submitted,
     read_alarms,
@@ -46,10 +44,11 @@ from tuneloop.cluster.job import (
     usage_by_node,
 )
 from tuneloop.cluster.kubernetes import TrainJobs, trainjob
-from tuneloop.io import write_json
+from tuneloop.io import read_model, write_json, write_model
 from tuneloop.params import Params
 from tuneloop.preflight.launch import launch_problems, world_size_problems
 from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE, new_out_dir
+from tuneloop.training.metrics import JobReport, TrainMetrics
 
 STAGE = "train"
 # A cancelled job's processes get Slurm's KillWait to end; then it is gone from the queue.
@@ -196,11 +195,10 @@ def record(params: Params, report: JobReport) -> None:
     )
     path = metrics_path(params, STAGE)
     if report.state == SUCCEEDED and path.is_file():
-        metrics = json.loads(path.read_text())
+        metrics = read_model(path, TrainMetrics)
         # The scheduler's accounting replaces the ranks' own estimate (GPUs x their wall time).
-        metrics["gpu_hours"] = report.gpu_hours
-        metrics["cluster"] = report.model_dump(mode="json")
-        write_json(path, metrics)
+        update = {"gpu_hours": report.gpu_hours, "cluster": report}
+        write_model(path, metrics.model_copy(update=update))
     for node in report.nodes:
         stacks = Path(report.logs) / node / "stacks.txt"
         if stacks.is_file():

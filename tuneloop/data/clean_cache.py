@@ -55,6 +55,7 @@ from tuneloop.data.clean import (
     features_fingerprint,
     hash_fractions,
 )
+from tuneloop.data.metrics import CleanMetrics, ReplayMetrics
 from tuneloop.data.records import pool_batches
 from tuneloop.io import atomic_dir, file_stamp, read_json, usable_cores, write_json
 from tuneloop.params import CleanParams
@@ -138,16 +139,26 @@ class CleanReport:
     replayed: int = 0  # training chats of seen batches kept by the replay share
     replayed_pairs: int = 0
 
-    def replay_metrics(self, fraction: float) -> dict[str, Any]:
-        return {
-            "fraction": fraction,
-            "seen_batches": self.seen_batches,
-            "new_batches": [b for b in self.batches if b not in self.seen_batches],
-            "replayed_train": self.replayed,
-            "new_train": self.train - self.replayed,
-            "not_replayed": self.removed[NOT_REPLAYED],
-            "replayed_dpo_pairs": self.replayed_pairs,
-        }
+    def metrics(self, replay_fraction: float) -> CleanMetrics:
+        return CleanMetrics(
+            records_in=self.records_in,
+            train=self.train,
+            val=self.val,
+            train_tokens=self.train_tokens,
+            dpo_pairs=self.dpo_pairs,
+            removed=dict(self.removed),
+            dpo_removed=dict(self.dpo_removed),
+            batches=tuple(self.batches),
+            replay=ReplayMetrics(
+                fraction=replay_fraction,
+                seen_batches=tuple(self.seen_batches),
+                new_batches=tuple(b for b in self.batches if b not in self.seen_batches),
+                replayed_train=self.replayed,
+                new_train=self.train - self.replayed,
+                not_replayed=self.removed[NOT_REPLAYED],
+                replayed_dpo_pairs=self.replayed_pairs,
+            ),
+        )
 
 
 _WORKER: tuple[CleanParams, ChatTokenizer] | None = None

@@ -40,6 +40,7 @@ import orjson
 
 from tuneloop.data import pii
 from tuneloop.data import pool as pool_writes
+from tuneloop.data.metrics import FolderCounts, IngestMetrics
 from tuneloop.data.records import (
     IDS_SUFFIX,
     META_FIELDS,
@@ -554,31 +555,29 @@ def ingest_folder(
     return ingest(read_lines(incoming), known, max_line_bytes, now, workers=workers, tasks=tasks)
 
 
-def metrics(result: IngestResult, pooled: int, tasks: Tasks = None) -> dict[str, Any]:
+def metrics(result: IngestResult, pooled: int, tasks: Tasks = None) -> IngestMetrics:
     """The run's numbers for ``metrics/ingest.json``; ``pooled`` records were in the pool before."""
-    return {
-        "lines": result.lines,
-        "accepted": len(result.accepted),
-        "accepted_by_source": dict(result.by_source),
-        "accepted_by_task": dict(Counter(t for t in result.accepted_tasks if t is not None)),
-        "quarantined": len(result.quarantined),
-        "duplicates": result.duplicates,
-        "blank_lines": result.blank,
-        "reject_rate": round(result.reject_rate, 6),
-        "quarantine_reasons": dict(result.reasons),
-        "pii_scrubbed": {kind: result.pii.get(kind, 0) for kind in pii.PII_TYPES},
-        "pool_records": pooled + len(result.accepted),
-        # Lines = accepted + quarantined + duplicates + blank, for each task's folder
-        # ("elsewhere": no task's folder); only in a project with tasks.
-        "by_task_folder": {
-            folder or ELSEWHERE: {
-                "lines": sum(counts.values()),
+    return IngestMetrics(
+        lines=result.lines,
+        accepted=len(result.accepted),
+        accepted_by_source=dict(result.by_source),
+        accepted_by_task=dict(Counter(t for t in result.accepted_tasks if t is not None)),
+        quarantined=len(result.quarantined),
+        duplicates=result.duplicates,
+        blank_lines=result.blank,
+        reject_rate=round(result.reject_rate, 6),
+        quarantine_reasons=dict(result.reasons),
+        pii_scrubbed={kind: result.pii.get(kind, 0) for kind in pii.PII_TYPES},
+        pool_records=pooled + len(result.accepted),
+        by_task_folder={
+            folder or ELSEWHERE: FolderCounts(
+                lines=sum(counts.values()),
                 **{outcome: counts.get(outcome, 0) for outcome in OUTCOMES},
-            }
+            )
             for folder, counts in sorted(result.by_folder.items(), key=lambda i: i[0] or "")
             if tasks
         },
-    }
+    )
 
 
 def add_batch(

@@ -25,10 +25,13 @@ from typing import Any
 
 import yaml
 
+from tuneloop.data.metrics import CleanMetrics, IngestMetrics
 from tuneloop.data.records import pool_records
+from tuneloop.io import ModelT, read_model
 from tuneloop.params import Params
 from tuneloop.quantization import FORMATS
 from tuneloop.tracking import lineage
+from tuneloop.training.metrics import TrainMetrics
 
 CARD = "README.md"  # the file name a model folder's card has on a hub
 
@@ -37,15 +40,20 @@ CARD = "README.md"  # the file name a model folder's card has on a hub
 class Facts:
     """What the cards report, gathered once from the pipeline's own files."""
 
-    ingest: dict[str, Any] = field(default_factory=dict)
-    clean: dict[str, Any] = field(default_factory=dict)
-    train: dict[str, Any] = field(default_factory=dict)
+    # The stages' metrics; None where the file is missing.
+    ingest: IngestMetrics | None = None
+    clean: CleanMetrics | None = None
+    train: TrainMetrics | None = None
     pool: Counter[tuple[str, str]] = field(default_factory=Counter)  # (month, source) -> records
     md5s: dict[str, str] = field(default_factory=dict)  # DVC out -> md5, from dvc.lock
     commit: str = "unknown"
     dirty: bool = True
     watch: dict[str, Any] | None = None  # the watchdog's summary of the training run
     watch_path: str | None = None
+
+
+def _metrics(path: Path, model: type[ModelT]) -> ModelT | None:
+    return read_model(path, model) if path.exists() else None
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -66,9 +74,9 @@ def gather(params: Params, repo: Path, watch_root: Path | None = None) -> Facts:
     metrics = repo / params.paths.metrics
     facts = Facts(
         # Ingest is shared by the tasks: its metrics lie in the project's folder, not the task's.
-        ingest=_json(repo / params.project_path("metrics") / "ingest.json"),
-        clean=_json(metrics / "clean.json"),
-        train=_json(metrics / "train.json"),
+        ingest=_metrics(repo / params.project_path("metrics") / "ingest.json", IngestMetrics),
+        clean=_metrics(metrics / "clean.json", CleanMetrics),
+        train=_metrics(metrics / "train.json", TrainMetrics),
     )
     pool = repo / params.paths.pool
     if pool.exists():
@@ -113,13 +121,12 @@ def _data_lines(params: Params, facts: Facts) -> list[str]:
         ]
     else:
         lines += [f"No pool records found under `{params.paths.pool}`.", ""]
-    if facts.clean:
-        removed = facts.clean.get("removed", {})
+    if (clean := facts.clean) is not None:
         lines += [
-            f"Clean data (`{params.paths.clean}`): {facts.clean.get('train', '?')} training and "
-            f"{facts.clean.get('val', '?')} validation chats, {facts.clean.get('dpo_pairs', '?')} "
-            f"DPO pairs, from {facts.clean.get('records_in', '?')} pooled records; removed: "
-            + (", ".join(f"{k} {v}" for k, v in sorted(removed.items())) or "none")
+            f"Clean data (`{params.paths.clean}`): {clean.train} training and "
+            f"{clean.val} validation chats, {clean.dpo_pairs} "
+            f"DPO pairs, from {clean.records_in} pooled records; removed: "
+            + (", ".join(f"{k} {v}" for k, v in sorted(clean.removed.items())) or "none")
             + ".",
             "",
         ]
@@ -145,10 +152,10 @@ def _lineage_lines(facts: Facts, candidate_key: str | None) -> list[str]:
 def _compute_lines(facts: Facts) -> list[str]:
     train = facts.train
     lines = []
-    if train:
+    if train is not None:
         lines.append(
-            f"Training: {train.get('seconds', '?')} s wall, {train.get('gpu_hours', '?')} "
-            f"GPU-hours (GPUs x wall time), {train.get('tokens_per_second', '?')} tokens/s."
+            f"Training: {train.seconds} s wall, {train.gpu_hours} "
+            f"GPU-hours (GPUs x wall time), {train.tokens_per_second} tokens/s."
         )
     else:
         lines.append("metrics/train.json is missing: training time unknown.")
@@ -245,6 +252,18 @@ def _exports(params: Params, decision: dict[str, Any]) -> str:
     return ", ".join(shown)
 
 
+def _train_results(train: TrainMetrics | None) -> dict[str, Any]:
+    """What training reached, for the method table (nothing when train.json is missing)."""
+    if train is None:
+        return {}
+    return {
+        "result: global_steps": train.global_steps,
+        "result: first_logged_loss": train.first_logged_loss,
+        "result: last_logged_loss": train.last_logged_loss,
+        "result: eval_loss": train.eval_loss,
+    }
+
+
 def model_card(params: Params, facts: Facts, decision: dict[str, Any]) -> str:
     """The candidate's model card (Hugging Face README.md layout)."""
     train = params.train
@@ -281,10 +300,7 @@ def model_card(params: Params, facts: Facts, decision: dict[str, Any]) -> str:
         config["DPO beta / learning rate / epochs"] = (
             f"{train.dpo_beta} / {train.dpo_learning_rate} / {train.dpo_epochs}"
         )
-    if facts.train:
-        for key in ("global_steps", "first_logged_loss", "last_logged_loss", "eval_loss"):
-            if key in facts.train:
-                config[f"result: {key}"] = facts.train[key]
+    config |= _train_results(facts.train)
     verdict = str(decision["verdict"]).upper()
     lines = [
         _front_matter(front),
@@ -385,12 +401,13 @@ def _size_category(n: int) -> str:
 
 def dataset_card(params: Params, facts: Facts) -> str:
     """The card of the month's clean training data (Hugging Face dataset README layout)."""
-    total = int(facts.clean.get("train", 0)) + int(facts.clean.get("val", 0))
+    clean = facts.clean
+    total = clean.train + clean.val if clean else 0
     front = {
         "pretty_name": f"{params.tracking.registered_model} training data",
         "task_categories": ["text-generation"],
         "size_categories": [_size_category(total)],
-        "tags": ["tuneloop", "sft", *(["dpo"] if facts.clean.get("dpo_pairs") else [])],
+        "tags": ["tuneloop", "sft", *(["dpo"] if clean and clean.dpo_pairs else [])],
     }
     ingest = facts.ingest
     lines = [
@@ -408,27 +425,26 @@ def dataset_card(params: Params, facts: Facts) -> str:
         "## Processing",
         "",
     ]
-    if ingest:
-        reasons = ingest.get("quarantine_reasons", {})
-        pii = ingest.get("pii_scrubbed", {})
-        quarantined = f"{ingest.get('quarantined', '?')} quarantined"
+    if ingest is not None:
+        reasons, pii = ingest.quarantine_reasons, ingest.pii_scrubbed
+        quarantined = f"{ingest.quarantined} quarantined"
         if reasons:
             quarantined += f" ({', '.join(f'{k} {v}' for k, v in sorted(reasons.items()))})"
         # Ingest is shared: a task's card says what of the run was the task's.
-        mine = ingest.get("accepted_by_task", {}).get(params.task) if params.task else None
+        mine = ingest.accepted_by_task.get(params.task) if params.task else None
         of_task = f" ({mine} for task {params.task})" if mine is not None else ""
         lines += [
             f"- ingest (last run{', every task' if params.task else ''}): "
-            f"{ingest.get('lines', '?')} lines in, "
-            f"{ingest.get('accepted', '?')} accepted{of_task}, {quarantined}, "
-            f"{ingest.get('duplicates', '?')} duplicates.",
+            f"{ingest.lines} lines in, "
+            f"{ingest.accepted} accepted{of_task}, {quarantined}, "
+            f"{ingest.duplicates} duplicates.",
             "- personal data replaced by typed placeholders before storing: "
             + (", ".join(f"{k} {v}" for k, v in sorted(pii.items())) or "none found")
             + ".",
         ]
     else:
         lines.append("- metrics/ingest.json is missing: ingest counts unknown.")
-    removed = facts.clean.get("removed", {})
+    removed = clean.removed if clean else {}
     lines += [
         "- clean: chat format normalised, short and degenerate replies and over-long chats "
         "filtered, exact and near duplicates removed, a stable hash split into train and "

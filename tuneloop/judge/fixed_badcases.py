@@ -33,9 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from tuneloop.data.records import pool_batches
 from tuneloop.data.text import normalise
 from tuneloop.io import read_jsonl
+from tuneloop.tracking.init_from import ServingChampion
 
 # Where the suite's loader (eval/fixed_badcases/utils.py) reads test.jsonl from, set by the
 # evaluate stage: a task's items lie in the task's folder (its paths.fixed_badcases).
@@ -46,10 +49,36 @@ log = logging.getLogger(__name__)
 ID_CHARS = 16
 
 
+class FixedBadcasesMetrics(BaseModel):
+    """``metrics/fixed_badcases.json``: the suite, and the champion it was built for."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    items: int
+    champion_version: str | None = Field(
+        description="the serving champion's version (``metrics/init.json``); None: no champion"
+    )
+    champion_batches: tuple[str, ...] = Field(description="the pool batches it trained on")
+    items_by_batch: dict[str, int]
+    items_by_source: dict[str, int]
+    left_out: dict[str, int] = Field(description="corrections not in the suite, by reason")
+
+
 @dataclass
 class Suite:
     items: list[dict[str, Any]] = field(default_factory=list)
     left_out: Counter[str] = field(default_factory=Counter)
+
+    def metrics(self, champion: ServingChampion | None) -> FixedBadcasesMetrics:
+        """The suite's numbers, built for ``champion`` (None: no champion yet)."""
+        return FixedBadcasesMetrics(
+            items=len(self.items),
+            champion_version=champion.version if champion else None,
+            champion_batches=champion.batches if champion else (),
+            items_by_batch=dict(Counter(item["batch"] for item in self.items)),
+            items_by_source=dict(Counter(item["source"] for item in self.items)),
+            left_out=dict(self.left_out),
+        )
 
 
 def build(pool: Path, champion_batches: Collection[str], task: str | None = None) -> Suite:

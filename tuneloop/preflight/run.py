@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pynvml
+from pydantic import BaseModel, ConfigDict, Field
 
 from tuneloop.data.chat import load_chat_tokenizer
 from tuneloop.io import read_json
@@ -60,6 +61,21 @@ from tuneloop.preflight.machine import (
 )
 
 
+class PreflightMetrics(BaseModel):
+    """``metrics/preflight.json``: the gate's time and how many checks ended each way (every
+    check with its detail is in ``reports/preflight.json``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seconds: float  # the whole gate
+    read_seconds: float = Field(description="reading the shards, tokenizer, config and GPUs")
+    passed: int
+    warnings: int
+    failed: int
+    skipped: int
+    optimizer_steps: int = Field(description="optimizer steps the run will take, as planned")
+
+
 @dataclass(frozen=True)
 class Report:
     checks: list[Check]
@@ -75,6 +91,18 @@ class Report:
 
     def counts(self) -> dict[str, int]:
         return doctor.status_counts(self.checks)
+
+    def metrics(self) -> PreflightMetrics:
+        counts = self.counts()
+        return PreflightMetrics(
+            seconds=round(self.seconds, 4),
+            read_seconds=round(self.read_seconds, 4),
+            passed=counts["pass"],
+            warnings=counts["warn"],
+            failed=counts["fail"],
+            skipped=counts["skip"],
+            optimizer_steps=self.plan.total_steps,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -23,12 +23,12 @@ Month over month, ``init.json`` also names the pool batches the start already tr
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from tuneloop.io import atomic_dir, read_json, write_json
 from tuneloop.params import Params
@@ -60,7 +60,10 @@ class Start:
     batches: tuple[str, ...] = ()  # pool batches the start already trained on
 
     def describe(self) -> str:
-        return describe(asdict(self))
+        """In words: ``champion <name> v<N>`` or ``base``."""
+        if self.source == "champion":
+            return f"champion {self.model} v{self.version}"
+        return "base"
 
 
 @dataclass(frozen=True)
@@ -114,22 +117,53 @@ def in_place(folder: Path, start: Start) -> bool:
     return read(folder) == start and (folder / MODEL_DIR).is_dir() == (start.source == "champion")
 
 
-def stage_metrics(start: Start, serving: Champion | None) -> dict[str, Any]:
-    """``metrics/init.json``: the start, and the serving champion with its pool batches
-    whatever ``train.init_from`` says (the ``fixed_badcases`` stage builds from those)."""
+class ServingChampion(BaseModel):
+    """The registry's champion when the ``init`` stage ran, and the pool batches it trained on."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: str
+    batches: tuple[str, ...]
+
+
+class InitMetrics(BaseModel):
+    """``metrics/init.json``: the start (``Start``'s fields), and the serving champion with its
+    pool batches whatever ``train.init_from`` says (the ``fixed_badcases`` stage builds from
+    those)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: str  # "base" or "champion"
+    reason: str
+    model: str | None  # registered model name, for a champion
+    version: str | None
+    run_id: str | None
+    batches: tuple[str, ...] = Field(description="pool batches the start already trained on")
+    from_champion: int = Field(description="1 when training starts from the champion, else 0")
+    champion_version: int = Field(description="the start's registered version; 0 for the base")
+    champion: ServingChampion | None = Field(
+        description="the serving champion, even when training starts from the base; None: none yet"
+    )
+
+    @property
+    def start(self) -> Start:
+        return Start(self.source, self.reason, self.model, self.version, self.run_id, self.batches)
+
+
+def stage_metrics(start: Start, serving: Champion | None) -> InitMetrics:
+    """``metrics/init.json`` for ``start`` with ``serving`` as the registry's champion."""
     champion = None
     if serving is not None:
-        champion = {"version": serving.version, "batches": list(serving.batches)}
-    return asdict(start) | {
-        "from_champion": int(start.source == "champion"),
-        "champion_version": int(start.version or 0),
-        "champion": champion,
-    }
+        champion = ServingChampion(version=serving.version, batches=serving.batches)
+    return InitMetrics(
+        **asdict(start),
+        from_champion=int(start.source == "champion"),
+        champion_version=int(start.version or 0),
+        champion=champion,
+    )
 
 
-def already_recorded(
-    params: Params, serving: Champion | None, metrics: Mapping[str, Any] | None
-) -> bool:
+def already_recorded(params: Params, serving: Champion | None, metrics: InitMetrics | None) -> bool:
     """The ``init`` stage's no-op key: ``paths.init`` and the stage's ``metrics`` (as read back,
     None when absent) already say what it would write with ``serving`` as the champion.
 
@@ -139,9 +173,7 @@ def already_recorded(
     of its version and run: a registered version is never rewritten.
     """
     start = start_for(params, serving if params.train.init_from == "champion" else None)
-    # Through JSON, as the file holds it (tuples read back as lists).
-    expected = json.loads(json.dumps(stage_metrics(start, serving)))
-    return in_place(params.paths.init, start) and metrics == expected
+    return in_place(params.paths.init, start) and metrics == stage_metrics(start, serving)
 
 
 def write_base(folder: Path, start: Start) -> None:
@@ -158,13 +190,6 @@ def read(folder: Path) -> Start | None:
         return None
     record = read_json(path)
     return Start(**(record | {"batches": tuple(record.get("batches", ()))}))
-
-
-def describe(record: dict[str, object]) -> str:
-    """``init.json`` (or the init metrics) in words: ``champion <name> v<N>`` or ``base``."""
-    if record.get("source") == "champion":
-        return f"champion {record.get('model')} v{record.get('version')}"
-    return "base"
 
 
 def recorded(params: Params) -> Start:

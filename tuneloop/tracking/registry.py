@@ -51,7 +51,8 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.pyfunc import PythonModel, PythonModelContext
 from mlflow.tracking import MlflowClient
 
-from tuneloop.io import atomic_dir, read_json, write_json
+from tuneloop.data.metrics import CleanMetrics
+from tuneloop.io import ModelFileError, atomic_dir, read_json, read_model, write_json
 from tuneloop.judge import cards
 from tuneloop.judge.verdict import PASS
 from tuneloop.params import Params
@@ -327,15 +328,14 @@ def data_tags(params: Params) -> dict[str, str]:
     path = params.paths.metrics / "clean.json"
     if not path.exists():
         raise StaleDecision(f"{path} missing: run `dvc repro` (clean) before registering")
-    clean = read_json(path)
-    if "batches" not in clean or "replay" not in clean:
-        raise StaleDecision(
-            f"{path} names no pool batches (an older clean wrote it); run `dvc repro` first"
-        )
+    try:
+        clean = read_model(path, CleanMetrics)
+    except ModelFileError as error:  # an older clean wrote it
+        raise StaleDecision(str(error)) from None
     return {
-        init_from.TAG_BATCHES: ",".join(clean["batches"]),
-        init_from.TAG_NEW_BATCHES: ",".join(clean["replay"]["new_batches"]),
-        init_from.TAG_REPLAY: str(clean["replay"]["fraction"]),
+        init_from.TAG_BATCHES: ",".join(clean.batches),
+        init_from.TAG_NEW_BATCHES: ",".join(clean.replay.new_batches),
+        init_from.TAG_REPLAY: str(clean.replay.fraction),
     }
 
 

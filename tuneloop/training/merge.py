@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from peft import PeftModel
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -33,6 +34,38 @@ FULL_FINE_TUNE = "full fine-tune"
 log = logging.getLogger(__name__)
 
 Outputs = tuple[torch.Tensor, torch.Tensor]  # (logits on attended probe tokens, greedy tokens)
+
+
+class MergeMetrics(BaseModel):
+    """``metrics/merge.json`` after a merge: how far the merged model's outputs are from the
+    adapter model's on the probe prompts, and whether that is within the tolerance."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_abs_logit_diff: float
+    mean_abs_logit_diff: float
+    max_rel_logit_diff: float = Field(
+        description="max_abs_logit_diff / max_abs_logit: reads the same on models of any size"
+    )
+    max_abs_logit: float  # the adapter model's largest logit magnitude
+    identical_generations: float = Field(description="share of probes with the same greedy text")
+    probes: int
+    saved_dtype: str  # merge.dtype
+    tolerance: float  # merge.max_abs_logit_diff
+    passed: bool
+
+
+class CopiedThrough(BaseModel):
+    """``metrics/merge.json`` of a full fine-tune: a whole model, copied, with nothing to merge."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    skipped: str  # why nothing was merged: FULL_FINE_TUNE
+    probes: int = 0
+
+
+class MergeFile(RootModel[MergeMetrics | CopiedThrough]):
+    """``metrics/merge.json``, either kind, as ``read_model`` reads it."""
 
 
 class NotEquivalent(RuntimeError):
@@ -118,7 +151,7 @@ def load_adapter_model(params: Params) -> tuple[PeftModel, PreTrainedTokenizerBa
     return model, tokenizer
 
 
-def merge(params: Params) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dict[str, Any]]:
+def merge(params: Params) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, MergeMetrics]:
     """The merged model, its tokenizer, and how far its outputs are from the adapter model's
     (``passed``: within ``merge.max_abs_logit_diff``, every generation the same)."""
     model, tokenizer = load_adapter_model(params)
@@ -127,42 +160,44 @@ def merge(params: Params) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dic
     # Before merging: merge_and_unload changes the base weights in place.
     reference = outputs(model, batch, tokenizer.pad_token_id)
     merged = model.merge_and_unload()
-    metrics: dict[str, Any] = compare(reference, outputs(merged, batch, tokenizer.pad_token_id))
-    metrics["probes"] = len(questions)
-    metrics["saved_dtype"] = params.merge.dtype
+    compared = compare(reference, outputs(merged, batch, tokenizer.pad_token_id))
     tolerance = params.merge.max_abs_logit_diff
-    metrics["tolerance"] = tolerance
-    metrics["passed"] = (
-        metrics["max_abs_logit_diff"] <= tolerance and metrics["identical_generations"] == 1.0
+    metrics = MergeMetrics(
+        **compared,
+        probes=len(questions),
+        saved_dtype=params.merge.dtype,
+        tolerance=tolerance,
+        passed=compared["max_abs_logit_diff"] <= tolerance
+        and compared["identical_generations"] == 1.0,
     )
     log.info(
         "merge: logits differ by up to %.3g (mean %.3g; %.3g of the largest logit, %.3g) on %d "
         "probes, tolerance %g; greedy generations identical: %.0f%%",
-        metrics["max_abs_logit_diff"],
-        metrics["mean_abs_logit_diff"],
-        metrics["max_rel_logit_diff"],
-        metrics["max_abs_logit"],
-        metrics["probes"],
+        metrics.max_abs_logit_diff,
+        metrics.mean_abs_logit_diff,
+        metrics.max_rel_logit_diff,
+        metrics.max_abs_logit,
+        metrics.probes,
         tolerance,
-        100 * metrics["identical_generations"],
+        100 * metrics.identical_generations,
     )
     # Cast once, after the check: the saved checkpoint rounds like any bf16 checkpoint.
     return merged.to(DTYPES[params.merge.dtype]), tokenizer, metrics
 
 
-def check(metrics: dict[str, Any], tolerance: float) -> None:
+def check(metrics: MergeMetrics, tolerance: float) -> None:
     """Raise :class:`NotEquivalent`, saying by how much, when the merge changed the model."""
     problems = []
-    worst = metrics["max_abs_logit_diff"]
+    worst = metrics.max_abs_logit_diff
     if worst > tolerance:
         problems.append(
-            f"logits differ by up to {worst:.3g} (mean {metrics['mean_abs_logit_diff']:.3g}, "
-            f"{metrics['max_rel_logit_diff']:.3g} of the largest logit), "
+            f"logits differ by up to {worst:.3g} (mean {metrics.mean_abs_logit_diff:.3g}, "
+            f"{metrics.max_rel_logit_diff:.3g} of the largest logit), "
             f"{worst / tolerance:.1f}x merge.max_abs_logit_diff={tolerance:g}"
         )
-    if metrics["identical_generations"] < 1.0:
-        differ = round((1 - metrics["identical_generations"]) * metrics["probes"])
-        problems.append(f"{differ} of {metrics['probes']} greedy generations differ")
+    if metrics.identical_generations < 1.0:
+        differ = round((1 - metrics.identical_generations) * metrics.probes)
+        problems.append(f"{differ} of {metrics.probes} greedy generations differ")
     if problems:
         raise NotEquivalent(
             "merge: the merged model is not equivalent to the adapter model: "
@@ -171,7 +206,7 @@ def check(metrics: dict[str, Any], tolerance: float) -> None:
         )
 
 
-def pass_through(adapter: Path, out: Path) -> dict[str, Any]:
+def pass_through(adapter: Path, out: Path) -> CopiedThrough:
     """Copy a full fine-tune's model folder (all but train's manifest) into ``out``."""
     for item in adapter.iterdir():
         if item.name == "manifest.json":
@@ -181,4 +216,4 @@ def pass_through(adapter: Path, out: Path) -> dict[str, Any]:
         else:
             shutil.copy2(item, out / item.name)
     load_tokenizer(out)  # the merged folder must carry the chat template, as after a merge
-    return {"skipped": FULL_FINE_TUNE, "probes": 0}
+    return CopiedThrough(skipped=FULL_FINE_TUNE)

@@ -33,6 +33,7 @@ from tuneloop.telemetry.actions import AlertHook, send_alert
 from tuneloop.telemetry.callback import HeartbeatCallback
 from tuneloop.tracking import init_from, lineage, runs
 from tuneloop.training import checkpoints, methods, preemption
+from tuneloop.training.metrics import PhaseMetrics, TrainMetrics
 from tuneloop.training.plan import TrainPlan
 from tuneloop.training.stoploss import StepMeter, StopLossCallback, StopRules, TrainingStopped
 
@@ -60,7 +61,7 @@ class PhaseResult:
     phase: str
     folder: Path
     """``<paths.checkpoints>/<phase>/final``: the phase's weights and tokenizer."""
-    metrics: dict[str, Any]
+    metrics: PhaseMetrics
 
 
 def inputs(params: Params) -> dict[str, Path]:
@@ -94,33 +95,34 @@ def logged(history: list[dict[str, Any]], key: str) -> list[float]:
 
 def phase_metrics(
     trainer: Any, seconds: float, tokens: int, resumed_from: Path | None
-) -> dict[str, Any]:
+) -> PhaseMetrics:
     state = trainer.state
     losses = logged(state.log_history, "loss")
     eval_losses = logged(state.log_history, "eval_loss")
     # The phase's result is the best checkpoint: its validation loss, not the last one.
     best = state.best_metric
-    metrics: dict[str, Any] = {
+    # DPO's own curves; an SFT phase logs neither.
+    accuracies = logged(state.log_history, "rewards/accuracies")
+    margins = logged(state.log_history, "rewards/margins")
+    return PhaseMetrics(
         # The Trainer's own training_loss divides a resumed run's sum by all its steps.
-        "train_loss": round(statistics.fmean(losses), 6) if losses else None,
-        "first_logged_loss": losses[0] if losses else None,
-        "last_logged_loss": losses[-1] if losses else None,
-        "eval_loss": best if best is not None else (eval_losses[-1] if eval_losses else None),
-        "best_step": state.best_global_step,
-        "global_steps": state.global_step,
-        "max_steps": state.max_steps,
-        "epochs": round(float(state.epoch or 0.0), 4),
-        "stopped_early": state.global_step < state.max_steps,
-        "resumed_from_step": checkpoints.checkpoint_step(resumed_from) if resumed_from else None,
-        "seconds": round(seconds, 2),
-        "tokens": tokens,
-        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
-        "trainable_parameters": methods.trainable_parameters(trainer.model),
-    }
-    for key in ("rewards/accuracies", "rewards/margins"):  # DPO's own curves
-        if values := logged(state.log_history, key):
-            metrics[key.replace("/", "_")] = values[-1]
-    return metrics
+        train_loss=round(statistics.fmean(losses), 6) if losses else None,
+        first_logged_loss=losses[0] if losses else None,
+        last_logged_loss=losses[-1] if losses else None,
+        eval_loss=best if best is not None else (eval_losses[-1] if eval_losses else None),
+        best_step=state.best_global_step,
+        global_steps=state.global_step,
+        max_steps=state.max_steps,
+        epochs=round(float(state.epoch or 0.0), 4),
+        stopped_early=state.global_step < state.max_steps,
+        resumed_from_step=checkpoints.checkpoint_step(resumed_from) if resumed_from else None,
+        seconds=round(seconds, 2),
+        tokens=tokens,
+        tokens_per_second=round(tokens / seconds, 1) if seconds > 0 else None,
+        trainable_parameters=methods.trainable_parameters(trainer.model),
+        rewards_accuracies=accuracies[-1] if accuracies else None,
+        rewards_margins=margins[-1] if margins else None,
+    )
 
 
 @contextlib.contextmanager
@@ -233,11 +235,11 @@ def run_phase(
         tokens = sum_over_ranks(meter.tokens(), args.device)
         metrics = phase_metrics(trainer, seconds, tokens, resume_from)
         if stop.event is not None:  # inside the phase's run, which ends FAILED with it
-            raise TrainingStopped(stop.event, phase, metrics)
+            raise TrainingStopped(stop.event, phase, metrics.model_dump())
         if built.save_on_request is not None and built.save_on_request.step is not None:
             raise saved_on_request(phase, phase_dir, built.save_on_request.step)
         if rank.is_main and phase != params.train.phases[0]:
-            runs.log_metrics(metrics)
+            runs.log_metrics(metrics.model_dump())
 
     final = phase_dir / checkpoints.FINAL
     methods.drop_reference_adapter(trainer.model)
@@ -248,7 +250,7 @@ def run_phase(
     trainer.save_model(str(final))  # every rank: ZeRO-3 and FSDP gather the weights for it
     checkpoints.barrier()
     if rank.is_main:
-        checkpoints.mark_complete(final, {"phase": phase, "metrics": metrics})
+        checkpoints.mark_complete(final, {"phase": phase, "metrics": metrics.model_dump()})
     checkpoints.barrier()
     del trainer, built
     gc.collect()
@@ -278,7 +280,8 @@ def run_phases(
         final = checkpoints.phase_folder(params.paths.checkpoints, phase) / checkpoints.FINAL
         if checkpoints.is_complete(final):
             log.info("train: %s phase finished in an earlier run; continuing from %s", phase, final)
-            result = PhaseResult(phase, final, checkpoints.read_marker(final)["metrics"])
+            done = PhaseMetrics.model_validate(checkpoints.read_marker(final)["metrics"])
+            result = PhaseResult(phase, final, done)
         else:
             args = first_args if phase == plan.phases[0] else phase_args(phase, params, plan)
             result = run_phase(phase, args, params, plan, previous, rank, started_at)
@@ -289,29 +292,29 @@ def run_phases(
 
 def stage_metrics(
     params: Params, plan: TrainPlan, results: list[PhaseResult], wall_seconds: float
-) -> dict[str, Any]:
+) -> TrainMetrics:
     """metrics/train.json: the first phase on top (what the flow reads), every phase below."""
     first = results[0].metrics
-    seconds = sum(r.metrics["seconds"] for r in results)
-    tokens = sum(r.metrics["tokens"] for r in results)
+    seconds = sum(r.metrics.seconds for r in results)
+    tokens = sum(r.metrics.tokens for r in results)
     gpus = plan.world_size if plan.cuda else 0
-    return {
-        "method": params.train.method,
-        "phases": {r.phase: r.metrics for r in results},
-        "train_loss": first["train_loss"],
-        "first_logged_loss": first["first_logged_loss"],
-        "last_logged_loss": first["last_logged_loss"],
-        "eval_loss": first["eval_loss"],
-        "global_steps": first["global_steps"],
-        "epochs": first["epochs"],
-        "seconds": round(seconds, 2),
-        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 else None,
-        "gpu_hours": round(gpus * wall_seconds / 3600, 6),
-        "trainable_parameters": results[-1].metrics["trainable_parameters"],
-        "lora_alpha": params.train.resolved_lora_alpha if plan.uses_lora else None,
-        "gradient_accumulation_steps": params.batch.gradient_accumulation_steps,
-        "world_size": plan.world_size,
-    }
+    return TrainMetrics(
+        method=params.train.method,
+        phases={r.phase: r.metrics for r in results},
+        train_loss=first.train_loss,
+        first_logged_loss=first.first_logged_loss,
+        last_logged_loss=first.last_logged_loss,
+        eval_loss=first.eval_loss,
+        global_steps=first.global_steps,
+        epochs=first.epochs,
+        seconds=round(seconds, 2),
+        tokens_per_second=round(tokens / seconds, 1) if seconds > 0 else None,
+        gpu_hours=round(gpus * wall_seconds / 3600, 6),
+        trainable_parameters=results[-1].metrics.trainable_parameters,
+        lora_alpha=params.train.resolved_lora_alpha if plan.uses_lora else None,
+        gradient_accumulation_steps=params.batch.gradient_accumulation_steps,
+        world_size=plan.world_size,
+    )
 
 
 def continue_mlflow_run(prep: checkpoints.Preparation, params_hash: str, experiment: str) -> None:
@@ -378,7 +381,7 @@ def report_stop(
 
 
 def write_output(
-    params: Params, plan: TrainPlan, results: list[PhaseResult], metrics: dict[str, Any]
+    params: Params, plan: TrainPlan, results: list[PhaseResult], metrics: TrainMetrics
 ) -> None:
     with atomic_dir(params.paths.adapter) as out:
         checkpoints.link_tree(results[-1].folder, out)
@@ -391,7 +394,7 @@ def write_output(
                 base=params.model.base,
                 artifact="adapter" if plan.uses_lora else "model",
                 plan=plan.describe(),
-                **metrics,
+                **metrics.model_dump(),
             ),
         )
 
@@ -446,6 +449,6 @@ def train(params: Params, plan: TrainPlan, started_at: float) -> None:
         if rank.is_main:
             metrics = stage_metrics(params, plan, results, time.time() - started_at)
             write_output(params, plan, results, metrics)
-            write_metrics(params, STAGE, metrics)
-            log.info("train: %s", {k: v for k, v in metrics.items() if k != "phases"})
+            write_metrics(params, STAGE, metrics.model_dump())
+            log.info("train: %s", metrics.model_dump_json(exclude={"phases"}))
     checkpoints.barrier()  # no rank exits (and tears down the group) while rank 0 still writes
