@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tokenizers
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.clean_helpers import PARAMS, pool_line, write_pool
@@ -137,6 +137,9 @@ def small_segments(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
+EVERY_RULE = (7, [120, 80, 60])
+
+
 @settings(
     max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -144,6 +147,7 @@ def small_segments(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     seed=st.integers(0, 10_000),
     sizes=st.lists(st.integers(20, 120), min_size=1, max_size=3),
 )
+@example(seed=EVERY_RULE[0], sizes=EVERY_RULE[1])
 def test_cached_runs_write_the_bytes_an_uncached_run_writes(
     tokenizer_folder: Path, small_segments: None, seed: int, sizes: list[int]
 ) -> None:
@@ -168,9 +172,12 @@ def test_cached_runs_write_the_bytes_an_uncached_run_writes(
         for report in (incremental.report, fresh.report, again.report):
             assert report.records_in == len(lines)
             assert report.records_in == report.train + report.val + sum(report.removed.values())
-        assert {"eval_contamination", "exact_duplicate", "near_duplicate"} <= set(
-            fresh.report.removed
-        )
+        if (seed, sizes) == EVERY_RULE:
+            # A random sample as small as 20 lines may hold no duplicate; this one has a
+            # record for every rule, so the cache is shown to keep each decision.
+            assert {"eval_contamination", "exact_duplicate", "near_duplicate"} <= set(
+                fresh.report.removed
+            )
 
 
 @pytest.fixture
