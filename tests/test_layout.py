@@ -150,18 +150,18 @@ MAX_BRANCHES = 15
 # Functions over the rule when it was set, each at its size then (lines, branches): each may
 # shrink, none may grow, and no other may join them. Split one, and take it off the list.
 OVER_THE_RULE: dict[str, tuple[int, int]] = {
-    "tuneloop/cli/host.py:watch_parser": (121, 0),
+    "tuneloop/cli/host.py:watch_parser": (95, 0),
     "tuneloop/cli/rollout.py:add_commands": (154, 1),
     "tuneloop/data/clean_cache.py:clean_pool": (125, 15),
     "tuneloop/data/records.py:parse_plain": (59, 17),
     "tuneloop/demo/customers.py:run": (89, 1),
-    "tuneloop/judge/cards.py:model_card": (90, 4),
+    "tuneloop/judge/cards.py:model_card": (87, 1),
     "tuneloop/judge/gate.py:_verdict": (82, 6),
     "tuneloop/judge/gate.py:decide": (124, 20),
     "tuneloop/judge/gate_report.py:report": (96, 14),
     "tuneloop/judge/scoring.py:_read_suite": (83, 16),
     "tuneloop/review/web.py:create_review_app": (82, 0),
-    "tuneloop/telemetry/watch.py:watch": (132, 9),
+    "tuneloop/telemetry/watch.py:watch": (129, 8),
     "tuneloop/tracking/registry.py:register_candidate": (117, 8),
     "flows/experiment.py:experiment": (116, 13),
     "flows/release.py:release": (92, 9),

@@ -115,12 +115,7 @@ def calibrate_main(argv: Sequence[str] | None = None) -> int:
 
 
 def watch_parser() -> argparse.ArgumentParser:
-    from tuneloop.telemetry.watch import (
-        ALERT_COMMAND_ENV,
-        ALERT_WEBHOOK_ENV,
-        RUN_ID_ENV,
-        WATCHDOG_EXIT_CODE,
-    )
+    from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE
     from tuneloop.telemetry.watchdog import WatchConfig
 
     defaults = WatchConfig()
@@ -176,22 +171,7 @@ def watch_parser() -> argparse.ArgumentParser:
         default=None,
         help="where trace, stacks, plot and watch.json go (default watch/<UTC time>)",
     )
-    parser.add_argument(
-        "--peers",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="the job's folder on storage every node shares, one per run of the job: a hang "
-        "found by any node's watchdog has every node dump its ranks' stacks before the ranks "
-        "are ended (the cluster launchers pass it)",
-    )
-    parser.add_argument(
-        "--node",
-        default=None,
-        metavar="NAME",
-        help="this node's name among --peers (default: the host name; give it when nodes "
-        "share a host name)",
-    )
+    _add_peer_arguments(parser)
     parser.add_argument(
         "--heartbeat",
         type=Path,
@@ -227,6 +207,14 @@ def watch_parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help="calibration file for these GPUs (default: matched by GPU name)",
     )
+    _add_report_arguments(parser)
+    return parser
+
+
+def _add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where a hang is reported: the job's MLflow run, and a person's alert."""
+    from tuneloop.telemetry.watch import ALERT_COMMAND_ENV, ALERT_WEBHOOK_ENV, RUN_ID_ENV
+
     parser.add_argument(
         "--mlflow-run-id",
         default=None,
@@ -250,7 +238,26 @@ def watch_parser() -> argparse.ArgumentParser:
         help="run this shell command on an alert, with "
         f"$TUNELOOP_ALERT_REASON set (default ${ALERT_COMMAND_ENV})",
     )
-    return parser
+
+
+def _add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a job across nodes, one watchdog on each."""
+    parser.add_argument(
+        "--peers",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the job's folder on storage every node shares, one per run of the job: a hang "
+        "found by any node's watchdog has every node dump its ranks' stacks before the ranks "
+        "are ended (the cluster launchers pass it)",
+    )
+    parser.add_argument(
+        "--node",
+        default=None,
+        metavar="NAME",
+        help="this node's name among --peers (default: the host name; give it when nodes "
+        "share a host name)",
+    )
 
 
 def watch_main(argv: Sequence[str] | None = None) -> int:

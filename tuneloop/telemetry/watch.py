@@ -64,7 +64,7 @@ from tuneloop.telemetry.peers import GRACE_S as PEER_GRACE_S
 from tuneloop.telemetry.peers import Peers
 from tuneloop.telemetry.processes import JOB_TOKENS_ENV, JobProcesses, job_tokens
 from tuneloop.telemetry.sampler import Sampler, open_source
-from tuneloop.telemetry.trace import HeartbeatView, Tick, TraceWriter
+from tuneloop.telemetry.trace import DeviceInfo, HeartbeatView, Tick, TraceWriter
 from tuneloop.telemetry.watchdog import Alarm, WatchConfig, Watchdog
 
 log = logging.getLogger(__name__)
@@ -218,11 +218,7 @@ def watch(options: WatchOptions) -> WatchOutcome:
     source = open_source(options.replay, options.heartbeat_only, options.gpus)
     sampler = Sampler(source, config.hz, buffer_s=config.timeline_tail_s)
     devices = list(sampler.devices())
-    calibrations: dict[int, Calibration] = {}
-    if options.calibration is not None:
-        chosen = load_calibration(options.calibration)
-        calibrations = {d.index: chosen for d in devices}
-    watchdog = Watchdog(devices, config, calibrations)
+    watchdog = Watchdog(devices, config, _calibrations(options, devices))
     mode = "heartbeat only" if not sampler.available else f"{len(devices)} GPU(s) + heartbeat"
     log.info("watching %s (%s); heartbeat %s", " ".join(options.command), mode, heartbeat)
 
@@ -249,9 +245,7 @@ def watch(options: WatchOptions) -> WatchOutcome:
         sampler.close()
         raise WatchError(f"cannot start {options.command[0]!r}: {err}") from err
     job = JobProcesses(proc.pid, token)
-    peers = Peers(options.peers, options.node) if options.peers else None
-    if peers is not None:
-        peers.join()
+    peers = _joined(options)
     alarm: Alarm | None = None
     actions: dict[str, str] = {}
     job_ended_at: float | None = None
@@ -266,9 +260,7 @@ def watch(options: WatchOptions) -> WatchOutcome:
                 job.refresh(records)
                 view = merge(records)
                 writer.write(Tick(t, tuple(samples), view))
-                alarm = watchdog.observe(t, samples, view)
-                if alarm is None and peers is not None:
-                    alarm = _peer_alarm(peers, t, view)
+                alarm = watchdog.observe(t, samples, view) or _peer_alarm(peers, t, view)
                 if alarm is not None:
                     run_id = run_id or job_run_id(records)
                     job_ended_at = _respond(
@@ -343,10 +335,27 @@ def watch(options: WatchOptions) -> WatchOutcome:
     return WatchOutcome(exit_code, command_code, alarm, actions, accounting, manifest, job_ended_at)
 
 
-def _peer_alarm(peers: Peers, t: float, view: HeartbeatView | None) -> Alarm | None:
+def _calibrations(options: WatchOptions, devices: list[DeviceInfo]) -> dict[int, Calibration]:
+    """The one calibration file given for every GPU; none: each is matched by its name."""
+    if options.calibration is None:
+        return {}
+    chosen = load_calibration(options.calibration)
+    return {d.index: chosen for d in devices}
+
+
+def _joined(options: WatchOptions) -> Peers | None:
+    """This node among the job's peers, announced to them; None for a job on one machine."""
+    if options.peers is None:
+        return None
+    peers = Peers(options.peers, options.node)
+    peers.join()
+    return peers
+
+
+def _peer_alarm(peers: Peers | None, t: float, view: HeartbeatView | None) -> Alarm | None:
     """An alarm of this node's own when another node's watchdog found a hang: its ranks wait
     on that node's, so they are ended too, after their stacks are written."""
-    raised = peers.raised()
+    raised = peers.raised() if peers is not None else None
     if raised is None:
         return None
     return Alarm(
