@@ -19,9 +19,16 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 PRIVATE = 0o600
+M = TypeVar("M", bound=BaseModel)
+
+
+class ModelFileError(ValueError):
+    """A file another step wrote does not hold what its model says (a key missing or misspelt)."""
 
 
 def fsync_dir(folder: Path) -> None:
@@ -106,6 +113,21 @@ def write_json(path: Path, data: Any, mode: int = PRIVATE) -> None:
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def write_model(path: Path, model: BaseModel, mode: int = PRIVATE) -> None:
+    """``model`` as JSON, the way ``write_json`` writes a dict."""
+    write_json(path, model.model_dump(mode="json"), mode)
+
+
+def read_model(path: Path, model: type[M]) -> M:
+    """``path`` as a ``model``; ``ModelFileError`` naming the file when it does not fit."""
+    try:
+        return model.model_validate_json(path.read_bytes())
+    except ValueError as error:  # pydantic's ValidationError, for bad JSON too
+        raise ModelFileError(
+            f"{path} is not a valid {model.__name__} ({error}); rerun the stage that writes it"
+        ) from None
 
 
 def read_yaml(path: Path) -> Any:
