@@ -15,6 +15,7 @@ import pytest
 
 from tests.helpers import ROOT, flow_runs
 from tuneloop.demo import domain
+from tuneloop.orchestration.flow_results import RetrainResult
 from tuneloop.pipeline import stage_order
 
 # The whole suite (`make test`): the tiny project (the retrain flow)
@@ -28,7 +29,7 @@ def metrics(folder: Path, stage: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def project(tiny_project: tuple[Path, dict[str, Any]]) -> Path:
+def project(tiny_project: tuple[Path, RetrainResult]) -> Path:
     """The session's tiny project: every stage ran once, under the retrain flow."""
     return tiny_project[0]
 
