@@ -253,7 +253,10 @@ def test_the_mlflow_ui_compares_the_two_months(
     picture of it comes from the demo: docs/screenshots.py)."""
     repo, history = loop
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
-    runs = [month["retrain"]["mlflow_run_id"] for month in history]
+    runs = []
+    for month in history:
+        assert isinstance(month.retrain, PipelineRun), month.retrain
+        runs.append(month.retrain.mlflow_run_id)
     experiment = client.get_run(runs[0]).info.experiment_id
     ids = ",".join(f'"{run}"' for run in runs)
     with mlflow_server(f"sqlite:///{repo / 'mlflow.db'}") as base:

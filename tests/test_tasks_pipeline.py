@@ -244,7 +244,9 @@ def test_on_the_schedule_a_task_whose_champion_trained_on_all_its_records_keeps_
         # No champion yet (the test registered no base): there is something new to learn.
         assert nothing_new(support) is None
         # Support's candidate released: its champion trained on every support batch there is.
-        version = result["tasks"]["support"]["registration"]["version"]
+        support_run = result.tasks["support"]
+        assert isinstance(support_run, PipelineRun) and support_run.registration is not None
+        version = support_run.registration.version
         name = support.tracking.registered_model
         MlflowClient().set_registered_model_alias(name, registry.CHAMPION, str(version))
         said = nothing_new(support)
