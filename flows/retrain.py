@@ -30,7 +30,7 @@ from prefect.runtime import flow_run
 from tuneloop.data.records import pool_batches
 from tuneloop.io import read_json, write_text
 from tuneloop.judge import tasks_report
-from tuneloop.judge.decision import Decision
+from tuneloop.judge.decision import Decision, read_scores
 from tuneloop.judge.gate import GateError
 from tuneloop.orchestration.dvcrun import DvcLockTimeout, run_dvc
 from tuneloop.orchestration.flow_results import (
@@ -287,6 +287,7 @@ def _verdict(
     """The pipeline's summary on its run ``run_id`` (the active one), then its registration
     (none when not ``registering``: a single adapter judged beside the tasks' own)."""
     decision = Decision.read(params.paths.metrics / "decision.json")
+    scores = read_scores(params.paths.metrics / "evaluate.json")
     data, train = data_counts(metrics), train_summary(metrics)
     # The pipeline's data versions on its own run: its stage runs' DVC tags (oldest
     # first, so a retried stage's last attempt wins).
@@ -297,13 +298,13 @@ def _verdict(
     ):
         mlflow.set_tags({k: v for k, v in child.data.tags.items() if k.startswith(LINEAGE_TAGS)})
     runs.log_metrics({"data": data.model_dump(), "train": train.model_dump()})
-    runs.log_metrics(metrics["evaluate"], prefix="eval")
+    runs.log_metrics(scores, prefix="eval")
     mlflow.set_tag("gate.passed", str(decision.passed).lower())
     # The flow ends with the verdict: a registered version, or the gate's reasons.
     return PipelineRun(
         data=data,
         train=train,
-        eval=metrics["evaluate"],
+        eval=scores,
         decision=decision,
         registration=register(params, run_id) if registering else None,
         mlflow_run_id=run_id,
