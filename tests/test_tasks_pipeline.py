@@ -18,7 +18,7 @@ import yaml
 from tests.helpers import copy_project, write_params
 from tuneloop.demo import domain
 from tuneloop.judge.decision import Decision
-from tuneloop.orchestration.flow_results import PipelineRun, TaskFailed, TasksRun
+from tuneloop.orchestration.flow_results import PipelineRun, TaskFailed, TasksRun, TaskUnchanged
 from tuneloop.params import ParamsError, load_params
 
 # The whole suite (`make test`): two tasks' pipelines under the retrain flow, dvc repro
@@ -258,9 +258,8 @@ def test_on_the_schedule_a_task_whose_champion_trained_on_all_its_records_keeps_
         assert nothing_new(params.for_task("orders")) is None
         # The report's row for a task left alone, and it did not count as moved.
         state = tasks_report.states(repo, params)
-        text = tasks_report.report(
-            params, state, state, {"support": {"outcome": "unchanged", "reason": said}}
-        )
+        assert said is not None
+        text = tasks_report.report(params, state, state, {"support": TaskUnchanged(reason=said)})
     row = next(line for line in text.splitlines() if line.startswith("| support |"))
     assert "| nothing new | " in row and said in row and "(untouched)" in row, row
     assert "Moved without running: none." in text
