@@ -142,11 +142,11 @@ def main() -> None:
             row = [suite, metric] + [
                 f"{scores[m][suite][metric]:.3f}" for m in models if metric in scores[m][suite]
             ]
-            for c in decision["comparisons"]:
-                if c["suite"] == suite and c["metric"] == metric and c["reference"] == "candidate":
-                    if c["model"] == gate.CANDIDATE:
+            for c in decision.comparisons:
+                if c.suite == suite and c.metric == metric and c.reference == "candidate":
+                    if c.model == gate.CANDIDATE:
                         continue
-                    row.append(f"{c['model']} {c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]")
+                    row.append(f"{c.model} {c.diff:+.3f} [{c.low:+.3f}, {c.high:+.3f}]")
             print("| " + " | ".join(row) + " |")
     print()
     for name in models:

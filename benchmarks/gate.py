@@ -88,15 +88,15 @@ def main() -> None:
 
     print(
         f"gate on {args.items:,} items per suite ({SUITE}: 4 models x 3 metrics, "
-        f"{len(decision['slices'])} slice figures; {GENERAL}: 3 models), "
-        f"{gate.bootstrap_samples} resamples, {len(decision['checks'])} checks"
+        f"{len(decision.slices)} slice figures; {GENERAL}: 3 models), "
+        f"{gate.bootstrap_samples} resamples, {len(decision.checks)} checks"
     )
     print(
         f"  wall: best {min(times):.3f} s, median {statistics.median(times):.3f} s; "
         f"CPU (this process, all threads): best {min(cpu):.3f} s, median "
         f"{statistics.median(cpu):.3f} s ({args.repeats} runs)"
     )
-    print(f"  verdict {decision['verdict']}; more items: {decision['more_items']}")
+    print(f"  verdict {decision.verdict}; more items: {decision.more_items}")
     print(
         f"  load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
         f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}; "

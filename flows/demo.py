@@ -51,7 +51,24 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from tuneloop.demo import customers, domain, orders, reviewers
+from tuneloop.demo.report import (
+    DemoMonth,
+    DemoRelease,
+    DemoReview,
+    ProjectMonth,
+    TaskMonth,
+    TasksMonth,
+    Traffic,
+)
 from tuneloop.net import free_port
+from tuneloop.orchestration.flow_results import (
+    PipelineRun,
+    ReleaseOutcome,
+    TaskFailed,
+    TaskOutcome,
+    TasksRun,
+    TaskUnchanged,
+)
 from tuneloop.params import DemoParams, Params, load_params
 from tuneloop.release import approval, signoff
 from tuneloop.release.backends import Backend, start_transformers_serve, wait_healthy
@@ -412,12 +429,12 @@ def release_month(
     approval_wait_s: float,
     overrides_file: Path = DEMO_OVERRIDES,
     releasing: list[str] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, DemoRelease]:
     """Serve, release (with demo traffic and feedback), tear down; what happened.
 
     ``releasing``: in a project of tasks, the tasks whose challenger is released, all at once
-    on one router of every task (``serve_tasks``), each task's customers asking all along;
-    what happened to each, by task.
+    on one router of every task (``serve_tasks``), each task's customers asking all along.
+    What happened to each, by task ("" for a project of one task).
     """
     from flows.release import release, release_outcome
 
@@ -467,17 +484,17 @@ def release_month(
             thread.join(timeout=120)
         operator.join(timeout=10)
         stack.stop()
-    outcomes: dict[str | None, dict[str, Any]] = {}
+    outcomes: dict[str, DemoRelease] = {}
     for task, state in states.items():
         run_id = str(state.state_details.flow_run_id)
-        outcome = release_outcome(state)
-        outcome["state"], outcome["message"] = state.name, state.message
-        outcome["demo_approvals"] = [a for a in answered if a.get("flow_run_id") == run_id]
-        outcome["traffic"] = seen[task].as_dict() if task in seen else {}
-        outcomes[task] = outcome
-    if not tasks:
-        return outcomes[None]
-    return {str(task): outcome for task, outcome in outcomes.items()}
+        outcomes[task or ""] = DemoRelease(
+            **release_outcome(state).model_dump(),
+            state=state.name,
+            message=state.message,
+            demo_approvals=[a for a in answered if a.get("flow_run_id") == run_id],
+            traffic=Traffic.model_validate(seen[task].as_dict()) if task in seen else None,
+        )
+    return outcomes
 
 
 @dataclass(frozen=True)
@@ -506,7 +523,7 @@ DEMO_TASKS = {
 REVIEWED_MONTH = 1
 
 
-def review_month(repo: Path, params: Params, logs: Path) -> dict[str, Any]:
+def review_month(repo: Path, params: Params, logs: Path) -> DemoReview:
     """The challenger's blind review by the demo's panel, through ``tuneloop review serve``.
 
     The review is made from the candidate's evaluated answers (``signoff.ensure_review``, as
@@ -543,14 +560,14 @@ def review_month(repo: Path, params: Params, logs: Path) -> dict[str, Any]:
     finally:
         store.close()
     print(f"review {judged.summary()}", flush=True)
-    return {
-        "review": review,
-        "votes_by_reviewer": cast,
-        "summary": judged.summary(),
-        "table": judged.results.table(),
-        "results": judged.results.as_dict(),
-        "check": judged.check,
-    }
+    return DemoReview(
+        review=review,
+        votes_by_reviewer=cast,
+        summary=judged.summary(),
+        table=judged.results.table(),
+        results=judged.results.as_dict(),
+        check=judged.check,
+    )
 
 
 def seed_month(params: Params, month: int) -> list[Path]:
@@ -570,64 +587,78 @@ def seed_month(params: Params, month: int) -> list[Path]:
     return written
 
 
-def _registered(retrained: dict[str, Any]) -> bool:
+def _registered(retrained: TaskOutcome) -> bool:
     """Whether a retrain registered a new challenger (what a release needs)."""
-    registration = retrained.get("registration") or {}
-    return bool(registration.get("registered")) and registration.get("alias") == "challenger"
+    if not isinstance(retrained, PipelineRun) or retrained.registration is None:
+        return False
+    return retrained.registration.registered and retrained.registration.alias == "challenger"
 
 
-def not_released(retrained: dict[str, Any]) -> dict[str, Any]:
+def not_released(retrained: TaskOutcome) -> ReleaseOutcome:
     """Why there was no release, in a sentence a person reads: the registration's reasons
     (the gate's, or an error's), else the task's outcome."""
-    registration = retrained.get("registration")
-    if registration is not None:
-        reasons = registration.get("reasons") or ["nothing was registered"]
-        return {"outcome": "not released", "reason": "; ".join(str(r) for r in reasons)}
-    said = retrained.get("reason") or retrained.get("error") or retrained.get("outcome")
-    return {"outcome": "not released", "reason": str(said)}
+    if isinstance(retrained, TaskUnchanged):
+        said = retrained.reason
+    elif isinstance(retrained, TaskFailed):
+        said = retrained.error
+    elif retrained.registration is not None:
+        said = "; ".join(retrained.registration.reasons or ["nothing was registered"])
+    else:
+        said = "judged, not registered: " + "; ".join(retrained.decision.reasons)
+    return ReleaseOutcome(outcome="not released", reason=said)
 
 
 def release_tasks(
     repo: Path,
     params: Params,
     month: int,
-    retrained: dict[str, Any],
+    retrained: TasksRun,
     approval_wait_s: float,
     overrides_file: Path,
-) -> dict[str, Any]:
+    started: float,
+) -> TasksMonth:
     """A month of several tasks after the retrain: each task with a new challenger reviewed
     (month 1) and released on one router of every task; the month's summary by task."""
-    outcomes: dict[str, dict[str, Any]] = retrained["tasks"]
+    outcomes = retrained.tasks
     releasing = [task for task, outcome in outcomes.items() if _registered(outcome)]
-    tasks: dict[str, dict[str, Any]] = {task: {"retrain": o} for task, o in outcomes.items()}
+    reviews: dict[str, DemoReview] = {}
     if month == REVIEWED_MONTH:
         for task in releasing:
-            tasks[task]["review"] = review_month(repo, params.for_task(task), repo / "logs")
-    released = {}
+            reviews[task] = review_month(repo, params.for_task(task), repo / "logs")
+    released: dict[str, DemoRelease] = {}
     if releasing:
         released = release_month(
             repo, params, month, approval_wait_s, overrides_file, releasing=releasing
         )
-    for task, entry in tasks.items():
-        entry["release"] = released.get(task) or not_released(entry["retrain"])
-    return {
-        "tasks": tasks,
-        "report": retrained["report"],
-        "report_text": retrained["report_text"],
-        "failed": retrained["failed"],
+    tasks = {
+        task: TaskMonth(
+            retrain=outcome,
+            review=reviews.get(task),
+            release=released.get(task) or not_released(outcome),
+        )
+        for task, outcome in outcomes.items()
     }
+    return TasksMonth(
+        month=month,
+        label=domain.month_label(month),
+        seconds=round(time.monotonic() - started, 1),
+        tasks=tasks,
+        report=retrained.report,
+        report_text=retrained.report_text,
+        failed=retrained.failed,
+    )
 
 
 def run(
     repo: Path, months: int, approval_wait_s: float, overrides_file: Path = DEMO_OVERRIDES
-) -> list[dict[str, Any]]:
+) -> list[DemoMonth]:
     """``months`` cycles of the loop; the summary of each. ``overrides_file``: the release's
     (its ``release`` group), relative to ``repo``."""
     from flows.retrain import retrain
 
     repo = repo.resolve()
     params = load_params(repo / "params.yaml")
-    history: list[dict[str, Any]] = []
+    history: list[DemoMonth] = []
     with (
         prefect_server(repo / "logs") as api,
         contextlib.chdir(repo),
@@ -655,26 +686,49 @@ def run(
             label = domain.month_label(month)
             written = seed_month(params, month)
             print(f"\n=== month {month} ({label}): {len(written)} export file(s) seeded ===")
-            summary: dict[str, Any] = {"month": month, "label": label}
             retrained = retrain(repo=repo, params=params)
-            if params.tasks:
-                summary |= release_tasks(
-                    repo, params, month, retrained, approval_wait_s, overrides_file
+            if isinstance(retrained, TasksRun):
+                history.append(
+                    release_tasks(
+                        repo, params, month, retrained, approval_wait_s, overrides_file, started
+                    )
                 )
             else:
-                summary["retrain"] = retrained
-                if _registered(retrained):
-                    if month == REVIEWED_MONTH:
-                        summary["review"] = review_month(repo, params, repo / "logs")
-                    summary["release"] = release_month(
-                        repo, params, month, approval_wait_s, overrides_file
+                history.append(
+                    project_month(
+                        repo, params, month, retrained, approval_wait_s, overrides_file, started
                     )
-                else:
-                    summary["release"] = not_released(retrained)
-            summary["seconds"] = round(time.monotonic() - started, 1)
-            history.append(summary)
+                )
             (repo / "reports").mkdir(exist_ok=True)
             (repo / "reports" / "demo.json").write_text(
-                json.dumps(history, indent=2, ensure_ascii=False, default=str)
+                json.dumps(
+                    [m.model_dump(mode="json") for m in history], indent=2, ensure_ascii=False
+                )
             )
     return history
+
+
+def project_month(
+    repo: Path,
+    params: Params,
+    month: int,
+    retrained: PipelineRun,
+    approval_wait_s: float,
+    overrides_file: Path,
+    started: float,
+) -> ProjectMonth:
+    """A month of a project of one task after the retrain: review (month 1) and release."""
+    review = None
+    release: DemoRelease | ReleaseOutcome = not_released(retrained)
+    if _registered(retrained):
+        if month == REVIEWED_MONTH:
+            review = review_month(repo, params, repo / "logs")
+        release = release_month(repo, params, month, approval_wait_s, overrides_file)[""]
+    return ProjectMonth(
+        month=month,
+        label=domain.month_label(month),
+        seconds=round(time.monotonic() - started, 1),
+        retrain=retrained,
+        review=review,
+        release=release,
+    )

@@ -102,6 +102,7 @@ from prefect.states import Failed, State
 from pydantic import BaseModel, Field
 
 from tuneloop.judge.verdict import FAIL, PASS
+from tuneloop.orchestration.flow_results import ReleaseOutcome
 from tuneloop.params import Params, ParamsError, load_params
 from tuneloop.release import shadow as suite_judges
 from tuneloop.release import signoff
@@ -137,7 +138,7 @@ class ReleaseFailed(RuntimeError):
     state's data into an exception; a plain dict there ends in a ``TypeError``.
     """
 
-    def __init__(self, message: str, outcome: dict[str, Any]) -> None:
+    def __init__(self, message: str, outcome: ReleaseOutcome) -> None:
         super().__init__(message, outcome)  # both, so it pickles back whole
         self.message = message
         self.outcome = outcome
@@ -146,15 +147,15 @@ class ReleaseFailed(RuntimeError):
         return self.message
 
 
-def release_outcome(state: State[Any]) -> dict[str, Any]:
+def release_outcome(state: State[Any]) -> ReleaseOutcome:
     """What a finished release did (``outcome``, ``reason``, ``history`` ...), from its state."""
     result = state.result(raise_on_failure=False)
     if isinstance(result, ReleaseFailed):
         return result.outcome
-    if isinstance(result, dict):
+    if isinstance(result, ReleaseOutcome):
         return result
     # Refused before it started, or stopped by an error: no outcome of its own.
-    return {"outcome": "failed", "reason": state.message or str(result)}
+    return ReleaseOutcome(outcome="failed", reason=state.message or str(result))
 
 
 # --- registry ----------------------------------------------------------------------------------
@@ -419,23 +420,23 @@ def await_review(
     while True:
         signoff.record_review(client, release.log.run_id, judged, candidate)
         check = judged.check
-        settled_ok = check is None or check["status"] == PASS or not check["blocking"]
+        settled_ok = check is None or check.status == PASS or not check.blocking
         release.log.record(
             "review",
-            judged.summary() if check is None else check["reason"],
+            judged.summary() if check is None else check.reason,
             warn=not settled_ok,
-            check=check,
+            check=None if check is None else check.model_dump(),
         )
         if check is None or settled_ok:
             return judged, None
-        if check["status"] == FAIL:
-            return judged, check["reason"]
+        if check.status == FAIL:
+            return judged, check.reason
         left = int(deadline - time.monotonic())
         if left < 1:
             return judged, f"no settled blind review within {release.params.approval_timeout} s"
         description = (
             f"The release of **{candidate.name} v{candidate.version}** waits for its blind "
-            f"review ({check['reason']}). Invite reviewers with `tuneloop review invite NAME "
+            f"review ({check.reason}). Invite reviewers with `tuneloop review invite NAME "
             f"--review {name}` and serve the page with `tuneloop review serve`; when they have "
             "voted, submit this form (or `tuneloop approve "
             f"{release.flow_run_id} --approver NAME`) and the review is judged again."
@@ -497,19 +498,17 @@ def _end(
     release: Release,
     outcome: Literal["promoted", "rolled_back", "blocked"],
     reason: str,
-    **extra: Any,
 ) -> Any:
-    result = {
-        "outcome": outcome,
-        "reason": reason,
-        "flow_run_id": release.flow_run_id,
-        "analyses": release.analyses,
-        "failures": release.failures,
-        "rollback_seconds": release.rollback_seconds,
-        "history": release.history,
-        "approval_form": release.people,  # what every approval form said of the review
-        **extra,
-    }
+    result = ReleaseOutcome(
+        outcome=outcome,
+        reason=reason,
+        flow_run_id=release.flow_run_id,
+        analyses=release.analyses,
+        failures=release.failures,
+        rollback_seconds=release.rollback_seconds,
+        history=release.history,
+        approval_form=release.people,
+    )
     release.log.tag(status=outcome, reason=reason)
     if outcome == "promoted":
         return result
@@ -545,7 +544,7 @@ def roll_back_on_exit(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
 @flow(name="release", on_crashed=[roll_back_on_exit], on_cancellation=[roll_back_on_exit])
 def release(
     repo: Path = Path(), overrides: dict[str, Any] | None = None, task: str | None = None
-) -> dict[str, Any] | State[Any]:
+) -> ReleaseOutcome | State[Any]:
     """Canary the registry's challenger, ramp it with a person's approval, promote or roll back.
 
     ``overrides``: params.yaml values to use instead for this release (``{"release": {...}}``,

@@ -31,8 +31,20 @@ from tuneloop.data.metrics import CleanMetrics, IngestMetrics
 from tuneloop.data.records import pool_batches
 from tuneloop.io import read_json, read_model, write_text
 from tuneloop.judge import tasks_report
+from tuneloop.judge.decision import Decision, read_scores
 from tuneloop.judge.gate import GateError
 from tuneloop.orchestration.dvcrun import DvcLockTimeout, run_dvc
+from tuneloop.orchestration.flow_results import (
+    DataCounts,
+    PipelineRun,
+    ResultsCommit,
+    RetrainResult,
+    TaskFailed,
+    TaskOutcome,
+    TasksRun,
+    TaskUnchanged,
+    TrainSummary,
+)
 from tuneloop.params import Params, ParamsError, load_params
 from tuneloop.pipeline import SHARED_STAGES, stage_order, task_stages
 from tuneloop.telemetry.actions import TAG_REASON as TAG_WATCHDOG_REASON
@@ -132,7 +144,7 @@ def announce_challenger(name: str, version: str, payload: dict[str, Any]) -> Non
 
 
 @task(task_run_name="register", retries=1)
-def register(params: Params, run_id: str) -> dict[str, Any]:
+def register(params: Params, run_id: str) -> registry.Registration:
     """Register the candidate (alias challenger) if the evaluate gate passed; else say why not.
 
     Here rather than in the DVC stage: the registry is a side effect `dvc repro`
@@ -144,53 +156,50 @@ def register(params: Params, run_id: str) -> dict[str, Any]:
         get_run_logger().info("%s v%s (%s):\n%s", done.name, done.version, done.alias, reasons)
         # The task names the release (prefect.yaml's trigger passes it on); "" for a project
         # of one task.
-        payload = done.to_dict() | {"task": params.task or ""}
+        payload = done.model_dump() | {"task": params.task or ""}
         announce_challenger(done.name, str(done.version), payload)
     elif done.registered:  # announced when it was made: one release per registration
         get_run_logger().info("%s; no new release event:\n%s", done.reasons[0], reasons)
     else:
         get_run_logger().warning("nothing registered:\n%s", reasons)
-    return done.to_dict()
+    return done
 
 
-def summary(
-    params: Params, metrics: dict[str, dict[str, Any]], decision: dict[str, Any]
-) -> dict[str, Any]:
-    # The stages' files through their models; ingest's is the project's, shared by the tasks.
+def data_counts(params: Params) -> DataCounts:
+    """The month's data in numbers, from the ingest and clean stages' files (ingest's is the
+    project's, shared by the tasks)."""
     ingest = read_model(params.project_path("metrics") / "ingest.json", IngestMetrics)
     clean = read_model(params.paths.metrics / "clean.json", CleanMetrics)
+    return DataCounts(
+        lines=ingest.lines,
+        accepted=ingest.accepted,
+        quarantined=ingest.quarantined,
+        duplicates=ingest.duplicates,
+        by_source=ingest.accepted_by_source,
+        pool=ingest.pool_records,
+        train=clean.train,
+        val=clean.val,
+        dpo_pairs=clean.dpo_pairs,
+    )
+
+
+def train_summary(params: Params) -> TrainSummary:
     train = read_model(params.paths.metrics / "train.json", TrainMetrics)
     init = read_model(params.paths.metrics / "init.json", InitMetrics)
-    evaluation = metrics["evaluate"]
-    return {
-        "data": {
-            "lines": ingest.lines,
-            "accepted": ingest.accepted,
-            "quarantined": ingest.quarantined,
-            "duplicates": ingest.duplicates,
-            "by_source": ingest.accepted_by_source,
-            "pool": ingest.pool_records,
-            "train": clean.train,
-            "val": clean.val,
-            "dpo_pairs": clean.dpo_pairs,
-        },
-        "train": {
-            "loss_first": train.first_logged_loss,
-            "loss_last": train.last_logged_loss,
-            "eval_loss": train.eval_loss,
-            "steps": train.global_steps,
-            "tokens_per_second": train.tokens_per_second,
-            "init_from": init.start.describe(),
-        },
-        "eval": evaluation,
-        "decision": decision,
-    }
+    return TrainSummary(
+        loss_first=train.first_logged_loss,
+        loss_last=train.last_logged_loss,
+        eval_loss=train.eval_loss,
+        steps=train.global_steps,
+        tokens_per_second=train.tokens_per_second,
+        init_from=init.start.describe(),
+    )
 
 
 @flow(name="retrain", log_prints=True)
 def retrain(
     repo: Path = Path(), params: Params | None = None, tasks: list[str] | None = None
-) -> dict[str, Any]:
+) -> RetrainResult:
     """Run the whole pipeline, ingest to evaluate, and return data counts, losses and scores.
 
     ``params``: ``repo``'s params.yaml as the caller loaded it (the demo), else read here once.
@@ -221,7 +230,7 @@ def retrain(
         os.chdir(previous)
 
 
-def _retrain(repo: Path, params: Params, tasks: list[str] | None = None) -> dict[str, Any]:
+def _retrain(repo: Path, params: Params, tasks: list[str] | None = None) -> RetrainResult:
     """The flow's body, with the project as the working directory and its tracking store."""
     experiment_id = runs.setup(params.tracking.experiment)
     for said in recovery.close_killed_runs(experiment_id, "retrain", str(flow_run.id or "")):
@@ -245,19 +254,19 @@ def _retrain(repo: Path, params: Params, tasks: list[str] | None = None) -> dict
         metrics = _run_stages(stage_order(repo), repo, params, parent.info.run_id, experiment_id)
         result = _verdict(params, metrics, parent.info.run_id, experiment_id)
         if params.schedule.commit_results:
-            passed = result["decision"]["passed"]
-            said = f"gate {'passed' if passed else 'failed'}"
-            result["results"] = _commit_results(repo, [params.paths.metrics], said)
+            said = f"gate {'passed' if result.decision.passed else 'failed'}"
+            committed = _commit_results(repo, [params.paths.metrics], said)
+            result = result.model_copy(update={"results": committed})
         return result
 
 
-def _commit_results(repo: Path, metrics: list[Path], said: str) -> dict[str, str]:
+def _commit_results(repo: Path, metrics: list[Path], said: str) -> ResultsCommit:
     """This month's dvc.lock and ``metrics`` folders onto the results branch, tagged."""
     done = results.commit_results(
         repo, [Path("dvc.lock"), *metrics], f"retrain {flow_run.name or 'local'}: {said}"
     )
     mlflow.set_tags({"results.commit": done.commit, "results.tag": done.tag})
-    return {"commit": done.commit, "tag": done.tag, "branch": done.branch}
+    return ResultsCommit(commit=done.commit, tag=done.tag, branch=done.branch)
 
 
 def _run_stages(
@@ -280,11 +289,12 @@ def _verdict(
     run_id: str,
     experiment_id: str,
     registering: bool = True,
-) -> dict[str, Any]:
+) -> PipelineRun:
     """The pipeline's summary on its run ``run_id`` (the active one), then its registration
     (none when not ``registering``: a single adapter judged beside the tasks' own)."""
-    decision = read_json(params.paths.metrics / "decision.json")
-    result = summary(params, metrics, decision)
+    decision = Decision.read(params.paths.metrics / "decision.json")
+    scores = read_scores(params.paths.metrics / "evaluate.json")
+    data, train = data_counts(params), train_summary(params)
     # The pipeline's data versions on its own run: its stage runs' DVC tags (oldest
     # first, so a retried stage's last attempt wins).
     for child in MlflowClient().search_runs(
@@ -293,14 +303,18 @@ def _verdict(
         order_by=["attributes.start_time ASC"],
     ):
         mlflow.set_tags({k: v for k, v in child.data.tags.items() if k.startswith(LINEAGE_TAGS)})
-    runs.log_metrics({"data": result["data"], "train": result["train"]})
-    runs.log_metrics(result["eval"], prefix="eval")
-    mlflow.set_tag("gate.passed", str(decision["passed"]).lower())
+    runs.log_metrics({"data": data.model_dump(), "train": train.model_dump()})
+    runs.log_metrics(scores, prefix="eval")
+    mlflow.set_tag("gate.passed", str(decision.passed).lower())
     # The flow ends with the verdict: a registered version, or the gate's reasons.
-    if registering:
-        result["registration"] = register(params, run_id)
-    result["mlflow_run_id"] = run_id
-    return result
+    return PipelineRun(
+        data=data,
+        train=train,
+        eval=scores,
+        decision=decision,
+        registration=register(params, run_id) if registering else None,
+        mlflow_run_id=run_id,
+    )
 
 
 def nothing_new(params: Params) -> str | None:
@@ -331,7 +345,7 @@ def _retrain_tasks(
     experiment_id: str,
     *,
     by_hand: bool = False,
-) -> dict[str, Any]:
+) -> TasksRun:
     """Several tasks: the shared stages once, then each task's pipeline under a run of its
     own. A task that fails (a preflight refusal, a stage error) is reported and the next
     task runs; the summary names each task's outcome. On the schedule (not ``by_hand``), a
@@ -340,13 +354,13 @@ def _retrain_tasks(
     mode = params.schedule.task_models
     before = tasks_report.states(repo, params)
     shared = _run_stages(SHARED_STAGES, repo, params, parent_run_id, experiment_id)
-    outcomes: dict[str, Any] = {}
+    outcomes: dict[str, TaskOutcome] = {}
     for name in chosen if mode != "single" else ():
         view = params.for_task(name)
         why = None if by_hand else nothing_new(view)
         if why is not None:
             get_run_logger().info("task %s: %s; it keeps its champion", name, why)
-            outcomes[name] = {"outcome": "unchanged", "reason": why}
+            outcomes[name] = TaskUnchanged(reason=why)
             continue
         with mlflow.start_run(
             run_name=name, nested=True, tags={runs.TAG_PIPELINE: "retrain", "task": name}
@@ -355,29 +369,28 @@ def _retrain_tasks(
                 metrics = _run_stages(
                     task_stages(name, repo), repo, view, run.info.run_id, experiment_id
                 )
-                outcomes[name] = _verdict(
-                    view, shared | metrics, run.info.run_id, experiment_id
-                ) | {"outcome": "ran"}
+                outcomes[name] = _verdict(view, shared | metrics, run.info.run_id, experiment_id)
             except (StageFailed, DvcLockTimeout, ParamsError, OSError) as error:
                 get_run_logger().error("task %s failed: %s", name, error)
                 mlflow.set_tag("task.failed", str(error)[:5000])
-                outcomes[name] = {"outcome": "failed", "error": str(error)}
+                outcomes[name] = TaskFailed(error=str(error))
     # The single adapter on every task's data: the month's model (single), or judged beside
     # each task's adapter (both; not when tasks are run by hand).
     single = None
     if mode == "single" or (mode == "both" and not by_hand):
         single = _retrain_single(repo, params, shared, experiment_id, mode == "single")
-    failed = sorted(t for t, o in outcomes.items() if o["outcome"] == "failed")
+    failed = sorted(t for t, o in outcomes.items() if o.outcome == "failed")
     mlflow.set_tag("tasks.failed", ",".join(failed))
     # Every task's adapter and champion before and after: the others did not move.
     text = tasks_report.report(params, before, tasks_report.states(repo, params), outcomes)
     if single is not None:
         text += "\n" + tasks_report.single_line(params, single) + "\n"
-    if mode == "both" and single is not None and single["outcome"] == "ran":
-        ran = [t for t, o in outcomes.items() if o["outcome"] == "ran"]
+    compared = None
+    if mode == "both" and single is not None and single.outcome == "ran":
+        ran = [t for t, o in outcomes.items() if o.outcome == "ran"]
         try:
-            single["compared"] = tasks_report.single_comparison(params, ran)
-            text += "\n" + tasks_report.single_section(single["compared"], params.gate.confidence)
+            compared = tasks_report.single_comparison(params, ran)
+            text += "\n" + tasks_report.single_section(compared, params.gate.confidence)
         # Scores the two cannot be compared on (a suite one of them could not run): said,
         # and the month's results stand.
         except (GateError, KeyError, OSError) as error:
@@ -387,22 +400,23 @@ def _retrain_tasks(
     write_text(written, text)
     mlflow.log_text(text, tasks_report.REPORT)
     get_run_logger().info("%s", text)
-    result = {
-        "tasks": outcomes,
-        "single": single,
-        "failed": failed,
-        "report": str(repo / written),
-        # The month's own text: the file is rewritten by the next retrain.
-        "report_text": text,
-        "mlflow_run_id": parent_run_id,
-    }
+    committed = None
     if params.schedule.commit_results:
-        ran = sorted(t for t, o in outcomes.items() if o["outcome"] == "ran")
+        ran = sorted(t for t, o in outcomes.items() if o.outcome == "ran")
         folders = [params.paths.metrics, *(params.for_task(t).paths.metrics for t in chosen)]
-        result["results"] = _commit_results(
+        committed = _commit_results(
             repo, [*folders, written], f"tasks ran: {', '.join(ran) or 'none'}"
         )
-    return result
+    return TasksRun(
+        tasks=outcomes,
+        single=single,
+        compared=compared,
+        failed=failed,
+        report=str(repo / written),
+        report_text=text,
+        mlflow_run_id=parent_run_id,
+        results=committed,
+    )
 
 
 def _retrain_single(
@@ -411,7 +425,7 @@ def _retrain_single(
     shared: dict[str, dict[str, Any]],
     experiment_id: str,
     registering: bool,
-) -> dict[str, Any]:
+) -> TaskOutcome:
     """One adapter on every task's data: dvc.yaml's own stages after the shared ones, under a
     run of its own, registered as ``tracking.registered_model`` when ``registering``."""
     with mlflow.start_run(
@@ -422,10 +436,8 @@ def _retrain_single(
         stages = tuple(s for s in stage_order(repo) if s not in SHARED_STAGES)
         try:
             metrics = _run_stages(stages, repo, params, run.info.run_id, experiment_id)
-            return _verdict(
-                params, shared | metrics, run.info.run_id, experiment_id, registering
-            ) | {"outcome": "ran"}
+            return _verdict(params, shared | metrics, run.info.run_id, experiment_id, registering)
         except (StageFailed, DvcLockTimeout, ParamsError, OSError) as error:
             get_run_logger().error("the single adapter failed: %s", error)
             mlflow.set_tag("task.failed", str(error)[:5000])
-            return {"outcome": "failed", "error": str(error)}
+            return TaskFailed(error=str(error))

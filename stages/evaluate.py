@@ -46,8 +46,9 @@ from pathlib import Path
 
 import mlflow
 
-from tuneloop.io import atomic_dir, read_model, write_json, write_jsonl, write_text
+from tuneloop.io import atomic_dir, read_model, write_jsonl, write_text
 from tuneloop.judge import cards, scoring
+from tuneloop.judge.decision import Champion
 from tuneloop.judge.fixed_badcases import ITEMS_FOLDER_ENV, FixedBadcasesMetrics
 from tuneloop.judge.gate import (
     BASE,
@@ -72,7 +73,7 @@ STAGE = "evaluate"
 log = logging.getLogger(__name__)
 
 
-def fixed_suite(params: Params, champion: dict[str, str] | None) -> str | None:
+def fixed_suite(params: Params, champion: Champion | None) -> str | None:
     """The fixed-badcase suite's name when it has items to score, else None.
 
     The suite holds the corrections the champion of its ``fixed_badcases`` run trained on;
@@ -82,7 +83,7 @@ def fixed_suite(params: Params, champion: dict[str, str] | None) -> str | None:
     built = read_model(params.paths.metrics / "fixed_badcases.json", FixedBadcasesMetrics)
     if not built.items:
         return None
-    version = (champion or {}).get("version")
+    version = None if champion is None else champion.version
     if built.champion_version != version:
         raise GateError(
             f"{folder} was built for champion {built.champion_version}, but the champion "
@@ -158,14 +159,14 @@ def main() -> None:
             could_not_run,
             fixed,
             params.export.formats,
+        ).judged(
+            champion=registry.describe(champion),
+            # Which merged folder was judged: registration refuses any other.
+            candidate_key=registry.candidate_key(params.paths.merged),
+            backend=kind,
+            engines=engines,
         )
-        decision["champion"] = registry.describe(champion)
-        # Which merged folder was judged: registration refuses any other.
-        decision["candidate_key"] = registry.candidate_key(params.paths.merged)
-        decision["backend"] = kind
-        decision["engines"] = engines
-        decision["higher_is_better"] = directions
-        write_json(params.paths.metrics / "decision.json", decision)
+        decision.write(params.paths.metrics / "decision.json")
         write_metrics(params, STAGE, scores)
         text = report(scores, decision, directions)
         reports = params.paths.reports
@@ -183,8 +184,8 @@ def main() -> None:
         ):
             mlflow.log_artifact(str(path))
         mlflow.log_artifacts(str(params.paths.metrics / "eval-items"), "eval-items")
-        mlflow.set_tags({"gate.passed": str(decision["passed"]).lower()})
-        mlflow.set_tag("gate.verdict", decision["verdict"])
+        mlflow.set_tags({"gate.passed": str(decision.passed).lower()})
+        mlflow.set_tag("gate.verdict", decision.verdict)
         mlflow.set_tags({f"evaluate.engine.{name}": engine for name, engine in engines.items()})
         if champion is not None:
             mlflow.set_tag("gate.champion_version", str(champion.version))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from tuneloop.judge.gate import SuiteItems
+from typing import Any
+
+from tuneloop.judge.decision import Decision
+from tuneloop.judge.gate import BASE, CANDIDATE, FP8, SuiteItems, decide
 from tuneloop.params import GateParams
 
 SUITE, GENERAL = "support_demo", "general_demo"
@@ -48,3 +51,14 @@ def suite(accuracy: list[float], hallucinated: list[float] | None = None) -> Sui
 
 def general(accuracy: list[float]) -> SuiteItems:
     return SuiteItems.of(IDS, {"accuracy": accuracy})
+
+
+def a_decision(**judged: Any) -> Decision:
+    """A real decision (the candidate well past the base), with ``judged``'s evaluation fields
+    (``champion``, ``candidate_key``, ``backend``, ``engines``) as ``stages/evaluate.py`` sets
+    them."""
+    base, candidate = suite(right(range(80))), suite(right(range(160)))
+    items = {BASE: {SUITE: base}, CANDIDATE: {SUITE: candidate}, FP8: {SUITE: candidate}}
+    found = decide(items, DIRECTIONS, GATE, [SUITE])
+    given = {"champion": None, "candidate_key": "abc123", "backend": "hf", "engines": {}} | judged
+    return found.judged(**given)

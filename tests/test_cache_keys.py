@@ -22,8 +22,10 @@ import pytest
 import yaml
 from mlflow.entities.model_registry import ModelVersion
 
+from tests.gate_helpers import a_decision
 from tests.helpers import ROOT
 from tuneloop.io import read_model, write_json
+from tuneloop.judge.decision import Champion, Decision
 from tuneloop.judge.fixed_badcases import ITEMS_FOLDER_ENV, FixedBadcasesMetrics
 from tuneloop.judge.gate import GateError
 from tuneloop.params import Params, parse_params
@@ -114,8 +116,12 @@ def test_evaluate_uses_the_suite_only_for_its_champion(tmp_path: Path) -> None:
         left_out={},
     )
     write_json(params.paths.metrics / "fixed_badcases.json", built.model_dump())
-    assert fixed_suite(params, {"version": "3"}) == params.paths.fixed_badcases.name
-    for other in ({"version": "4"}, None):
+
+    def champion(version: str) -> Champion:
+        return Champion(name="tuneloop", version=version, run_id="", source="")
+
+    assert fixed_suite(params, champion("3")) == params.paths.fixed_badcases.name
+    for other in (champion("4"), None):
         with pytest.raises(GateError, match="was built for champion 3"):
             fixed_suite(params, other)
 
@@ -210,9 +216,16 @@ def test_a_review_is_reused_only_for_the_pair_it_shows(
 
 
 def test_a_review_is_made_from_answers_beside_the_champion_that_serves() -> None:
-    decision: dict[str, Any] = {"champion": {"name": "tuneloop", "version": "4"}}
-    signoff.compared_with(decision, version("5"), version("4"))
-    for evaluated in ({"champion": {"name": "tuneloop", "version": "3"}}, {"champion": None}):
+    def evaluated_against(version_: str | None) -> Decision:
+        found = (
+            None
+            if version_ is None
+            else Champion(name="tuneloop", version=version_, run_id="", source="")
+        )
+        return a_decision(champion=found)
+
+    signoff.compared_with(evaluated_against("4"), version("5"), version("4"))
+    for evaluated in (evaluated_against("3"), evaluated_against(None)):
         with pytest.raises(signoff.ReviewUnavailable, match="evaluated against champion"):
             signoff.compared_with(evaluated, version("5"), version("4"))
 

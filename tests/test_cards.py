@@ -17,6 +17,7 @@ from tests.helpers import ROOT
 from tuneloop.data.metrics import CleanMetrics, IngestMetrics, ReplayMetrics
 from tuneloop.io import write_json
 from tuneloop.judge import cards, gate
+from tuneloop.judge.decision import Decision
 from tuneloop.judge.gate import BASE, CANDIDATE, FP8, SuiteItems
 from tuneloop.params import load_params
 from tuneloop.training.metrics import TrainMetrics
@@ -28,7 +29,7 @@ SUITE = "support_demo"
 DIRECTIONS = {SUITE: {"accuracy": True}}
 
 
-def decision() -> dict:
+def decision() -> Decision:
     ids = [str(i) for i in range(100)]
     lang = ["zh" if i % 2 else "en" for i in range(100)]
     items = {
@@ -42,9 +43,7 @@ def decision() -> dict:
     }
     params = load_params(ROOT / "params.yaml")
     found = gate.decide(items, DIRECTIONS, params.gate, [SUITE])
-    found["champion"] = None
-    found["candidate_key"] = "abc123"
-    return found
+    return found.judged(champion=None, candidate_key="abc123", backend="hf", engines={})
 
 
 def project(folder: Path) -> None:
@@ -124,7 +123,7 @@ def test_the_model_card_reports_every_section_from_its_source(tmp_path: Path) ->
     # The eval table with its interval, the slices, and the gate's reasons.
     assert "| support_demo | accuracy | candidate vs base | 0.800 | 0.400 | +0.400 [" in card
     assert "| support_demo | lang=en | accuracy | 50 |" in card
-    assert "Verdict: **PASS**" in card and found["reasons"][0] in card
+    assert "Verdict: **PASS**" in card and found.reasons[0] in card
     # GPU-hours by state, said to rest on estimated power bands.
     assert "0.5 GPU-hours" in card and "the power bands are estimates" in card
     assert "| compute | 0.4000 | 80.0% |" in card

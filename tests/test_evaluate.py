@@ -38,6 +38,7 @@ from tests.helpers import ROOT, write_params
 from tuneloop import quantization
 from tuneloop.demo import domain, general
 from tuneloop.judge import gate, scoring
+from tuneloop.judge.decision import Decision, Forgetting, read_scores
 from tuneloop.judge.gate import BASE, CANDIDATE, CHAMPION, FP8
 from tuneloop.params import Params, load_params
 from tuneloop.params.groups import ExportFormat
@@ -47,8 +48,8 @@ from tuneloop.tracking import registry
 SUITE, GENERAL = "support_demo", "general_demo"
 
 
-def failed_rules(decision: dict[str, Any]) -> set[tuple[str, str]]:
-    return {(c["rule"], c["metric"]) for c in decision["checks"] if c["status"] == "fail"}
+def failed_rules(decision: Decision) -> set[tuple[str, str]]:
+    return {(c.rule, c.metric) for c in decision.checks if c.status == "fail"}
 
 
 def test_backend_auto_is_hf_without_a_vllm_built_for_a_gpu() -> None:
@@ -119,22 +120,22 @@ def set_params(**groups: dict[str, Any]) -> None:
 
 def test_the_trained_candidate_beats_the_base(project: Path) -> None:
     scores = read(project, "evaluate.json")
-    decision = read(project, "decision.json")
+    decision = Decision.read(project / "metrics" / "decision.json")
     assert set(scores) == {BASE, CANDIDATE, FP8}  # no champion registered yet
     # General suites are scored for the base and the candidate, not the FP8 export.
     assert set(scores[BASE]) == set(scores[CANDIDATE]) == {SUITE, GENERAL}
     assert set(scores[FP8]) == {SUITE}
-    metric = decision["primary_metric"]
-    [gain] = [c for c in decision["checks"] if c["rule"] == "beats_base"]
-    assert gain["status"] == "pass" and gain["low"] >= 0.05
+    metric = decision.primary_metric
+    [gain] = [c for c in decision.checks if c.rule == "beats_base"]
+    assert gain.status == "pass" and gain.low >= 0.05
     assert scores[CANDIDATE][SUITE][metric] >= scores[BASE][SUITE][metric] + 0.05
-    assert decision["champion"] is None
-    assert decision["higher_is_better"][SUITE]["hallucination_rate"] is False
+    assert decision.champion is None
+    assert decision.higher_is_better[SUITE]["hallucination_rate"] is False
     assert read(project, "merge.json")["passed"] is True
     assert "| format_compliance ↑ |" in (project / "reports/eval.md").read_text()
     # The default here is hf for every model, recorded with its version.
-    assert decision["backend"] == "hf"
-    assert decision["engines"] == dict.fromkeys((BASE, CANDIDATE, FP8), scoring.hf_engine())
+    assert decision.backend == "hf"
+    assert decision.engines == dict.fromkeys((BASE, CANDIDATE, FP8), scoring.hf_engine())
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     [run] = client.search_runs(
         [e.experiment_id for e in client.search_experiments()],
@@ -159,16 +160,16 @@ def test_the_base_has_a_general_skill_well_above_chance(project: Path) -> None:
 
 def test_a_candidate_that_forgot_the_general_skill_is_refused(project: Path) -> None:
     """A hundred steps at a high learning rate teach the format and wipe the digits skill."""
-    decision = read(project, "decision.json")
-    [kept] = [c for c in decision["checks"] if c["rule"] == "forgetting"]
-    assert (kept["suite"], kept["reference"], kept["items"]) == (GENERAL, BASE, 163)
-    assert kept["status"] == "fail" and kept["high"] < -0.05, kept["reason"]
-    assert decision["verdict"] == "fail" and not decision["passed"]
-    assert {c["rule"] for c in decision["checks"] if c["status"] == "fail"} == {"forgetting"}
-    assert decision["forgetting"] == {"suites": [GENERAL], "reference": BASE, "could_not_run": {}}
+    decision = Decision.read(project / "metrics" / "decision.json")
+    [kept] = [c for c in decision.checks if c.rule == "forgetting"]
+    assert (kept.suite, kept.reference, kept.items) == (GENERAL, BASE, 163)
+    assert kept.status == "fail" and kept.high < -0.05, kept.reason
+    assert decision.verdict == "fail" and not decision.passed
+    assert {c.rule for c in decision.checks if c.status == "fail"} == {"forgetting"}
+    assert decision.forgetting == Forgetting(suites=[GENERAL], reference=BASE, could_not_run={})
     text = (project / "reports/eval.md").read_text()
     assert "## Forgetting: general suites, candidate vs base" in text
-    assert f"| {GENERAL} | accuracy | {kept['reference_value']:.3f} | {kept['value']:.3f} |" in text
+    assert f"| {GENERAL} | accuracy | {kept.reference_value:.3f} | {kept.value:.3f} |" in text
 
     done = registry.register_candidate(load_params())
     assert not done.registered
@@ -189,12 +190,12 @@ def test_every_item_is_kept_and_judges_the_same_again(project: Path) -> None:
     assert set(items[FP8]) == {SUITE}
     # The demo suite's items carry their intent and language; no item has a source or month.
     assert set(items[CANDIDATE][SUITE].slices) == {"intent", "lang"}
-    decision = read(project, "decision.json")
-    assert {s["slice"].split("=")[0] for s in decision["slices"]} == {"intent", "lang"}
+    decision = Decision.read(project / "metrics" / "decision.json")
+    assert {s.slice.split("=")[0] for s in decision.slices} == {"intent", "lang"}
     again = gate.decide(
-        items, decision["higher_is_better"], params.gate, params.evaluate.suites, [GENERAL]
+        items, decision.higher_is_better, params.gate, params.evaluate.suites, [GENERAL]
     )
-    assert again["checks"] == decision["checks"]  # seeded: the same items, the same intervals
+    assert again.checks == decision.checks  # seeded: the same items, the same intervals
 
 
 def test_the_cards_describe_the_candidate_and_its_data(project: Path) -> None:
@@ -279,19 +280,19 @@ def test_a_team_that_accepts_the_loss_registers_the_candidate_and_its_fp4_format
         evaluate.main()
     finally:
         set_params(export={"formats": ["fp8"]})  # the later tests score FP8 only
-    decision = read(project, "decision.json")
-    assert decision["verdict"] == "pass", decision["reasons"][:3]
-    assert decision["thresholds"]["max_forgetting"] == 1.0
+    decision = Decision.read(project / "metrics" / "decision.json")
+    assert decision.verdict == "pass", decision.reasons[:3]
+    assert decision.thresholds.max_forgetting == 1.0
     # Each export scored against the candidate, item by item; FP4 by transformers (bf16).
     nvfp4, nvfp4a16 = gate.EXPORT_MODELS["nvfp4"], gate.EXPORT_MODELS["nvfp4a16"]
-    assert {nvfp4, nvfp4a16} <= set(read(project, "evaluate.json"))
+    assert {nvfp4, nvfp4a16} <= set(read_scores(project / "metrics" / "evaluate.json"))
     for model in (nvfp4, nvfp4a16):
-        assert decision["engines"][model].endswith("decompressed to bfloat16")
+        assert decision.engines[model].endswith("decompressed to bfloat16")
         assert (project / "metrics/eval-items" / f"{model}.jsonl").is_file()
     assert "Scored by:" in (project / "reports/eval.md").read_text()
-    exports = decision["exports"]
-    assert exports["nvfp4"]["refused"] and exports["nvfp4"]["status"] == "fail"
-    assert not exports["nvfp4a16"]["refused"] and exports["nvfp4a16"]["status"] == "pass"
+    exports = decision.exports
+    assert exports["nvfp4"].refused and exports["nvfp4"].status == "fail"
+    assert not exports["nvfp4a16"].refused and exports["nvfp4a16"].status == "pass"
     done = registry.register_candidate(params, flow_run_id="flow-1")
     assert done.registered and done.version == "1" and done.alias == registry.CHALLENGER
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
@@ -325,8 +326,8 @@ def test_a_planted_fp8_drop_fails_the_gate_on_the_real_path(project: Path) -> No
             quantization.FORMATS["fp8"], broken, project / "models/fp8", 1, 1
         )
         evaluate.main()
-        decision = read(project, "decision.json")
-        assert decision["verdict"] == "fail" and not decision["passed"]
+        decision = Decision.read(project / "metrics" / "decision.json")
+        assert decision.verdict == "fail" and not decision.passed
         assert ("fp8_within", "format_compliance") in failed_rules(decision)
         assert {rule for rule, _ in failed_rules(decision)} == {"fp8_within"}
     finally:
@@ -346,20 +347,20 @@ def test_a_candidate_worse_than_the_champion_is_not_registered(project: Path) ->
         stage.main()
 
     scores = read(project, "evaluate.json")
-    decision = read(project, "decision.json")
+    decision = Decision.read(project / "metrics" / "decision.json")
     assert set(scores) == {BASE, CHAMPION, CANDIDATE, FP8}
-    assert decision["champion"]["version"] == "1"
-    assert decision["verdict"] == "fail" and not decision["passed"]
+    assert decision.champion.version == "1"
+    assert decision.verdict == "fail" and not decision.passed
     assert ("no_regression", "format_compliance") in failed_rules(decision)
-    assert any("vs champion" in reason for reason in decision["failed"])
+    assert any("vs champion" in reason for reason in decision.failed)
     # The general skill is now judged against the champion, not the base.
-    assert decision["forgetting"]["reference"] == CHAMPION
+    assert decision.forgetting.reference == CHAMPION
     assert set(scores[CHAMPION]) == {SUITE, GENERAL}
 
     done = registry.register_candidate(load_params())
     assert not done.registered and done.version is None
     assert done.reasons[0] == "gate fail: nothing registered"
-    assert set(decision["failed"]) <= set(done.reasons)
+    assert set(decision.failed) <= set(done.reasons)
     versions = client.search_model_versions(f"name = '{name}'")
     assert [str(v.version) for v in versions] == ["1"]
     assert str(client.get_model_version_by_alias(name, "challenger").version) == "1"

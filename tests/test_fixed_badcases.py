@@ -25,6 +25,7 @@ from tuneloop.data.clean_cache import clean_pool
 from tuneloop.demo import domain, tiny
 from tuneloop.io import read_jsonl, read_model, write_json
 from tuneloop.judge import suites
+from tuneloop.judge.decision import FixedBadcases
 from tuneloop.judge.fixed_badcases import FixedBadcasesMetrics
 from tuneloop.judge.gate import (
     BASE,
@@ -214,15 +215,15 @@ def test_breaking_more_fixes_than_allowed_fails_the_gate() -> None:
         [SUITE],
         fixed_badcases=FIXED,
     )
-    assert decision["verdict"] == "fail"
-    fixed_ = decision["fixed_badcases"]
-    assert (fixed_["items"], fixed_["fixed_by_champion"], fixed_["broken"]) == (10, 8, 4)
-    assert fixed_["broken_ids"] == ["fix-0", "fix-1", "fix-2", "fix-3"]
-    assert decision["failed"] == [
+    assert decision.verdict == "fail"
+    fixed_ = decision.fixed_badcases
+    assert (fixed_.items, fixed_.fixed_by_champion, fixed_.broken) == (10, 8, 4)
+    assert fixed_.broken_ids == ["fix-0", "fix-1", "fix-2", "fix-3"]
+    assert decision.failed == [
         f"{FIXED}: the champion answers 8 of 10 corrected badcases right; the candidate breaks "
         "4 of them, allowed 3: FAIL (broken: fix-0, fix-1, fix-2, fix-3)"
     ]
-    assert decision["thresholds"]["max_broken_fixes"] == 3
+    assert decision.thresholds.max_broken_fixes == 3
     text = report(scores_of(items_with_fixed(champion, candidate)), decision, DIRECTIONS)
     assert "## Fixed badcases: fixed_badcases (10 items, max_broken_fixes 3)" in text
     assert "breaks 4 of them: **fail**" in text
@@ -238,21 +239,21 @@ def test_breaking_up_to_the_allowance_passes() -> None:
         [SUITE],
         fixed_badcases=FIXED,
     )
-    assert decision["verdict"] == "pass", decision["failed"]
-    assert decision["fixed_badcases"]["broken"] == 3
-    check = next(c for c in decision["checks"] if c["rule"] == "fixed_badcases")
-    assert check["status"] == "pass" and check["items"] == 8
-    assert any(r.startswith(f"{FIXED}: the champion answers 8 of 10") for r in decision["reasons"])
+    assert decision.verdict == "pass", decision.failed
+    assert decision.fixed_badcases.broken == 3
+    check = next(c for c in decision.checks if c.rule == "fixed_badcases")
+    assert check.status == "pass" and check.items == 8
+    assert any(r.startswith(f"{FIXED}: the champion answers 8 of 10") for r in decision.reasons)
 
 
 def test_an_empty_suite_is_said_and_judges_nothing() -> None:
     good = suite(right(range(150)))
     items = {BASE: {SUITE: suite(right(range(100)))}, CANDIDATE: {SUITE: good}, FP8: {SUITE: good}}
     decision = decide(items, DIRECTIONS, GATE, [SUITE])
-    assert decision["verdict"] == "pass"
-    assert decision["fixed_badcases"] == {"suite": None, "items": 0, "status": "empty"}
-    assert any("fixed badcases: the suite is empty" in r for r in decision["reasons"])
-    assert not [c for c in decision["checks"] if c["rule"] == "fixed_badcases"]
+    assert decision.verdict == "pass"
+    assert decision.fixed_badcases == FixedBadcases(suite=None, items=0, status="empty")
+    assert any("fixed badcases: the suite is empty" in r for r in decision.reasons)
+    assert not [c for c in decision.checks if c.rule == "fixed_badcases"]
     assert len(IDS) == N
 
 
@@ -268,5 +269,5 @@ def test_fixes_are_judged_on_the_answer_whatever_the_primary_metric() -> None:
         [SUITE],
         fixed_badcases=FIXED,
     )
-    fixed_ = decision["fixed_badcases"]
-    assert (fixed_["fixed_by_champion"], fixed_["broken"], fixed_["status"]) == (8, 4, "fail")
+    fixed_ = decision.fixed_badcases
+    assert (fixed_.fixed_by_champion, fixed_.broken, fixed_.status) == (8, 4, "fail")

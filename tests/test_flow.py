@@ -20,6 +20,7 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
 from tests.helpers import ROOT, flow_runs
+from tuneloop.orchestration.flow_results import PipelineRun, RetrainResult
 from tuneloop.pipeline import stage_order
 
 # The whole suite (`make test`): the retrain flow under dvc (the tiny project)
@@ -57,9 +58,11 @@ def dvc(repo: Path, *args: str, stderr: bool = False) -> str:
 
 
 @pytest.fixture(scope="module")
-def flow_result(tiny_project: tuple[Path, dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+def flow_result(tiny_project: tuple[Path, RetrainResult]) -> tuple[Path, PipelineRun]:
     """The session's tiny project, which the retrain flow built (``conftest.tiny_project``)."""
-    return tiny_project
+    repo, result = tiny_project
+    assert isinstance(result, PipelineRun), result
+    return repo, result
 
 
 def lock_tags(entry: dict[str, Any]) -> dict[str, str]:
@@ -73,20 +76,20 @@ def dvc_tags(run: Run) -> dict[str, str]:
     return {k: v for k, v in run.data.tags.items() if k.startswith(("dvc.dep.", "dvc.out."))}
 
 
-def test_flow_returns_counts_losses_and_scores(flow_result: tuple[Path, dict[str, Any]]) -> None:
+def test_flow_returns_counts_losses_and_scores(flow_result: tuple[Path, PipelineRun]) -> None:
     _, result = flow_result
-    assert result["data"]["accepted"] > 0 and result["data"]["train"] > 0
-    assert result["train"]["steps"] == 30
-    assert set(result["eval"]) == {"base", "candidate", "candidate-fp8"}
-    assert isinstance(result["decision"]["passed"], bool)
+    assert result.data.accepted > 0 and result.data.train > 0
+    assert result.train.steps == 30
+    assert set(result.eval) == {"base", "candidate", "candidate-fp8"}
+    assert isinstance(result.decision.passed, bool)
 
 
 def test_parent_run_has_one_child_per_stage_with_lineage(
-    flow_result: tuple[Path, dict[str, Any]],
+    flow_result: tuple[Path, PipelineRun],
 ) -> None:
     repo, result = flow_result
     parent, children = flow_runs(repo)
-    assert parent.info.run_id == result["mlflow_run_id"]
+    assert parent.info.run_id == result.mlflow_run_id
     assert sorted(children) == sorted(STAGES)
     commit = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
@@ -125,7 +128,7 @@ def test_dvc_is_up_to_date_after_the_flow(flow_result: tuple[Path, dict[str, Any
 
 
 def test_dvc_repro_after_the_flow_logs_to_the_store_without_its_server(
-    flow_result: tuple[Path, dict[str, Any]],
+    flow_result: tuple[Path, PipelineRun],
 ) -> None:
     # The flow tracked through its own local MLflow server, now stopped. A plain `dvc repro`
     # afterwards (a changed param, no server) opens the same store directly: the experiment
@@ -160,7 +163,7 @@ def test_dvc_repro_after_the_flow_logs_to_the_store_without_its_server(
 
 
 def test_a_second_run_finds_every_stage_cached(
-    flow_result: tuple[Path, dict[str, Any]],
+    flow_result: tuple[Path, PipelineRun],
 ) -> None:
     from flows.retrain import retrain
 
@@ -174,16 +177,18 @@ def test_a_second_run_finds_every_stage_cached(
         tags={"tuneloop.pipeline": "retrain", "prefect.flow_run_id": str(uuid.uuid4())},
     ).info.run_id
     second = retrain(repo=repo)
-    assert second["eval"] == first["eval"]
+    assert isinstance(second, PipelineRun)
+    assert second.eval == first.eval
     assert store.get_run(orphan).info.status == "KILLED"
     assert "tuneloop.killed_reason" in store.get_run(orphan).data.tags
     # Registered by the first run (when its gate passed): not announced, nor released, again.
-    assert second["registration"]["registered"] == first["registration"]["registered"]
-    assert not second["registration"]["created"]
+    assert second.registration is not None and first.registration is not None
+    assert second.registration.registered == first.registration.registered
+    assert not second.registration.created
     parent, _ = flow_runs(repo)
     latest = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}").search_runs(
         [parent.info.experiment_id],
-        filter_string=f"tags.mlflow.parentRunId = '{second['mlflow_run_id']}'",
+        filter_string=f"tags.mlflow.parentRunId = '{second.mlflow_run_id}'",
     )
     assert len(latest) == len(STAGES)
     # `init` always runs (DVC cannot see the registry's champion move), finds the start it
@@ -201,7 +206,7 @@ def test_a_second_run_finds_every_stage_cached(
 
 
 def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
-    flow_result: tuple[Path, dict[str, Any]],
+    flow_result: tuple[Path, PipelineRun],
 ) -> None:
     from flows.experiment import ExperimentFailed, experiment
 
@@ -274,7 +279,7 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
 
 
 def test_changing_the_learning_rate_reruns_train_and_after_only(
-    flow_result: tuple[Path, dict[str, Any]],
+    flow_result: tuple[Path, PipelineRun],
 ) -> None:
     # What `dvc repro` would run, not a run: the sweep above ran the stages after train for real
     # in its experiments, and the session's project is shared, so params.yaml is put back.

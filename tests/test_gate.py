@@ -24,6 +24,7 @@ from tests.gate_helpers import (
     suite,
 )
 from tuneloop.judge import gate, gate_report, scoring, stats
+from tuneloop.judge.decision import Champion, Decision, UnsettledRule
 from tuneloop.judge.gate import BASE, CANDIDATE, CHAMPION, FP8, GateError, SuiteItems, decide
 from tuneloop.params import BlindReviewParams, GateParams
 from tuneloop.review.store import VoteRow
@@ -39,7 +40,7 @@ def judge(
     general_items: dict[str, SuiteItems] | None = None,
     could_not_run: dict[str, str] | None = None,
     exports: tuple[str, ...] = ("fp8",),
-) -> dict:
+) -> Decision:
     items = {name: {SUITE: found} for name, found in models.items()}
     for name, found in (general_items or {}).items():
         items[name][GENERAL] = found
@@ -54,8 +55,8 @@ def judge(
     )
 
 
-def statuses(decision: dict, rule: str) -> dict[str, str]:
-    return {c["metric"]: c["status"] for c in decision["checks"] if c["rule"] == rule}
+def statuses(decision: Decision, rule: str) -> dict[str, str]:
+    return {c.metric: c.status for c in decision.checks if c.rule == rule}
 
 
 BASE_40 = suite(right(range(80)))  # 0.40
@@ -67,12 +68,12 @@ CANDIDATE_80 = suite(right(range(160)))  # 0.80, right wherever the base is, and
 
 def test_a_clear_gain_over_the_base_passes() -> None:
     decision = judge({BASE: BASE_40, CANDIDATE: CANDIDATE_80, FP8: CANDIDATE_80})
-    assert decision["verdict"] == "pass" and decision["passed"] is True
-    assert not decision["failed"] and not decision["inconclusive"]
-    [check] = [c for c in decision["checks"] if c["rule"] == "beats_base"]
-    assert check["diff"] == pytest.approx(0.40)
-    assert check["low"] >= 0.05 and check["low"] < 0.40 < check["high"]
-    assert any("no champion" in reason for reason in decision["reasons"])
+    assert decision.verdict == "pass" and decision.passed is True
+    assert not decision.failed and not decision.inconclusive
+    [check] = [c for c in decision.checks if c.rule == "beats_base"]
+    assert check.diff == pytest.approx(0.40)
+    assert check.low >= 0.05 and check.low < 0.40 < check.high
+    assert any("no champion" in reason for reason in decision.reasons)
 
 
 def test_a_gain_below_min_gain_even_at_its_upper_bound_fails() -> None:
@@ -80,16 +81,16 @@ def test_a_gain_below_min_gain_even_at_its_upper_bound_fails() -> None:
     base = SuiteItems.of(IDS, {"accuracy": [0.70] * N}, slices={"lang": LANG})
     candidate = SuiteItems.of(IDS, {"accuracy": [0.71] * N}, slices={"lang": LANG})
     decision = judge({BASE: base, CANDIDATE: candidate, FP8: candidate})
-    assert decision["verdict"] == "fail"
+    assert decision.verdict == "fail"
     assert statuses(decision, "beats_base") == {"accuracy": "fail"}
-    assert "needs at least +0.050: FAIL" in decision["failed"][0]
+    assert "needs at least +0.050: FAIL" in decision.failed[0]
 
 
 def test_a_gain_exactly_at_the_threshold_passes() -> None:
     # 0.75 - 0.70 is 0.04999999999999993 in floats; a tie must not fail.
     base = SuiteItems.of(IDS, {"accuracy": [0.70] * N})
     candidate = SuiteItems.of(IDS, {"accuracy": [0.75] * N})
-    assert judge({BASE: base, CANDIDATE: candidate, FP8: candidate})["verdict"] == "pass"
+    assert judge({BASE: base, CANDIDATE: candidate, FP8: candidate}).verdict == "pass"
 
 
 def test_a_one_point_gain_over_the_champion_on_200_items_is_inconclusive() -> None:
@@ -97,18 +98,16 @@ def test_a_one_point_gain_over_the_champion_on_200_items_is_inconclusive() -> No
     # Right on 140 of the champion's items and 12 others: 0.76, ten losses and twelve wins.
     candidate = suite(right(range(140), range(150, 162)))
     decision = judge({BASE: BASE_40, CHAMPION: champion, CANDIDATE: candidate, FP8: candidate})
-    assert decision["verdict"] == "inconclusive" and decision["passed"] is False
+    assert decision.verdict == "inconclusive" and decision.passed is False
     assert statuses(decision, "beats_base")["accuracy"] == "pass"
-    [check] = [
-        c for c in decision["checks"] if c["rule"] == "no_regression" and c["metric"] == "accuracy"
-    ]
-    assert check["status"] == "inconclusive" and check["blocking"]
-    assert check["diff"] == pytest.approx(0.01)
-    assert check["low"] < -0.02 < check["high"]
-    assert check["more_items"] > 0
-    assert decision["more_items"] == {SUITE: check["more_items"]}
-    assert decision["inconclusive"] == [check["reason"]]
-    assert f"about {check['more_items']} more items would settle it" in check["reason"]
+    [check] = [c for c in decision.checks if c.rule == "no_regression" and c.metric == "accuracy"]
+    assert check.status == "inconclusive" and check.blocking
+    assert check.diff == pytest.approx(0.01)
+    assert check.low < -0.02 < check.high
+    assert check.more_items > 0
+    assert decision.more_items == {SUITE: check.more_items}
+    assert decision.inconclusive == [check.reason]
+    assert f"about {check.more_items} more items would settle it" in check.reason
 
 
 def test_a_one_point_gain_over_the_base_with_no_min_gain_is_inconclusive() -> None:
@@ -116,7 +115,7 @@ def test_a_one_point_gain_over_the_base_with_no_min_gain_is_inconclusive() -> No
     candidate = suite(right(range(140), range(150, 162)))
     no_min = GATE.model_copy(update={"min_gain": 0.0})
     decision = judge({BASE: base, CANDIDATE: candidate, FP8: candidate}, no_min)
-    assert decision["verdict"] == "inconclusive"
+    assert decision.verdict == "inconclusive"
     assert statuses(decision, "beats_base") == {"accuracy": "inconclusive"}
 
 
@@ -132,7 +131,7 @@ def test_the_estimated_items_do_settle_it() -> None:
             FP8: suite(pattern_candidate),
         }
     )
-    total = N + first["more_items"][SUITE]
+    total = N + first.more_items[SUITE]
     copies = -(-total // N)
     ids = [str(i) for i in range(copies * N)]
 
@@ -146,16 +145,16 @@ def test_the_estimated_items_do_settle_it() -> None:
         FP8: {SUITE: grown(pattern_candidate)},
     }
     decision = decide(items, DIRECTIONS, GATE, [SUITE])
-    assert decision["verdict"] == "pass", decision["reasons"][:2]
+    assert decision.verdict == "pass", decision.reasons[:2]
 
 
 def test_falling_behind_the_champion_past_the_limit_fails() -> None:
     champion = suite(right(range(160)))  # 0.80
     candidate = suite(right(range(120)))  # 0.60: 40 items lost, none won
     decision = judge({BASE: BASE_40, CHAMPION: champion, CANDIDATE: candidate, FP8: candidate})
-    assert decision["verdict"] == "fail"
+    assert decision.verdict == "fail"
     assert statuses(decision, "no_regression")["accuracy"] == "fail"
-    assert "candidate 0.600 vs champion 0.800: better by -0.200" in decision["failed"][0]
+    assert "candidate 0.600 vs champion 0.800: better by -0.200" in decision.failed[0]
 
 
 def test_hallucinating_more_than_the_champion_fails_lower_is_better() -> None:
@@ -163,17 +162,17 @@ def test_hallucinating_more_than_the_champion_fails_lower_is_better() -> None:
     champion = suite(right(range(160)), right(unanswerable[:2]))  # 2 of 40: 0.05
     candidate = suite(right(range(160)), right(unanswerable[:20]))  # 20 of 40: 0.50
     decision = judge({BASE: BASE_40, CHAMPION: champion, CANDIDATE: candidate, FP8: candidate})
-    assert decision["verdict"] == "fail"
-    [check] = [c for c in decision["checks"] if c["status"] == "fail"]
-    assert (check["rule"], check["metric"]) == ("no_regression", "hallucination_rate")
-    assert check["items"] == 40 and check["diff"] == pytest.approx(-0.45)
-    assert "(lower is better)" in check["reason"]
+    assert decision.verdict == "fail"
+    [check] = [c for c in decision.checks if c.status == "fail"]
+    assert (check.rule, check.metric) == ("no_regression", "hallucination_rate")
+    assert check.items == 40 and check.diff == pytest.approx(-0.45)
+    assert "(lower is better)" in check.reason
 
 
 def test_an_fp8_export_that_drops_past_the_limit_fails() -> None:
     fp8 = suite(right(range(130)))  # 0.65 against the candidate's 0.80
     decision = judge({BASE: BASE_40, CANDIDATE: CANDIDATE_80, FP8: fp8})
-    assert decision["verdict"] == "fail"
+    assert decision.verdict == "fail"
     assert statuses(decision, "fp8_within")["accuracy"] == "fail"
 
 
@@ -184,14 +183,14 @@ def test_an_fp8_export_that_is_not_served_is_compared_but_decides_nothing() -> N
         {BASE: BASE_40, CANDIDATE: CANDIDATE_80, FP8: fp8},
         GATE.model_copy(update={"fp8_max_drop": None}),
     )
-    assert decision["verdict"] == "pass" and decision["thresholds"]["fp8_max_drop"] is None
-    assert not [c for c in decision["checks"] if c["rule"] == "fp8_within"]
+    assert decision.verdict == "pass" and decision.thresholds.fp8_max_drop is None
+    assert not [c for c in decision.checks if c.rule == "fp8_within"]
     [compared] = [
         c
-        for c in decision["comparisons"]
-        if (c["model"], c["reference"], c["metric"]) == (FP8, CANDIDATE, "accuracy")
+        for c in decision.comparisons
+        if (c.model, c.reference, c.metric) == (FP8, CANDIDATE, "accuracy")
     ]
-    assert compared["diff"] == pytest.approx(-0.15)
+    assert compared.diff == pytest.approx(-0.15)
     scores = gate.scores_of(
         {m: {SUITE: found} for m, found in ((BASE, BASE_40), (CANDIDATE, CANDIDATE_80), (FP8, fp8))}
     )
@@ -215,19 +214,19 @@ def test_an_fp4_export_past_its_tolerance_is_refused_and_the_candidate_still_pas
     }
     decision = judge(models, exports=ALL_FORMATS)
     # FP4 judges the format, not the candidate: the verdict is FP8's and the candidate's.
-    assert decision["verdict"] == "pass"
-    assert not [c for c in decision["checks"] if c["rule"].startswith("nvfp4")]
-    exports = decision["exports"]
-    assert (exports["nvfp4"]["status"], exports["nvfp4"]["refused"]) == ("fail", True)
-    assert (exports["nvfp4a16"]["status"], exports["nvfp4a16"]["refused"]) == ("pass", False)
-    assert (exports["fp8"]["status"], exports["fp8"]["refused"]) == ("pass", False)
-    [failed] = [c for c in exports["nvfp4"]["checks"] if c["status"] == "fail"]
-    assert (failed["rule"], failed["metric"], failed["threshold"]) == (
+    assert decision.verdict == "pass"
+    assert not [c for c in decision.checks if c.rule.startswith("nvfp4")]
+    exports = decision.exports
+    assert (exports["nvfp4"].status, exports["nvfp4"].refused) == ("fail", True)
+    assert (exports["nvfp4a16"].status, exports["nvfp4a16"].refused) == ("pass", False)
+    assert (exports["fp8"].status, exports["fp8"].refused) == ("pass", False)
+    [failed] = [c for c in exports["nvfp4"].checks if c.status == "fail"]
+    assert (failed.rule, failed.metric, failed.threshold) == (
         "nvfp4_within", "accuracy", -0.05,
     )  # fmt: skip
-    assert failed["diff"] == pytest.approx(-0.15)
-    assert any(r.startswith("nvfp4 refused, not registered") for r in decision["reasons"])
-    assert decision["thresholds"]["fp4_max_drop"] == 0.05
+    assert failed.diff == pytest.approx(-0.15)
+    assert any(r.startswith("nvfp4 refused, not registered") for r in decision.reasons)
+    assert decision.thresholds.fp4_max_drop == 0.05
     scores = gate.scores_of({m: {SUITE: found} for m, found in models.items()})
     text = gate_report.report(scores, decision, DIRECTIONS)
     assert f"{NVFP4} vs candidate" in text and f"{NVFP4A16} vs candidate" in text
@@ -238,12 +237,12 @@ def test_an_unsettled_fp4_rule_refuses_the_format_only_when_unsettled_rules_bloc
     close = suite(right(range(154)))
     models = {BASE: BASE_40, CANDIDATE: CANDIDATE_80, FP8: CANDIDATE_80, NVFP4: close}
     blocked = judge(models, exports=("fp8", "nvfp4"))
-    assert blocked["exports"]["nvfp4"]["status"] == "inconclusive"
-    assert blocked["exports"]["nvfp4"]["refused"] is True
+    assert blocked.exports["nvfp4"].status == "inconclusive"
+    assert blocked.exports["nvfp4"].refused is True
     warned = judge(
         models, GATE.model_copy(update={"on_inconclusive": "warn"}), exports=("fp8", "nvfp4")
     )
-    assert warned["exports"]["nvfp4"]["refused"] is False
+    assert warned.exports["nvfp4"].refused is False
 
 
 def test_an_fp4_export_with_a_null_tolerance_is_compared_not_ruled() -> None:
@@ -256,15 +255,15 @@ def test_an_fp4_export_with_a_null_tolerance_is_compared_not_ruled() -> None:
     decision = judge(
         models, GATE.model_copy(update={"fp4_max_drop": None}), exports=("fp8", "nvfp4")
     )
-    assert decision["verdict"] == "pass"
-    nvfp4 = decision["exports"]["nvfp4"]
-    assert (nvfp4["status"], nvfp4["refused"], nvfp4["checks"]) == ("not a rule", False, [])
+    assert decision.verdict == "pass"
+    nvfp4 = decision.exports["nvfp4"]
+    assert (nvfp4.status, nvfp4.refused, nvfp4.checks) == ("not a rule", False, [])
     [compared] = [
         c
-        for c in decision["comparisons"]
-        if (c["model"], c["reference"], c["metric"]) == (NVFP4, CANDIDATE, "accuracy")
+        for c in decision.comparisons
+        if (c.model, c.reference, c.metric) == (NVFP4, CANDIDATE, "accuracy")
     ]
-    assert compared["diff"] == pytest.approx(-0.15)
+    assert compared.diff == pytest.approx(-0.15)
     scores = gate.scores_of({m: {SUITE: found} for m, found in models.items()})
     text = gate_report.report(scores, decision, DIRECTIONS)
     assert f"{NVFP4}: nvfp4: compared below, not a rule (gate.fp4_max_drop is null)" in text
@@ -282,12 +281,12 @@ def test_a_forgetting_drop_past_the_budget_fails() -> None:
         {BASE: BASE_40, CANDIDATE: CANDIDATE_80, FP8: CANDIDATE_80},
         general_items={BASE: base_general, CANDIDATE: forgot},
     )
-    assert decision["verdict"] == "fail"
-    [check] = [c for c in decision["checks"] if c["rule"] == "forgetting"]
-    assert check["status"] == "fail" and check["reference"] == BASE
-    assert check["diff"] == pytest.approx(-0.30)
-    assert check["high"] < -0.05
-    assert decision["forgetting"]["suites"] == [GENERAL]
+    assert decision.verdict == "fail"
+    [check] = [c for c in decision.checks if c.rule == "forgetting"]
+    assert check.status == "fail" and check.reference == BASE
+    assert check.diff == pytest.approx(-0.30)
+    assert check.high < -0.05
+    assert decision.forgetting.suites == [GENERAL]
 
 
 def test_forgetting_is_judged_against_the_champion_when_there_is_one() -> None:
@@ -303,12 +302,12 @@ def test_forgetting_is_judged_against_the_champion_when_there_is_one() -> None:
             CANDIDATE: candidate_general,
         },
     )
-    [check] = [c for c in decision["checks"] if c["rule"] == "forgetting"]
-    assert check["reference"] == CHAMPION and check["status"] == "pass"
-    assert decision["verdict"] == "pass"
+    [check] = [c for c in decision.checks if c.rule == "forgetting"]
+    assert check.reference == CHAMPION and check.status == "pass"
+    assert decision.verdict == "pass"
 
 
-def _unsettled_forgetting(params: GateParams) -> dict:
+def _unsettled_forgetting(params: GateParams) -> Decision:
     # 20 items, the candidate lost 2: the interval reaches past the budget, but nothing
     # shows that it lost more than the budget.
     ids = [str(i) for i in range(20)]
@@ -328,41 +327,41 @@ def _unsettled_forgetting(params: GateParams) -> dict:
 def test_an_unsettled_forgetting_check_blocks_by_default() -> None:
     assert GATE.on_inconclusive == "block"
     decision = _unsettled_forgetting(GATE)
-    assert decision["verdict"] == "inconclusive" and decision["passed"] is False
-    [check] = [c for c in decision["checks"] if c["rule"] == "forgetting"]
-    assert check["status"] == "inconclusive" and check["blocking"]
-    assert check["more_items"] > 0 and decision["inconclusive"] == [check["reason"]]
-    assert decision["more_items"] == {GENERAL: check["more_items"]}
-    [listed] = decision["unsettled"]
-    assert listed["rule"] == "forgetting" and listed["more_items"] == check["more_items"]
+    assert decision.verdict == "inconclusive" and decision.passed is False
+    [check] = [c for c in decision.checks if c.rule == "forgetting"]
+    assert check.status == "inconclusive" and check.blocking
+    assert check.more_items > 0 and decision.inconclusive == [check.reason]
+    assert decision.more_items == {GENERAL: check.more_items}
+    [listed] = decision.unsettled
+    assert listed.rule == "forgetting" and listed.more_items == check.more_items
 
 
 def test_with_warn_an_unsettled_rule_lets_the_candidate_through_and_is_listed() -> None:
     decision = _unsettled_forgetting(GATE.model_copy(update={"on_inconclusive": "warn"}))
-    assert decision["verdict"] == "pass" and decision["passed"] is True
-    assert decision["on_inconclusive"] == "warn" and not decision["inconclusive"]
-    [check] = [c for c in decision["checks"] if c["rule"] == "forgetting"]
-    assert check["status"] == "inconclusive" and not check["blocking"]
-    [listed] = decision["unsettled"]
-    assert listed == {
-        "rule": "forgetting",
-        "suite": GENERAL,
-        "metric": "accuracy",
-        "slice": None,
-        "more_items": check["more_items"],
-        "blocking": False,
-        "reason": check["reason"],
-        "line": "forgetting general_demo/accuracy: inconclusive, about "
-        f"{check['more_items']} more items would settle it",
-    }
-    assert "about" in listed["reason"] and str(check["more_items"]) in listed["reason"]
-    assert any("gate.on_inconclusive: warn" in r for r in decision["reasons"])
+    assert decision.verdict == "pass" and decision.passed is True
+    assert decision.on_inconclusive == "warn" and not decision.inconclusive
+    [check] = [c for c in decision.checks if c.rule == "forgetting"]
+    assert check.status == "inconclusive" and not check.blocking
+    [listed] = decision.unsettled
+    assert listed == UnsettledRule(
+        rule="forgetting",
+        suite=GENERAL,
+        metric="accuracy",
+        slice=None,
+        more_items=check.more_items,
+        blocking=False,
+        reason=check.reason,
+        line="forgetting general_demo/accuracy: inconclusive, about "
+        f"{check.more_items} more items would settle it",
+    )
+    assert "about" in listed.reason and str(check.more_items) in listed.reason
+    assert any("gate.on_inconclusive: warn" in r for r in decision.reasons)
 
 
 def test_warn_never_lets_a_failure_through() -> None:
     warn = GATE.model_copy(update={"on_inconclusive": "warn"})
     decision = judge({BASE: BASE_40, CANDIDATE: BASE_40, FP8: BASE_40}, warn)
-    assert decision["verdict"] == "fail" and decision["passed"] is False
+    assert decision.verdict == "fail" and decision.passed is False
 
 
 # --- the blind review's rule -------------------------------------------------------------------
@@ -387,25 +386,25 @@ def test_the_review_blocks_without_enough_votes_whatever_on_inconclusive_says() 
     for mode in ("block", "warn"):
         params = REVIEWED.model_copy(update={"on_inconclusive": mode})
         check = gate.review_check(_review(wins=20, losses=0), params)
-        assert check["status"] == "inconclusive" and check["blocking"]
-        assert check["more_items"] == 10 and "10 more votes needed" in check["reason"]
+        assert check.status == "inconclusive" and check.blocking
+        assert check.more_items == 10 and "10 more votes needed" in check.reason
 
 
 def test_the_review_passes_a_clear_win_and_fails_a_clear_loss() -> None:
     won = gate.review_check(_review(wins=40, losses=8, ties=12), REVIEWED)
-    assert won["status"] == "pass" and won["low"] >= 0.4 and not won["blocking"]
+    assert won.status == "pass" and won.low >= 0.4 and not won.blocking
     lost = gate.review_check(_review(wins=6, losses=44, ties=10), REVIEWED)
-    assert lost["status"] == "fail" and lost["high"] < 0.4 and lost["blocking"]
-    assert lost["reason"].endswith("FAIL")
+    assert lost.status == "fail" and lost.high < 0.4 and lost.blocking
+    assert lost.reason.endswith("FAIL")
 
 
 def test_a_review_too_close_to_call_says_how_many_more_votes_settle_it() -> None:
     # 22 of 40 decisive votes: the interval straddles 0.4.
     close = gate.review_check(_review(wins=22, losses=18), REVIEWED)
-    assert close["status"] == "inconclusive" and close["blocking"]
-    assert close["low"] < 0.4 < close["high"] and close["more_items"] > 0
+    assert close.status == "inconclusive" and close.blocking
+    assert close.low < 0.4 < close.high and close.more_items > 0
     warn = REVIEWED.model_copy(update={"on_inconclusive": "warn"})
-    assert not gate.review_check(_review(wins=22, losses=18), warn)["blocking"]
+    assert not gate.review_check(_review(wins=22, losses=18), warn).blocking
     with pytest.raises(GateError, match="blind_review is not set"):
         gate.review_check(_review(wins=22, losses=18), GATE)
 
@@ -416,9 +415,9 @@ def test_a_general_suite_that_could_not_run_is_named_not_dropped() -> None:
         {BASE: BASE_40, CANDIDATE: CANDIDATE_80, FP8: CANDIDATE_80},
         could_not_run={"mmlu_stem": why},
     )
-    assert decision["forgetting"]["could_not_run"] == {"mmlu_stem": why}
-    assert f"general suite mmlu_stem: {why}" in decision["reasons"]
-    assert "forgetting budget not enforced: no general suite could run" in decision["reasons"]
+    assert decision.forgetting.could_not_run == {"mmlu_stem": why}
+    assert f"general suite mmlu_stem: {why}" in decision.reasons
+    assert "forgetting budget not enforced: no general suite could run" in decision.reasons
     text = gate_report.report(
         gate.scores_of(
             {
@@ -447,26 +446,26 @@ def regressed_in_zh() -> dict[str, SuiteItems]:
 
 def test_a_slice_that_regressed_is_named_even_when_the_whole_passes() -> None:
     decision = judge(regressed_in_zh())
-    assert decision["verdict"] == "pass"
-    assert decision["regressed_slices"] == ["support_demo/accuracy [lang=zh]"]
-    [zh] = [s for s in decision["slices"] if s["slice"] == "lang=zh" and s["metric"] == "accuracy"]
-    assert zh["items"] == 50 and zh["diff"] == pytest.approx(-0.50) and zh["regressed"]
+    assert decision.verdict == "pass"
+    assert decision.regressed_slices == ["support_demo/accuracy [lang=zh]"]
+    [zh] = [s for s in decision.slices if s.slice == "lang=zh" and s.metric == "accuracy"]
+    assert zh.items == 50 and zh.diff == pytest.approx(-0.50) and zh.regressed
     assert any(
         r.startswith("slice regressed (reported only): support_demo/accuracy [lang=zh]")
-        for r in decision["reasons"]
+        for r in decision.reasons
     )
-    [en] = [s for s in decision["slices"] if s["slice"] == "lang=en" and s["metric"] == "accuracy"]
-    assert not en["regressed"] and en["diff"] == pytest.approx(0.3667, abs=1e-3)
+    [en] = [s for s in decision.slices if s.slice == "lang=en" and s.metric == "accuracy"]
+    assert not en.regressed and en.diff == pytest.approx(0.3667, abs=1e-3)
     # Unanswerable items fall in both languages: every metric has figures in both slices.
-    assert {s["slice"] for s in decision["slices"]} == {"lang=zh", "lang=en"}
+    assert {s.slice for s in decision.slices} == {"lang=zh", "lang=en"}
 
 
 def test_max_slice_regression_makes_a_regressed_slice_block() -> None:
     strict = GATE.model_copy(update={"max_slice_regression": 0.10})
     decision = judge(regressed_in_zh(), strict)
-    assert decision["verdict"] == "fail"
-    [check] = [c for c in decision["checks"] if c["status"] == "fail"]
-    assert (check["rule"], check["slice"]) == ("slice_regression", "lang=zh")
+    assert decision.verdict == "fail"
+    [check] = [c for c in decision.checks if c.status == "fail"]
+    assert (check.rule, check.slice) == ("slice_regression", "lang=zh")
 
 
 def test_the_report_shows_intervals_slices_and_general_suites() -> None:
@@ -476,13 +475,13 @@ def test_the_report_shows_intervals_slices_and_general_suites() -> None:
         CHAMPION: general(right(range(180))),
         CANDIDATE: general(right(range(179))),
     }
-    decision = judge(models, general_items=general_items)
-    decision["champion"] = {"name": "m", "version": "3", "run_id": "", "source": ""}
+    champion = Champion(name="m", version="3", run_id="", source="")
+    decision = judge(models, general_items=general_items).judged(champion, "", "hf", {})
     items = {name: {SUITE: found} for name, found in models.items()}
     for name, found in general_items.items():
         items[name][GENERAL] = found
     text = gate_report.report(gate.scores_of(items), decision, DIRECTIONS)
-    assert f"Gate: **{decision['verdict'].upper()}**" in text and "Champion: m v3" in text
+    assert f"Gate: **{decision.verdict.upper()}**" in text and "Champion: m v3" in text
     header = next(line for line in text.splitlines() if line.startswith("| metric"))
     assert "candidate vs champion" in header and "candidate-fp8 vs candidate" in header
     row = next(line for line in text.splitlines() if line.startswith("| accuracy ↑"))
@@ -500,10 +499,10 @@ def test_the_report_shows_intervals_slices_and_general_suites() -> None:
 def test_the_same_seed_gives_the_same_interval_and_another_seed_another() -> None:
     models = regressed_in_zh()
     first, again = judge(models), judge(models)
-    assert first["checks"] == again["checks"]
+    assert first.checks == again.checks
     other = judge(models, GATE.model_copy(update={"seed": 1}))
-    lows = [(c["low"], c["high"]) for c in first["checks"]]
-    assert lows != [(c["low"], c["high"]) for c in other["checks"]]
+    lows = [(c.low, c.high) for c in first.checks]
+    assert lows != [(c.low, c.high) for c in other.checks]
 
 
 def test_bootstrap_means_are_weighted_and_paired() -> None:

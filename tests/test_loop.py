@@ -15,7 +15,6 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -30,9 +29,12 @@ from tests.helpers import (
     mlflow_server,
     write_params,
 )
-from tuneloop.demo.report import format_loop
+from tuneloop.demo.report import DemoRelease, ProjectMonth, format_loop
+from tuneloop.judge.decision import Decision
+from tuneloop.orchestration.flow_results import PipelineRun
 from tuneloop.params import load_params
 from tuneloop.tracking import init_from, registry
+from tuneloop.tracking.registry import Registration
 
 # The whole suite (`make test`): months of the loop, transformers serve, Chromium
 pytestmark = pytest.mark.slow
@@ -83,7 +85,7 @@ OVERLAY = {
 @pytest.fixture(scope="module")
 def loop(
     tmp_path_factory: pytest.TempPathFactory, prefect_harness: None
-) -> Iterator[tuple[Path, list[dict[str, Any]]]]:
+) -> Iterator[tuple[Path, list[ProjectMonth]]]:
     from prefect.settings import PREFECT_API_URL
 
     from flows import demo as demo_flow
@@ -97,11 +99,19 @@ def loop(
     before = dict(os.environ)
     os.environ["PREFECT_API_URL"] = str(PREFECT_API_URL.value())  # the session's server
     try:
-        history = demo_flow.run(repo, months=2, approval_wait_s=1.0)
+        found = demo_flow.run(repo, months=2, approval_wait_s=1.0)
+        history = [month for month in found if isinstance(month, ProjectMonth)]
+        assert history == found, "a project of one task: a month is a ProjectMonth"
     finally:
         os.environ.clear()
         os.environ.update(before)
     yield repo, history
+
+
+def registered(month: ProjectMonth) -> Registration:
+    assert isinstance(month.retrain, PipelineRun), month.retrain
+    assert month.retrain.registration is not None
+    return month.retrain.registration
 
 
 def versions(repo: Path) -> dict[int, ModelVersion]:
@@ -115,26 +125,26 @@ def alias(repo: Path, name: str) -> int:
 
 
 def test_each_month_registers_a_candidate_after_the_base(
-    loop: tuple[Path, list[dict[str, Any]]],
+    loop: tuple[Path, list[ProjectMonth]],
 ) -> None:
     repo, history = loop
-    assert [month["month"] for month in history] == [1, 2]
+    assert [month.month for month in history] == [1, 2]
     for month in history:
-        registration = month["retrain"]["registration"]
-        assert registration["registered"] and registration["alias"] == "challenger", registration
+        registration = registered(month)
+        assert registration.registered and registration.alias == "challenger", registration
     found = versions(repo)
     assert sorted(found) == [1, 2, 3]
     assert registry.TAG_BASE in found[1].tags  # the first champion: the base itself
-    made = [month["retrain"]["registration"]["version"] for month in history]
+    made = [registered(month).version for month in history]
     assert made == ["2", "3"]
 
 
 def test_month_two_trained_from_the_champion_month_one_released(
-    loop: tuple[Path, list[dict[str, Any]]],
+    loop: tuple[Path, list[ProjectMonth]],
 ) -> None:
     repo, history = loop
-    first = history[0]["release"]
-    assert first["outcome"] == "promoted", first
+    first = history[0].release
+    assert first.outcome == "promoted", first
     found = versions(repo)
     # Month 1 started from the first champion, which is the registered base (v1).
     assert found[2].tags[init_from.TAG] == f"champion {MODEL} v1"
@@ -149,23 +159,24 @@ def test_month_two_trained_from_the_champion_month_one_released(
 
 
 def test_month_two_was_judged_against_the_champion_and_its_fixed_badcases(
-    loop: tuple[Path, list[dict[str, Any]]],
+    loop: tuple[Path, list[ProjectMonth]],
 ) -> None:
     repo, _ = loop
-    decision = json.loads((repo / "metrics" / "decision.json").read_text())
-    assert decision["champion"]["version"] == "2", decision.get("champion")
-    assert any("candidate" in r and "vs champion" in r for r in decision["reasons"]), decision
+    decision = Decision.read(repo / "metrics" / "decision.json")
+    assert decision.champion is not None and decision.champion.version == "2", decision.champion
+    assert any("candidate" in r and "vs champion" in r for r in decision.reasons), decision
     # Month 1's corrections, scored for the champion (month 1's model) and the candidate; the
     # ones the champion answers right must stay right. (The tests' 40-step model answers few
     # exactly, so how many it fixed is not asserted; the rule's counting is test_gate's.)
-    fixed = decision["fixed_badcases"]
-    assert fixed["suite"] == "fixed_badcases" and fixed["items"] > 0, fixed
-    assert fixed["broken"] <= fixed["max_broken_fixes"] and fixed["status"] == "pass"
-    assert any(r.startswith("fixed_badcases: the champion answers") for r in decision["reasons"])
+    fixed = decision.fixed_badcases
+    assert fixed.suite == "fixed_badcases" and fixed.items > 0, fixed
+    assert fixed.max_broken_fixes is not None and fixed.broken <= fixed.max_broken_fixes
+    assert fixed.status == "pass"
+    assert any(r.startswith("fixed_badcases: the champion answers") for r in decision.reasons)
 
 
 def test_router_feedback_reached_the_pool_with_arm_and_model_version(
-    loop: tuple[Path, list[dict[str, Any]]],
+    loop: tuple[Path, list[ProjectMonth]],
 ) -> None:
     repo, history = loop
     pool = load_params(repo / "params.yaml").paths.pool
@@ -180,68 +191,72 @@ def test_router_feedback_reached_the_pool_with_arm_and_model_version(
     # Released in month 1 behind the router: the base (v1) and month 1's candidate (v2).
     assert {r["meta"]["model_version"] for r in feedback} <= {"1", "2"}
     assert all(r["corrected_response"] for r in feedback)
-    assert history[1]["retrain"]["data"]["by_source"]["router-feedback"] > 0
+    month_2 = history[1].retrain
+    assert isinstance(month_2, PipelineRun) and month_2.data.by_source["router-feedback"] > 0
 
 
 def test_both_releases_ran_as_flows_with_their_approver_recorded(
-    loop: tuple[Path, list[dict[str, Any]]],
+    loop: tuple[Path, list[ProjectMonth]],
 ) -> None:
     repo, history = loop
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     for month, version in zip(history, ("2", "3"), strict=True):
-        release = month["release"]
-        assert release["outcome"] in {"promoted", "rolled_back"}, release
-        approvals = month["release"]["demo_approvals"]
-        assert approvals, f"month {month['month']}: nobody approved"
+        release = month.release
+        assert isinstance(release, DemoRelease), release
+        assert release.outcome in {"promoted", "rolled_back"}, release
+        assert release.demo_approvals, f"month {month.month}: nobody approved"
         tags = client.get_run(versions(repo)[int(version)].run_id).data.tags
         recorded = [v for k, v in tags.items() if k.startswith("release.approval.")]
         assert recorded and all("demo-operator" in v for v in recorded), tags
     # The champion alias is where the second release left it.
-    if history[1]["release"]["outcome"] == "promoted":
+    if history[1].release.outcome == "promoted":
         assert (alias(repo, "champion"), alias(repo, "previous-champion")) == (3, 2)
     else:
         assert alias(repo, "champion") == 2
 
 
 def test_month_one_was_reviewed_blind_by_the_panel_and_its_release_showed_it(
-    loop: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+    loop: tuple[Path, list[ProjectMonth]], tmp_path: Path
 ) -> None:
     repo, history = loop
-    review = history[0]["review"]
-    assert review["review"] == f"{MODEL}-v2" and "review" not in history[1]
+    review = history[0].review
+    assert review is not None and review.review == f"{MODEL}-v2" and history[1].review is None
     # Three reviewers, each through the page's HTTP API: every item, plus their controls.
-    items = review["results"]["items"]
-    assert set(review["votes_by_reviewer"]) == {"ana", "bo", "chen"}
-    assert all(cast > items for cast in review["votes_by_reviewer"].values()), review
-    assert review["results"]["votes"] == 3 * items
-    assert review["check"] is None  # gate.blind_review unset: reported, never blocking
-    form = history[0]["release"]["approval_form"]
-    assert f"Blind review: {review['summary']}" in form and "| slice | votes |" in form
+    items = review.results["items"]
+    assert set(review.votes_by_reviewer) == {"ana", "bo", "chen"}
+    assert all(cast > items for cast in review.votes_by_reviewer.values()), review
+    assert review.results["votes"] == 3 * items
+    assert review.check is None  # gate.blind_review unset: reported, never blocking
+    form = history[0].release.approval_form
+    assert f"Blind review: {review.summary}" in form and "| slice | votes |" in form
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     candidate = versions(repo)[2]
     run = client.get_run(str(candidate.run_id))
     assert run.data.metrics["review.votes"] == 3 * items
-    assert candidate.tags["review.result"] == review["summary"]
+    assert candidate.tags["review.result"] == review.summary
     # The demo tracked through its own MLflow server, which keeps artifacts as plain files:
     # the store alone reads them back once the server is gone.
     folder = Path(client.download_artifacts(str(candidate.run_id), "", str(tmp_path)))
     assert (folder / "review" / "results.png").is_file()
     assert "| all |" in (folder / "review" / "results.md").read_text(encoding="utf-8")
     card = (folder / "evaluation" / "model-card.md").read_text(encoding="utf-8")
-    assert f"{review['summary']}." in card
-    summary = format_loop(history)
-    assert f"  review   {review['summary']}" in summary
+    assert f"{review.summary}." in card
+    summary = format_loop(list(history))
+    assert f"  review   {review.summary}" in summary
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium")
 def test_the_mlflow_ui_compares_the_two_months(
-    loop: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+    loop: tuple[Path, list[ProjectMonth]], tmp_path: Path
 ) -> None:
     """The compare view of the two retrain runs, rendered by a real browser (the manual's
     picture of it comes from the demo: docs/screenshots.py)."""
     repo, history = loop
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
-    runs = [month["retrain"]["mlflow_run_id"] for month in history]
+    runs = []
+    for month in history:
+        assert isinstance(month.retrain, PipelineRun), month.retrain
+        runs.append(month.retrain.mlflow_run_id)
     experiment = client.get_run(runs[0]).info.experiment_id
     ids = ",".join(f'"{run}"' for run in runs)
     with mlflow_server(f"sqlite:///{repo / 'mlflow.db'}") as base:

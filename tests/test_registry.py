@@ -20,10 +20,12 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from stages import base, export
+from tests.gate_helpers import a_decision
 from tests.helpers import ROOT, write_params
 from tuneloop.data.metrics import CleanMetrics, ReplayMetrics
 from tuneloop.io import write_json, write_text
 from tuneloop.judge import cards, gate, gate_report
+from tuneloop.judge.decision import Champion, UnsettledRule
 from tuneloop.params import Params, load_params
 from tuneloop.tracking import init_from, registry
 
@@ -57,11 +59,17 @@ def planted(candidate: float, champion: float | None = None) -> gate.Items:
 
 def write_evaluation(params: Params, items: gate.Items, champion: str | None) -> None:
     """What the evaluate stage leaves behind, for planted per-item scores."""
-    decision = gate.decide(items, DIRECTIONS, params.gate, [SUITE])
-    decision["champion"] = None if champion is None else {"name": NAME, "version": champion}
-    decision["candidate_key"] = registry.candidate_key(params.paths.merged)
+    compared = None
+    if champion is not None:
+        compared = Champion(name=NAME, version=champion, run_id="", source="")
+    decision = gate.decide(items, DIRECTIONS, params.gate, [SUITE]).judged(
+        champion=compared,
+        candidate_key=registry.candidate_key(params.paths.merged),
+        backend="hf",
+        engines={},
+    )
     scores = gate.scores_of(items)
-    write_json(params.paths.metrics / "decision.json", decision)
+    decision.write(params.paths.metrics / "decision.json")
     write_json(params.paths.metrics / "evaluate.json", scores)
     write_text(params.paths.reports / "eval.md", gate_report.report(scores, decision, DIRECTIONS))
     gate_report.plot(scores, DIRECTIONS, params.paths.reports / "eval.png")
@@ -229,12 +237,9 @@ def test_the_champion_is_found_and_downloaded(project: Path, tmp_path: Path, cha
     store = client(project)
     found = registry.find_alias(NAME, registry.CHAMPION, store)
     assert found is not None and str(found.version) == "1"
-    assert registry.describe(found) == {
-        "name": NAME,
-        "version": "1",
-        "run_id": found.run_id,
-        "source": found.source,
-    }
+    assert registry.describe(found) == Champion(
+        name=NAME, version="1", run_id=found.run_id, source=found.source
+    )
     merged = registry.download_folder(found, registry.MERGED, tmp_path / "m")
     assert (merged / "model.safetensors").read_bytes() == (
         project / "models/merged/model.safetensors"
@@ -381,8 +386,9 @@ def test_a_decision_without_a_verdict_is_stale(project: Path) -> None:
     old = {k: v for k, v in decision.items() if k != "verdict"} | {"passed": True}
     write_json(params.paths.metrics / "decision.json", old)
     try:
-        with pytest.raises(registry.StaleDecision, match="has no verdict"):
+        with pytest.raises(registry.StaleDecision, match=r"is not a valid Decision") as error:
             registry.register_candidate(params)
+        assert "verdict" in str(error.value) and "dvc repro evaluate" in str(error.value)
     finally:
         write_json(params.paths.metrics / "decision.json", decision)
 
@@ -419,17 +425,33 @@ def test_a_lora_candidate_is_registered_with_its_adapter_and_its_base(
     assert registry.adapter_base(store.get_model_version(NAME, champion)) is None
 
 
+def unsettled(line: str, blocking: bool) -> UnsettledRule:
+    return UnsettledRule(
+        rule="forgetting",
+        suite="general_demo",
+        metric="accuracy",
+        slice=None,
+        more_items=40,
+        blocking=blocking,
+        reason=line,
+        line=line,
+    )
+
+
 def test_rules_let_through_unsettled_become_the_versions_tags() -> None:
-    entry = {"line": "forgetting general_demo/accuracy: inconclusive, about 40 more items"}
-    decision = {
-        "on_inconclusive": "warn",
-        "unsettled": [{**entry, "blocking": False}, {"line": "blocks", "blocking": True}],
-    }
+    line = "forgetting general_demo/accuracy: inconclusive, about 40 more items"
+    decision = a_decision().model_copy(
+        update={
+            "on_inconclusive": "warn",
+            "unsettled": [unsettled(line, False), unsettled("blocks", True)],
+        }
+    )
     assert registry.unsettled_tags(decision) == {
         registry.TAG_ON_INCONCLUSIVE: "warn",
-        registry.TAG_UNSETTLED: entry["line"],
+        registry.TAG_UNSETTLED: line,
     }
-    many = {"unsettled": [{"line": f"{i:03d} " + "x" * 96, "blocking": False} for i in range(80)]}
+    lines = [unsettled(f"{i:03d} " + "x" * 96, False) for i in range(80)]
+    many = a_decision().model_copy(update={"unsettled": lines})
     tags = registry.unsettled_tags(many)
     assert tags[registry.TAG_ON_INCONCLUSIVE] == "block"
     kept = tags[registry.TAG_UNSETTLED].splitlines()

@@ -44,6 +44,7 @@ from tests.router_helpers import (
 )
 from tuneloop.cli import main as cli
 from tuneloop.net import free_port
+from tuneloop.orchestration.flow_results import ReleaseOutcome
 from tuneloop.release import approval, signoff
 from tuneloop.release.backends import Backend, start_transformers_serve
 from tuneloop.review import store as review_store
@@ -275,7 +276,7 @@ class FlowThread:
         return state
 
 
-def release_outcome(state: State[Any]) -> dict[str, Any]:
+def release_outcome(state: State[Any]) -> ReleaseOutcome:
     from flows.release import release_outcome as outcome
 
     return outcome(state)
@@ -376,9 +377,9 @@ def test_canary_ramps_with_cli_approvals_and_promotes(
         time.sleep(1.0)  # a few batches at 100 %
     assert state.is_completed(), state
     result = state.result()
-    assert result["outcome"] == "promoted"
-    assert [h["percent"] for h in result["history"] if h["kind"] == "shift"] == [10, 50, 100]
-    assert [h["approver"] for h in result["history"] if h["kind"] == "approval"] == ["alice", "bob"]
+    assert result.outcome == "promoted"
+    assert [h["percent"] for h in result.history if h["kind"] == "shift"] == [10, 50, 100]
+    assert [h["approver"] for h in result.history if h["kind"] == "approval"] == ["alice", "bob"]
 
     # The registry: the candidate is champion, the old champion kept for an instant return.
     found = aliases.get_registered_model(MODEL).aliases
@@ -434,21 +435,21 @@ def test_badcases_on_the_canary_roll_back_by_themselves(
         final = router_status(url)
     assert state.is_failed(), state
     result = release_outcome(state)
-    assert result["outcome"] == "rolled_back"
+    assert result.outcome == "rolled_back"
     # Every decided analysis failed; an inconclusive one (too few canary requests on a busy
     # runner) only extended its interval.
-    analyses = [h for h in result["history"] if h["kind"] == "analysis"]
+    analyses = [h for h in result.history if h["kind"] == "analysis"]
     decided = [h for h in analyses if not h["extended"]]
-    assert result["failures"] == RELEASE["failure_limit"] == len(decided)
+    assert result.failures == RELEASE["failure_limit"] == len(decided)
     assert all(h["outcome"] != "pass" for h in analyses)
-    assert "badcase_rate" in result["reason"]
-    assert result["rollback_seconds"] < 1.0
+    assert "badcase_rate" in result.reason
+    assert result.rollback_seconds < 1.0
     assert final["challenger_percent"] == 0
     # By itself, within failure_limit intervals of the canary (plus bookkeeping).
-    recorded = {e["kind"]: e for e in events(repo, aliases, result["flow_run_id"])}
+    recorded = {e["kind"]: e for e in events(repo, aliases, result.flow_run_id)}
     took = _seconds(recorded["shift"]["at"], recorded["rollback"]["at"])
     logger.warning(
-        "canary -> rollback in %.1f s; rollback call %.3f s", took, result["rollback_seconds"]
+        "canary -> rollback in %.1f s; rollback call %.3f s", took, result.rollback_seconds
     )
     assert took <= len(analyses) * RELEASE["analysis_interval"] + 4
     # After the rollback every request went to the champion.
@@ -527,9 +528,9 @@ def test_a_canary_that_fails_while_waiting_for_approval_rolls_back(
         assert not approval.waiting_releases()
     assert state.is_failed(), state
     result = release_outcome(state)
-    assert result["outcome"] == "rolled_back"
-    assert "badcase_rate" in result["reason"]
-    assert result["failures"] == RELEASE["failure_limit"]
+    assert result.outcome == "rolled_back"
+    assert "badcase_rate" in result.reason
+    assert result.failures == RELEASE["failure_limit"]
     assert final["challenger_percent"] == 0
     assert {k: str(v) for k, v in aliases.get_registered_model(MODEL).aliases.items()} == {
         "champion": "1",

@@ -193,7 +193,7 @@ def run_release(tmp_path: Path, challenger_text: str, answer: bool) -> dict[str,
     state = out["state"]
     result = release_outcome(state)
     run_id = str(client.get_model_version(MODEL, "2").run_id)
-    log = client.download_artifacts(run_id, f"release/{result['flow_run_id']}.jsonl", str(tmp_path))
+    log = client.download_artifacts(run_id, f"release/{result.flow_run_id}.jsonl", str(tmp_path))
     return {
         "state": state,
         "result": result,
@@ -216,8 +216,8 @@ def test_a_challenger_in_format_passes_the_shadow_step_and_only_then_gets_the_ca
 ) -> None:
     found = run_release(tmp_path, "[warranty] The kettle has a 24-month warranty.", answer=True)
     assert no_user_saw_the_challenger(found["replies"]) >= 10
-    kinds = [(h["kind"], h.get("percent")) for h in found["result"]["history"]]
-    shadow_analyses = [h for h in found["result"]["history"] if h["kind"] == "shadow_analysis"]
+    kinds = [(h["kind"], h.get("percent")) for h in found["result"].history]
+    shadow_analyses = [h for h in found["result"].history if h["kind"] == "shadow_analysis"]
     assert kinds[0] == ("shadow", 100) and ("shadow", 0) in kinds
     assert kinds.index(("shadow", 0)) < kinds.index(("shift", 10))
     assert shadow_analyses[-1]["outcome"] == "pass"
@@ -241,11 +241,11 @@ def test_a_challenger_that_breaks_the_answer_format_fails_the_shadow_step(
     no_user_saw_the_challenger(found["replies"])
     state, result = found["state"], found["result"]
     assert state.is_failed(), state
-    assert result["outcome"] == "rolled_back"
-    assert result["reason"].startswith("shadow step:")
-    assert "shadow_format_compliance" in result["reason"]
-    assert result["failures"] == RELEASE["failure_limit"]
-    assert "shift" not in {h["kind"] for h in result["history"]}  # no canary, ever
+    assert result.outcome == "rolled_back"
+    assert result.reason.startswith("shadow step:")
+    assert "shadow_format_compliance" in result.reason
+    assert result.failures == RELEASE["failure_limit"]
+    assert "shift" not in {h["kind"] for h in result.history}  # no canary, ever
     assert {percent for _, percent, _, _ in found["replies"]} == {0}
     assert (found["final"]["challenger_percent"], found["final"]["shadow_percent"]) == (0, 0)
     assert found["metrics"]["release.analysis.shadow_format_compliance.challenger"] == 0.0

@@ -304,8 +304,8 @@ def reaches_mlflow_the_card_and_status(store: ReviewStore, folder: Path) -> None
         update={"blind_review": BlindReviewParams(min_votes=10, margin=0.1)}
     )
     judged = signoff.judge_review(store, "browser", gate)
-    assert judged.check is not None and judged.check["status"] == "inconclusive"
-    assert "6 more votes needed" in judged.check["reason"]
+    assert judged.check is not None and judged.check.status == "inconclusive"
+    assert "6 more votes needed" in judged.check.reason
     signoff.record_review(client, run_id, judged, candidate)
 
     run = client.get_run(run_id)

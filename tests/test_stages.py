@@ -18,8 +18,10 @@ from tests.helpers import ROOT, flow_runs
 from tuneloop.data.metrics import CleanMetrics, IngestMetrics, PackMetrics
 from tuneloop.demo import domain
 from tuneloop.io import read_model
+from tuneloop.judge.decision import Decision, read_scores
 from tuneloop.judge.fixed_badcases import FixedBadcasesMetrics
 from tuneloop.models import BaseMetrics
+from tuneloop.orchestration.flow_results import RetrainResult
 from tuneloop.pipeline import stage_order
 from tuneloop.preflight.run import PreflightMetrics
 from tuneloop.quantization import ExportMetrics
@@ -38,7 +40,7 @@ def metrics(folder: Path, stage: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def project(tiny_project: tuple[Path, dict[str, Any]]) -> Path:
+def project(tiny_project: tuple[Path, RetrainResult]) -> Path:
     """The session's tiny project: every stage ran once, under the retrain flow."""
     return tiny_project[0]
 
@@ -163,7 +165,11 @@ def test_every_metrics_file_reads_back_through_its_model(project: Path) -> None:
     # Every stage wrote its file, and no file is left without a model.
     assert {path.stem for path in files} - GATE_FILES == set(METRICS_MODELS)
     for path in files:
-        if path.stem in GATE_FILES:
+        if path.stem == "decision":
+            assert Decision.read(path).verdict in {"pass", "fail", "inconclusive"}, path
+            continue
+        if path.stem == "evaluate":
+            assert read_scores(path), path
             continue
         record = read_model(path, METRICS_MODELS[path.stem])
         # Nothing lost or added on the way: the model writes back the file it read.

@@ -17,6 +17,8 @@ import yaml
 
 from tests.helpers import copy_project, write_params
 from tuneloop.demo import domain
+from tuneloop.judge.decision import Decision
+from tuneloop.orchestration.flow_results import PipelineRun, TaskFailed, TasksRun, TaskUnchanged
 from tuneloop.params import ParamsError, load_params
 
 # The whole suite (`make test`): two tasks' pipelines under the retrain flow, dvc repro
@@ -76,7 +78,7 @@ def changed_stages(repo: Path) -> set[str]:
 @pytest.fixture(scope="module")
 def two_tasks(
     tmp_path_factory: pytest.TempPathFactory, prefect_harness: None
-) -> tuple[Path, dict[str, Any]]:
+) -> tuple[Path, TasksRun]:
     from flows.retrain import retrain
 
     repo = copy_project(tmp_path_factory.mktemp("two-tasks"))
@@ -89,67 +91,70 @@ def two_tasks(
     domain.seed_month(incoming / "orders", params.demo.model_copy(update={"seed": 7}))
     small = {"seed": 9, "n_support": 80, "n_badcases": 8}
     domain.seed_month(incoming / "broken", params.demo.model_copy(update=small))
-    return repo, retrain(repo=repo)
+    result = retrain(repo=repo)
+    assert isinstance(result, TasksRun), result
+    return repo, result
 
 
 def test_each_task_runs_its_own_pipeline_and_registers_its_own_model(
-    two_tasks: tuple[Path, dict[str, Any]],
+    two_tasks: tuple[Path, TasksRun],
 ) -> None:
     repo, result = two_tasks
     # The task between them failed in preflight, and the next task still ran.
-    assert result["failed"] == ["broken"]
-    broken = result["tasks"]["broken"]
-    assert broken["outcome"] == "failed" and "task-preflight@broken" in broken["error"]
+    assert result.failed == ["broken"]
+    broken = result.tasks["broken"]
+    assert isinstance(broken, TaskFailed) and "task-preflight@broken" in broken.error
     assert not (repo / "tasks/broken/models/adapter").exists()
     for task in ("support", "orders"):
-        outcome = result["tasks"][task]
-        assert outcome["outcome"] == "ran", outcome
+        outcome = result.tasks[task]
+        assert isinstance(outcome, PipelineRun), outcome
         folder = repo / "tasks" / task
         # Its own adapter, trained on its own records, judged by its own gate.
         assert (folder / "models/adapter/adapter_config.json").exists()
         assert json.loads((folder / "models/adapter/adapter_config.json").read_text())["r"] == (
             4 if task == "orders" else load_params(repo / "params.yaml").train.lora_r
         )
-        decision = json.loads((folder / "metrics/decision.json").read_text())
-        assert decision["passed"] is outcome["decision"]["passed"]
-        assert outcome["registration"]["name"] == TASKS[task]["registered_model"]
+        decision = Decision.read(folder / "metrics/decision.json")
+        assert decision.passed is outcome.decision.passed
+        assert outcome.registration is not None
+        assert outcome.registration.name == TASKS[task]["registered_model"]
         # Its records only: clean saw the pool batches of its own folder.
         clean = json.loads((folder / "metrics/clean.json").read_text())
         assert clean["batches"] and all(b.endswith(f"_{task}") for b in clean["batches"])
     # The interference report: a row per task, each adapter new, nothing moved unrun.
-    report = Path(result["report"]).read_text()
-    assert result["report_text"] == report  # the month's own, kept when the file is rewritten
+    report = Path(result.report).read_text()
+    assert result.report_text == report  # the month's own, kept when the file is rewritten
     assert "| broken | failed |" in report and "Moved without running: none." in report
     for task in ("support", "orders"):
         assert f"| {task} | ran | none -> " in report
     # The month on the results branch: the lock, each task's metrics, the report.
     listed = subprocess.run(
-        ["git", "ls-tree", "-r", "--name-only", result["results"]["branch"]],
+        ["git", "ls-tree", "-r", "--name-only", result.results.branch],
         cwd=repo, capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
     for path in ("dvc.lock", "reports/tasks.md", "tasks/orders/metrics/decision.json"):
         assert path in listed, path
     # The single adapter trained on every task's records where the project's own stages
     # write, judged and not registered, then set beside each task's adapter that ran.
-    single = result["single"]
-    assert single["outcome"] == "ran" and "registration" not in single, single
+    single = result.single
+    assert isinstance(single, PipelineRun) and single.registration is None, single
     clean = json.loads((repo / "metrics/clean.json").read_text())
     assert {b.rsplit("_", 1)[1] for b in clean["batches"]} == set(TASKS)
-    compared = {(row["task"], row["suite"], row["metric"]): row for row in single["compared"]}
+    compared = {(row.task, row.suite, row.metric): row for row in result.compared or []}
     assert {task for task, _, _ in compared} == {"support", "orders"}
     row = compared[("orders", "support_demo", "accuracy")]
     orders = json.loads((repo / "tasks/orders/metrics/evaluate.json").read_text())
     mine = json.loads((repo / "metrics/evaluate.json").read_text())
-    assert row["value"] == pytest.approx(orders["candidate"]["support_demo"]["accuracy"])
-    assert row["reference_value"] == pytest.approx(mine["candidate"]["support_demo"]["accuracy"])
-    assert row["items"] == SMALL["evaluate"]["limit"]
-    assert row["better"] in ("adapter", "single", "no settled difference")
+    assert row.value == pytest.approx(orders["candidate"]["support_demo"]["accuracy"])
+    assert row.reference_value == pytest.approx(mine["candidate"]["support_demo"]["accuracy"])
+    assert row.items == SMALL["evaluate"]["limit"]
+    assert row.better in ("adapter", "single", "no settled difference")
     assert "One adapter on every task's data (tuneloop-all): ran, gate " in report
     assert "not registered" in report and "| orders | support_demo/accuracy |" in report
 
 
 @pytest.fixture(scope="module")
-def orders_month_2(two_tasks: tuple[Path, dict[str, Any]]) -> tuple[set[str], set[str]]:
+def orders_month_2(two_tasks: tuple[Path, TasksRun]) -> tuple[set[str], set[str]]:
     """New records for orders alone, ingested; the stages DVC saw changed before and after."""
     repo, _ = two_tasks
     before = changed_stages(repo)
@@ -164,7 +169,7 @@ def orders_month_2(two_tasks: tuple[Path, dict[str, Any]]) -> tuple[set[str], se
 
 
 def test_a_change_to_one_task_reruns_only_that_tasks_stages(
-    two_tasks: tuple[Path, dict[str, Any]], orders_month_2: tuple[set[str], set[str]]
+    two_tasks: tuple[Path, TasksRun], orders_month_2: tuple[set[str], set[str]]
 ) -> None:
     repo, _ = two_tasks
     before, changed = orders_month_2
@@ -184,7 +189,7 @@ def test_a_change_to_one_task_reruns_only_that_tasks_stages(
 
 
 def test_one_task_is_run_by_hand_and_the_others_stay_as_they_were(
-    two_tasks: tuple[Path, dict[str, Any]],
+    two_tasks: tuple[Path, TasksRun],
     orders_month_2: tuple[set[str], set[str]],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -223,7 +228,7 @@ def test_one_task_is_run_by_hand_and_the_others_stay_as_they_were(
 
 
 def test_on_the_schedule_a_task_whose_champion_trained_on_all_its_records_keeps_it(
-    two_tasks: tuple[Path, dict[str, Any]],
+    two_tasks: tuple[Path, TasksRun],
 ) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -239,7 +244,9 @@ def test_on_the_schedule_a_task_whose_champion_trained_on_all_its_records_keeps_
         # No champion yet (the test registered no base): there is something new to learn.
         assert nothing_new(support) is None
         # Support's candidate released: its champion trained on every support batch there is.
-        version = result["tasks"]["support"]["registration"]["version"]
+        support_run = result.tasks["support"]
+        assert isinstance(support_run, PipelineRun) and support_run.registration is not None
+        version = support_run.registration.version
         name = support.tracking.registered_model
         MlflowClient().set_registered_model_alias(name, registry.CHAMPION, str(version))
         said = nothing_new(support)
@@ -251,9 +258,8 @@ def test_on_the_schedule_a_task_whose_champion_trained_on_all_its_records_keeps_
         assert nothing_new(params.for_task("orders")) is None
         # The report's row for a task left alone, and it did not count as moved.
         state = tasks_report.states(repo, params)
-        text = tasks_report.report(
-            params, state, state, {"support": {"outcome": "unchanged", "reason": said}}
-        )
+        assert said is not None
+        text = tasks_report.report(params, state, state, {"support": TaskUnchanged(reason=said)})
     row = next(line for line in text.splitlines() if line.startswith("| support |"))
     assert "| nothing new | " in row and said in row and "(untouched)" in row, row
     assert "Moved without running: none." in text

@@ -7,7 +7,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tuneloop.orchestration.flow_results import PipelineRun, RetrainResult
 
 
 def _seed_demo(args: argparse.Namespace) -> int:
@@ -27,60 +30,59 @@ def _seed_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_pipeline(result: dict[str, Any]) -> None:
+def _print_pipeline(result: PipelineRun) -> None:
     """One pipeline's data, training, scores, gate and registration: the project's, or one
     task's when params.yaml lists ``tasks:``."""
     from tuneloop.demo.report import losses, metric_figures
 
-    data, train, decision = result["data"], result["train"], result["decision"]
+    data, train, decision = result.data, result.train, result.decision
     print(
-        f"data   {data['lines']} lines in -> {data['accepted']} accepted, "
-        f"{data['quarantined']} quarantined, {data['duplicates']} duplicates; "
-        f"pool {data['pool']} records -> {data['train']} train / {data['val']} val, "
-        f"{data['dpo_pairs']} DPO pairs"
+        f"data   {data.lines} lines in -> {data.accepted} accepted, "
+        f"{data.quarantined} quarantined, {data.duplicates} duplicates; "
+        f"pool {data.pool} records -> {data.train} train / {data.val} val, "
+        f"{data.dpo_pairs} DPO pairs"
     )
-    speed = train["tokens_per_second"]
+    speed = train.tokens_per_second
     print(f"train  {losses(train)}" + (f", {speed:.0f} tokens/s" if speed is not None else ""))
-    for model, suites in result["eval"].items():
+    for model, suites in result.eval.items():
         for suite, metrics in suites.items():
             print(f"eval   {model:<14} {suite}: {metric_figures(metrics)}")
-    print(f"gate   {str(decision['verdict']).upper()}")
-    for reason in decision["reasons"]:
+    print(f"gate   {decision.verdict.upper()}")
+    for reason in decision.reasons:
         print(f"       {reason}")
-    registration = result.get("registration") or {}
-    if registration.get("registered"):
+    registration = result.registration
+    if registration is not None and registration.registered:
         print(
-            f"model  registered {registration['name']} v{registration['version']} "
-            f"as {registration['alias']!r}"
+            f"model  registered {registration.name} v{registration.version} "
+            f"as {registration.alias!r}"
         )
     else:
         print("model  not registered:")
-        for reason in registration.get("reasons", []):
+        for reason in [] if registration is None else registration.reasons:
             print(f"       {reason}")
 
 
-def _print_summary(result: dict[str, Any]) -> None:
+def _print_summary(result: RetrainResult) -> None:
+    from tuneloop.orchestration.flow_results import PipelineRun
+
     print("\n=== tuneloop retrain: summary ===")
-    if "tasks" not in result:
+    if isinstance(result, PipelineRun):
         _print_pipeline(result)
-    for task, outcome in result.get("tasks", {}).items():
-        print(f"\n--- task {task}")
-        if outcome["outcome"] == "unchanged":
-            print(f"not run: {outcome['reason']}; its champion stays")
-        elif outcome["outcome"] == "failed":
-            print(f"FAILED: {outcome['error']}")
-        else:
-            _print_pipeline(outcome)
-    single = result.get("single")
-    if single is not None:  # schedule.task_models: single or both
-        print("\n--- one adapter on every task's data")
-        if single["outcome"] == "failed":
-            print(f"FAILED: {single['error']}")
-        else:
-            _print_pipeline(single)
-    if "report_text" in result:  # every task, what ran and what did not move (tasks_report)
+    else:
+        outcomes = [*(("task " + t, o) for t, o in result.tasks.items())]
+        if result.single is not None:  # schedule.task_models: single or both
+            outcomes.append(("one adapter on every task's data", result.single))
+        for said, outcome in outcomes:
+            print(f"\n--- {said}")
+            if outcome.outcome == "unchanged":
+                print(f"not run: {outcome.reason}; its champion stays")
+            elif outcome.outcome == "failed":
+                print(f"FAILED: {outcome.error}")
+            else:
+                _print_pipeline(outcome)
+        # Every task, what ran and what did not move (tasks_report).
         print()
-        print(result["report_text"])
+        print(result.report_text)
     print(
         "\nSee it:\n"
         "  MLflow  .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000"
@@ -98,7 +100,7 @@ def _retrain(args: argparse.Namespace) -> int:
     result = retrain(repo=Path(args.repo), tasks=args.task)
     _print_summary(result)
     if args.json:
-        print(json.dumps(result, indent=2, ensure_ascii=False))
+        print(result.model_dump_json(indent=2))
     return 0
 
 
@@ -126,7 +128,9 @@ def _demo(args: argparse.Namespace) -> int:
     models = tuple(params.for_task(t).tracking.registered_model for t in params.task_names())
     print(format_loop(history, models))
     if args.json:
-        print(json.dumps(history, indent=2, ensure_ascii=False, default=str))
+        print(
+            json.dumps([m.model_dump(mode="json") for m in history], indent=2, ensure_ascii=False)
+        )
     return 0
 
 

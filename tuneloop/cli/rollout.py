@@ -119,9 +119,9 @@ def _release(args: argparse.Namespace) -> int:
         overrides = yaml.safe_load(Path(args.overrides).read_text(encoding="utf-8")) or {}
     state = release(repo=Path(args.repo), overrides=overrides, task=args.task, return_state=True)
     outcome = release_outcome(state)
-    print(f"release {outcome['outcome']}: {outcome['reason']}")
+    print(f"release {outcome.outcome}: {outcome.reason}")
     if args.json:
-        print(json.dumps(outcome, indent=2, ensure_ascii=False, default=str))
+        print(outcome.model_dump_json(indent=2))
     return 0 if state.is_completed() else 1
 
 

@@ -10,8 +10,19 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from tuneloop.judge.decision import Check, Scores
+from tuneloop.orchestration.flow_results import (
+    PipelineRun,
+    ReleaseOutcome,
+    TaskOutcome,
+    TrainSummary,
+)
 
 WHERE_TO_LOOK = """
 Where to look:
@@ -28,19 +39,88 @@ Where to look:
 """
 
 
-def losses(train: dict[str, Any]) -> str:
+class _Summary(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ArmTraffic(_Summary):
+    """What the demo's customers on one arm saw."""
+
+    requests: int
+    wrong: int
+    flagged: int
+    errors: int
+
+
+class Traffic(_Summary):
+    seconds: float
+    arms: dict[str, ArmTraffic]
+    feedback_refused: dict[str, int]  # HTTP status -> feedback posts the router refused
+
+
+class DemoRelease(ReleaseOutcome):
+    """A release of the demo: the flow's outcome, its final state, and the customers' side."""
+
+    state: str | None  # the flow run's final state name
+    message: str | None
+    demo_approvals: list[dict[str, Any]]  # what the demo approved for nobody (approval.approve)
+    traffic: Traffic | None
+
+
+class DemoReview(_Summary):
+    """The demo panel's blind review of a month's challenger."""
+
+    review: str
+    votes_by_reviewer: dict[str, int]
+    summary: str
+    table: str
+    results: dict[str, Any]  # tuneloop.review.tally.ReviewResults.as_dict()
+    check: Check | None  # None without gate.blind_review
+
+
+class TaskMonth(_Summary):
+    """A month of one task (or of a project of one task): retrain, review, release."""
+
+    retrain: TaskOutcome
+    review: DemoReview | None = None
+    # Not released: the outcome says why, in a sentence (``flows.demo.not_released``).
+    release: DemoRelease | ReleaseOutcome
+
+
+class ProjectMonth(TaskMonth):
+    month: int
+    label: str
+    seconds: float
+
+
+class TasksMonth(_Summary):
+    """A month of several tasks: each task's month and the interference report."""
+
+    month: int
+    label: str
+    seconds: float
+    tasks: dict[str, TaskMonth]
+    report: str  # the report's path
+    report_text: str  # the month's own text: the file holds the last month's only
+    failed: list[str]
+
+
+DemoMonth = ProjectMonth | TasksMonth
+
+
+def losses(train: TrainSummary) -> str:
     """A retrain's losses in words; a run shorter than ``train.logging_steps`` logged none."""
-    first, last, val = train.get("loss_first"), train.get("loss_last"), train.get("eval_loss")
+    first, last, val = train.loss_first, train.loss_last, train.eval_loss
     if first is None or last is None:
         shown = "no loss logged (fewer steps than train.logging_steps)"
     else:
         shown = f"loss {first:.3f} -> {last:.3f}"
     if val is not None:
         shown += f" (val {val:.3f})"
-    return f"{shown} in {train['steps']} steps"
+    return f"{shown} in {train.steps} steps"
 
 
-def metric_figures(metrics: dict[str, Any]) -> str:
+def metric_figures(metrics: Mapping[str, float | None]) -> str:
     """``accuracy 0.625, ...``; a metric a suite could not compute (no unanswerable item
     among the scored ones, say) is "n/a", not a crash."""
     return ", ".join(
@@ -49,16 +129,16 @@ def metric_figures(metrics: dict[str, Any]) -> str:
     )
 
 
-def _scores(evaluation: dict[str, Any], model: str) -> str:
+def _scores(evaluation: Scores, model: str) -> str:
     suites = evaluation.get(model)
     if not suites:
         return "-"
     return "; ".join(f"{suite}: {metric_figures(metrics)}" for suite, metrics in suites.items())
 
 
-def _release_lines(release: dict[str, Any]) -> list[str]:
-    lines = [f"  release  {release.get('outcome', '?')}: {release.get('reason', '')}"]
-    for event in release.get("history", []):
+def _release_lines(release: ReleaseOutcome) -> list[str]:
+    lines = [f"  release  {release.outcome}: {release.reason}"]
+    for event in release.history:
         kind = event.get("kind")
         if kind == "shift":
             lines.append(f"           challenger -> {event['percent']} %")
@@ -75,59 +155,55 @@ def _release_lines(release: dict[str, Any]) -> list[str]:
             lines.append(
                 f"           rollback in {event['seconds'] * 1000:.0f} ms: {event['reason']}"
             )
-    seen = release.get("traffic", {}).get("arms", {})
+    seen = release.traffic.arms if isinstance(release, DemoRelease) and release.traffic else {}
     for arm, tally in seen.items():
         lines.append(
-            f"           customers on {arm}: {tally['requests']} requests, {tally['wrong']} wrong "
-            f"answers, {tally['flagged']} flagged as badcases"
+            f"           customers on {arm}: {tally.requests} requests, {tally.wrong} wrong "
+            f"answers, {tally.flagged} flagged as badcases"
         )
     return lines
 
 
-def _retrain_lines(retrain: dict[str, Any]) -> list[str]:
+def _retrain_lines(retrain: PipelineRun) -> list[str]:
     """What one retrain (of the project, or of one task) brought, scored and decided."""
-    data, decision = retrain["data"], retrain["decision"]
-    by_source = data.get("by_source") or {}
-    sources = ", ".join(f"{n} {s}" for s, n in sorted(by_source.items()))
+    data, decision = retrain.data, retrain.decision
+    sources = ", ".join(f"{n} {s}" for s, n in sorted(data.by_source.items()))
     out = [
-        f"  data     {data['lines']} lines -> {data['accepted']} new records"
+        f"  data     {data.lines} lines -> {data.accepted} new records"
         + (f" ({sources})" if sources else "")
-        + f"; pool {data['pool']}; train {data['train']} / val {data['val']}"
+        + f"; pool {data.pool}; train {data.train} / val {data.val}"
     ]
-    train = retrain["train"]
-    out.append(f"  train    from {train.get('init_from', 'base')}: {losses(train)}")
-    evaluation = retrain["eval"]
+    train = retrain.train
+    out.append(f"  train    from {train.init_from}: {losses(train)}")
+    evaluation = retrain.eval
     for name in ("base", "champion", "candidate"):
         if name in evaluation:
             out.append(f"  eval     {name:<10} {_scores(evaluation, name)}")
-    verdict = "PASS" if decision["passed"] else str(decision["verdict"]).upper()
-    let_through = [u for u in decision.get("unsettled", []) if not u["blocking"]]
+    verdict = "PASS" if decision.passed else decision.verdict.upper()
+    let_through = decision.let_through()
     if let_through:
         verdict += f", {len(let_through)} rule(s) unsettled (gate.on_inconclusive: warn)"
     out.append(f"  gate     {verdict}")
-    out.extend(f"           {reason}" for reason in decision.get("reasons", []))
-    registration = retrain.get("registration") or {}
-    if registration.get("registered"):
-        out.append(
-            f"  registry {registration['name']} v{registration['version']} "
-            f"({registration['alias']})"
-        )
+    out.extend(f"           {reason}" for reason in decision.reasons)
+    registration = retrain.registration
+    if registration is not None and registration.registered:
+        out.append(f"  registry {registration.name} v{registration.version} ({registration.alias})")
     return out
 
 
-def _month_lines(entry: dict[str, Any]) -> list[str]:
+def _month_lines(entry: TaskMonth) -> list[str]:
     """A month of one task: its retrain (or why it did not run), review and release."""
-    retrain = entry["retrain"]
-    if retrain.get("outcome") == "unchanged":
-        return [f"  retrain  not run: {retrain['reason']}; its champion stays"]
-    if retrain.get("outcome") == "failed":
-        return [f"  retrain  FAILED: {retrain['error']}"]
+    retrain = entry.retrain
+    if retrain.outcome == "unchanged":
+        return [f"  retrain  not run: {retrain.reason}; its champion stays"]
+    if retrain.outcome == "failed":
+        return [f"  retrain  FAILED: {retrain.error}"]
     out = _retrain_lines(retrain)
-    review = entry.get("review")
+    review = entry.review
     if review:
-        out.append(f"  review   {review['summary']}")
-        out.extend(f"           {line}" for line in review["table"].splitlines() if line)
-    out.extend(_release_lines(entry.get("release") or {}))
+        out.append(f"  review   {review.summary}")
+        out.extend(f"           {line}" for line in review.table.splitlines() if line)
+    out.extend(_release_lines(entry.release))
     return out
 
 
@@ -136,25 +212,23 @@ def _task_table(report: str) -> list[str]:
     return [line for line in report.splitlines() if line.startswith(("|", "Moved without running"))]
 
 
-def format_loop(
-    history: list[dict[str, Any]], models: tuple[str, ...] = ("tuneloop-support",)
-) -> str:
+def format_loop(history: list[DemoMonth], models: tuple[str, ...] = ("tuneloop-support",)) -> str:
     """The summary of ``history`` (``flows.demo.run``'s); ``models``: the registered models."""
     out = ["", "=== tuneloop: the loop, month by month ==="]
     for month in history:
-        out.append(f"\nmonth {month['month']} ({month['label']}), {month['seconds']:.0f} s")
-        if "tasks" not in month:
+        out.append(f"\nmonth {month.month} ({month.label}), {month.seconds:.0f} s")
+        if isinstance(month, ProjectMonth):
             out.extend(_month_lines(month))
             continue
-        for task, entry in month["tasks"].items():
+        for task, entry in month.tasks.items():
             out.append(f"  --- task {task}")
             out.extend(_month_lines(entry))
         out.append(
-            f"  tasks    {month['report']}: each task's adapter and champion, before and after"
+            f"  tasks    {month.report}: each task's adapter and champion, before and after"
             " the retrain (the release follows it)"
         )
         # The month's text as its retrain wrote it: the file holds the last month's only.
-        out.extend(f"           {line}" for line in _task_table(month["report_text"]))
+        out.extend(f"           {line}" for line in _task_table(month.report_text))
     bin_dir = os.path.relpath(Path(sys.executable).parent)
     out.append(WHERE_TO_LOOK.format(model=", ".join(models), bin=bin_dir))
     return "\n".join(out)

@@ -28,6 +28,7 @@ import yaml
 from tuneloop.data.metrics import CleanMetrics, IngestMetrics
 from tuneloop.data.records import pool_records
 from tuneloop.io import ModelT, read_model
+from tuneloop.judge.decision import Comparison, Decision
 from tuneloop.params import Params
 from tuneloop.quantization import FORMATS
 from tuneloop.tracking import lineage
@@ -187,65 +188,62 @@ def _compute_lines(facts: Facts) -> list[str]:
     return lines
 
 
-def _eval_lines(decision: dict[str, Any]) -> list[str]:
-    conf = decision["statistics"]["confidence"]
+def _interval(c: Comparison) -> str:
+    return "n/a" if c.diff is None else f"{c.diff:+.3f} [{c.low:+.3f}, {c.high:+.3f}]"
+
+
+def _eval_lines(decision: Decision) -> list[str]:
+    conf = decision.statistics.confidence
     rows = []
-    for c in decision["comparisons"]:
-        interval = (
-            "n/a" if c["diff"] is None else f"{c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]"
-        )
-        value = "n/a" if c["value"] is None else f"{c['value']:.3f}"
-        ref = "n/a" if c["reference_value"] is None else f"{c['reference_value']:.3f}"
-        rows.append(
-            [c["suite"], c["metric"], f"{c['model']} vs {c['reference']}", value, ref, interval]
-        )
+    for c in decision.comparisons:
+        value = "n/a" if c.value is None else f"{c.value:.3f}"
+        ref = "n/a" if c.reference_value is None else f"{c.reference_value:.3f}"
+        rows.append([c.suite, c.metric, f"{c.model} vs {c.reference}", value, ref, _interval(c)])
     # Which engine answered for each model (older decisions do not say).
     by_engine: dict[str, list[str]] = {}
-    for model, engine in (decision.get("engines") or {}).items():
+    for model, engine in decision.engines.items():
         by_engine.setdefault(engine, []).append(model)
     lines = [
         *(f"Scored with {e}: {', '.join(ms)}." for e, ms in by_engine.items()),
         *([""] if by_engine else []),
         f'Paired differences ("better by"; {conf:.0%} bootstrap intervals) on '
-        + ", ".join(f"{s} ({n} items)" for s, n in decision["items"].items())
+        + ", ".join(f"{s} ({n} items)" for s, n in decision.items.items())
         + ":",
         "",
         *_table(["suite", "metric", "comparison", "model", "reference", "better by"], rows),
     ]
-    slices = decision["slices"]
+    slices = decision.slices
     if slices:
         lines += [
             "",
-            f"By slice, candidate vs {decision['reference']}:",
+            f"By slice, candidate vs {decision.reference}:",
             "",
             *_table(
                 ["suite", "slice", "metric", "items", "better by", ""],
                 [
                     [
-                        s["suite"],
-                        s["slice"],
-                        s["metric"],
-                        str(s["items"]),
-                        "n/a"
-                        if s["diff"] is None
-                        else f"{s['diff']:+.3f} [{s['low']:+.3f}, {s['high']:+.3f}]",
-                        "regressed" if s["regressed"] else "",
+                        s.suite,
+                        s.slice or "",
+                        s.metric,
+                        str(s.items),
+                        _interval(s),
+                        "regressed" if s.regressed else "",
                     ]
                     for s in slices
                 ],
             ),
         ]
-    for suite, why in decision["forgetting"]["could_not_run"].items():
+    for suite, why in decision.forgetting.could_not_run.items():
         lines.append(f"\n- {suite}: {why}")
     return lines
 
 
-def _exports(params: Params, decision: dict[str, Any]) -> str:
+def _exports(params: Params, decision: Decision) -> str:
     """Each format of ``export.formats`` with its scheme, and whether the gate refused it."""
     shown = []
     for fmt in params.export.formats:
         scheme = params.export.scheme if fmt == "fp8" else FORMATS[fmt].scheme
-        refused = (decision.get("exports") or {}).get(fmt, {}).get("refused")
+        refused = decision.refused(fmt)
         shown.append(
             f"{fmt} ({scheme}{'; refused by the gate, not registered' if refused else ''})"
         )
@@ -264,7 +262,7 @@ def _train_results(train: TrainMetrics | None) -> dict[str, Any]:
     }
 
 
-def model_card(params: Params, facts: Facts, decision: dict[str, Any]) -> str:
+def model_card(params: Params, facts: Facts, decision: Decision) -> str:
     """The candidate's model card (Hugging Face README.md layout)."""
     train = params.train
     method = train.method
@@ -301,15 +299,15 @@ def model_card(params: Params, facts: Facts, decision: dict[str, Any]) -> str:
             f"{train.dpo_beta} / {train.dpo_learning_rate} / {train.dpo_epochs}"
         )
     config |= _train_results(facts.train)
-    verdict = str(decision["verdict"]).upper()
+    verdict = decision.verdict.upper()
     lines = [
         _front_matter(front),
         f"# {params.tracking.registered_model}: candidate",
         "",
         f"Fine-tuned from `{params.model.base}` by tuneloop. Evaluate gate: **{verdict}**"
         + (
-            f" (champion compared: v{decision['champion']['version']})."
-            if decision.get("champion")
+            f" (champion compared: v{decision.champion.version})."
+            if decision.champion
             else " (no champion yet: first release)."
         ),
         "",
@@ -334,7 +332,7 @@ def model_card(params: Params, facts: Facts, decision: dict[str, Any]) -> str:
         "",
         f"Verdict: **{verdict}**. Reasons, blocking ones first:",
         "",
-        *(f"- {reason}" for reason in decision["reasons"]),
+        *(f"- {reason}" for reason in decision.reasons),
         "",
         *_unsettled_lines(decision),
         REVIEW_HEADING,
@@ -347,7 +345,7 @@ def model_card(params: Params, facts: Facts, decision: dict[str, Any]) -> str:
         "",
         "## Lineage",
         "",
-        *_lineage_lines(facts, decision.get("candidate_key")),
+        *_lineage_lines(facts, decision.candidate_key),
         "",
     ]
     return "\n".join(lines)
@@ -356,16 +354,16 @@ def model_card(params: Params, facts: Facts, decision: dict[str, Any]) -> str:
 REVIEW_HEADING = "## Blind review"
 
 
-def _unsettled_lines(decision: dict[str, Any]) -> list[str]:
+def _unsettled_lines(decision: Decision) -> list[str]:
     """The rules the gate could not settle and let through (gate.on_inconclusive: warn)."""
-    let_through = [u for u in decision.get("unsettled", []) if not u["blocking"]]
+    let_through = decision.let_through()
     if not let_through:
         return []
     return [
         f"Let through unsettled ({len(let_through)}, gate.on_inconclusive: warn); a person "
         "acknowledges each before approving the release:",
         "",
-        *(f"- {u['reason']}" for u in let_through),
+        *(f"- {u.reason}" for u in let_through),
         "",
     ]
 

@@ -48,9 +48,9 @@ that they were read (``tuneloop.release.approval``). Regressed slices are report
 ``review_check`` is the blind review's rule (``gate.blind_review``), judged the same way on
 the people's votes when the release asks for it (the review runs after registration).
 
-The verdict and every check's status are the shared vocabulary of ``tuneloop.judge.verdict``;
-the checks stay JSON-shaped dicts, as ``metrics/decision.json`` holds them. ``decide`` returns
-the verdict with every check and comparison, its numbers and a reason for each;
+The verdict and every check's status are the shared vocabulary of ``tuneloop.judge.verdict``.
+``decide`` returns the verdict with every check and comparison, its numbers and a reason for
+each, as a ``tuneloop.judge.decision.Decision`` (``metrics/decision.json``);
 ``tuneloop.judge.gate_report`` shows them.
 """
 
@@ -65,6 +65,21 @@ from typing import Any
 import numpy as np
 
 from tuneloop.judge import stats
+from tuneloop.judge.decision import (
+    Check,
+    Comparison,
+    Decision,
+    Directions,
+    ExportStanding,
+    FixedBadcases,
+    Forgetting,
+    NotARule,
+    Scores,
+    SliceComparison,
+    Statistics,
+    Thresholds,
+    UnsettledRule,
+)
 from tuneloop.judge.verdict import FAIL, INCONCLUSIVE, PASS, Outcome, outcome
 from tuneloop.params import GateParams
 
@@ -72,11 +87,9 @@ BASE, CHAMPION, CANDIDATE, FP8 = "base", "champion", "candidate", "candidate-fp8
 # Each export format's model name in the items and scores (``export.formats``).
 EXPORT_MODELS = {"fp8": FP8, "nvfp4": "candidate-nvfp4", "nvfp4a16": "candidate-nvfp4a16"}
 FP4_FORMATS = ("nvfp4", "nvfp4a16")
-NOT_A_RULE = "not a rule"
+NOT_A_RULE: NotARule = "not a rule"
 # Scores are means over items: float error must not turn a tie into a failure.
 EPS = 1e-9
-Scores = dict[str, dict[str, dict[str, float]]]  # model -> suite -> metric -> value
-Directions = dict[str, dict[str, bool]]  # suite -> metric -> higher is better
 
 
 class GateError(ValueError):
@@ -227,8 +240,9 @@ class SuiteBootstrap:
         metric: str,
         higher: bool,
         where: tuple[str, str] | None = None,
-    ) -> dict[str, Any]:
-        """``model`` vs ``reference`` on ``metric`` (in slice ``where``), paired."""
+    ) -> tuple[Comparison, stats.Interval | None]:
+        """``model`` vs ``reference`` on ``metric`` (in slice ``where``), paired, and the
+        interval of the difference (None when a figure has no item to count)."""
         a, b = self.column[(model, metric, where)], self.column[(reference, metric, where)]
         value, ref = self.figure(model, metric, where), self.figure(reference, metric, where)
         counted = int(((self.weights[:, a] > 0) & (self.weights[:, b] > 0)).sum())
@@ -237,22 +251,22 @@ class SuiteBootstrap:
         if value is not None and ref is not None:
             replicates = sign * (self.replicates[:, a] - self.replicates[:, b])
             found = stats.interval(sign * (value - ref), replicates, self.gate.confidence)
-        return {
-            "suite": self.suite,
-            "metric": metric,
-            "higher_is_better": higher,
-            "slice": None if where is None else f"{where[0]}={where[1]}",
-            "model": model,
-            "value": _round(value),
-            "reference": reference,
-            "reference_value": _round(ref),
-            "diff": _round(found.diff if found else None),
-            "low": _round(found.low if found else None),
-            "high": _round(found.high if found else None),
-            "se": _round(found.se if found else None),
-            "items": counted,
-            "_interval": found,
-        }
+        compared = Comparison(
+            suite=self.suite,
+            metric=metric,
+            higher_is_better=higher,
+            slice=None if where is None else f"{where[0]}={where[1]}",
+            model=model,
+            value=_round(value),
+            reference=reference,
+            reference_value=_round(ref),
+            diff=_round(found.diff if found else None),
+            low=_round(found.low if found else None),
+            high=_round(found.high if found else None),
+            se=_round(found.se if found else None),
+            items=counted,
+        )
+        return compared, found
 
 
 def _round(value: float | None) -> float | None:
@@ -268,26 +282,26 @@ def plain(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-def _figures(c: dict[str, Any], confidence: float) -> str:
-    where = f"[{c['slice']}] " if c["slice"] else ""
-    arrow = "higher is better" if c["higher_is_better"] else "lower is better"
+def _figures(c: Comparison, confidence: float) -> str:
+    where = f"[{c.slice}] " if c.slice else ""
+    arrow = "higher is better" if c.higher_is_better else "lower is better"
     return (
-        f"{c['suite']}/{c['metric']} {where}({arrow}): {c['model']} {plain(c['value'])} vs "
-        f"{c['reference']} {plain(c['reference_value'])}: better by {_signed(c['diff'])} "
-        f"[{_signed(c['low'])}, {_signed(c['high'])}] ({confidence:.0%}, {c['items']} items)"
+        f"{c.suite}/{c.metric} {where}({arrow}): {c.model} {plain(c.value)} vs "
+        f"{c.reference} {plain(c.reference_value)}: better by {_signed(c.diff)} "
+        f"[{_signed(c.low)}, {_signed(c.high)}] ({confidence:.0%}, {c.items} items)"
     )
 
 
 def _check(
     rule: str,
-    comparison: dict[str, Any],
+    compared: tuple[Comparison, stats.Interval | None],
     threshold: float,
     blocking_inconclusive: bool,
     suite_items: int,
     confidence: float,
-) -> dict[str, Any]:
+) -> Check:
     """Judge one comparison against ``threshold`` (the least "better by" allowed)."""
-    found: stats.Interval | None = comparison["_interval"]
+    comparison, found = compared
     status: Outcome
     if found is None:
         status = INCONCLUSIVE
@@ -298,11 +312,12 @@ def _check(
     else:
         status = INCONCLUSIVE
     more: int | None = None
-    if status == INCONCLUSIVE and found is not None and comparison["items"] > 0:
-        needed = stats.items_to_settle(found, threshold, comparison["items"], confidence)
+    counted = comparison.items
+    if status == INCONCLUSIVE and found is not None and counted > 0:
+        needed = stats.items_to_settle(found, threshold, counted, confidence)
         if needed is not None:
             # In suite items: a rate over a subset (or a slice) needs the whole suite to grow.
-            more = math.ceil((needed - comparison["items"]) * suite_items / comparison["items"])
+            more = math.ceil((needed - counted) * suite_items / counted)
     limit = "needs at least" if threshold > 0 else "allowed down to"
     reason = f"{_figures(comparison, confidence)}, {limit} {threshold:+.3f}: {status.upper()}"
     if status == INCONCLUSIVE:
@@ -312,16 +327,16 @@ def _check(
             reason += ": the difference sits on the threshold; no number of items settles it"
         else:
             reason += f": about {more} more items would settle it (if the difference holds)"
-    return {
-        **{k: v for k, v in comparison.items() if k != "_interval"},
-        "rule": rule,
-        "threshold": round(threshold, 6),
-        "status": status,
-        "passed": status == PASS,
-        "blocking": status == FAIL or blocking_inconclusive,
-        "more_items": more,
-        "reason": reason,
-    }
+    return Check(
+        **comparison.model_dump(),
+        rule=rule,
+        threshold=round(threshold, 6),
+        status=status,
+        passed=status == PASS,
+        blocking=status == FAIL or blocking_inconclusive,
+        more_items=more,
+        reason=reason,
+    )
 
 
 # --- the gate ---------------------------------------------------------------------------------
@@ -336,7 +351,7 @@ def decide(
     could_not_run: Mapping[str, str] | None = None,
     fixed_badcases: str | None = None,
     exports: Sequence[str] = ("fp8",),
-) -> dict[str, Any]:
+) -> Decision:
     """The gate's verdict on per-item ``items`` (``base``, ``candidate``, one model per export
     format of ``exports`` (``EXPORT_MODELS``), maybe ``champion``) over the business
     ``suites``, the ``general`` suites and the ``fixed_badcases`` suite (its name when it has
@@ -346,12 +361,12 @@ def decide(
     for needed in (BASE, CANDIDATE, *exported.values()):
         if needed not in items:
             raise GateError(f"evaluate: no scores for {needed!r} (got {sorted(items)})")
-    format_checks: dict[str, list[dict[str, Any]]] = {fmt: [] for fmt in exported}
+    format_checks: dict[str, list[Check]] = {fmt: [] for fmt in exported}
     primary = gate.primary_metric
     reference = CHAMPION if CHAMPION in items else BASE
-    checks: list[dict[str, Any]] = []
-    comparisons: list[dict[str, Any]] = []
-    slices: list[dict[str, Any]] = []
+    checks: list[Check] = []
+    comparisons: list[Comparison] = []
+    slices: list[SliceComparison] = []
     counts: dict[str, int] = {}
     conf = gate.confidence
     # Whether a rule the data could not settle stops the candidate (gate.on_inconclusive).
@@ -371,10 +386,10 @@ def decide(
         for metric in sorted(candidate.values):
             higher = _direction(directions, suite, metric)
             vs_base = boot.compare(CANDIDATE, BASE, metric, higher)
-            comparisons.append(vs_base)
+            comparisons.append(vs_base[0])
             for fmt, model in exported.items():
                 behind = boot.compare(model, CANDIDATE, metric, higher)
-                comparisons.append(behind)
+                comparisons.append(behind[0])
                 limit = gate.fp8_max_drop if fmt == "fp8" else gate.fp4_max_drop
                 if limit is not None:  # null: compared, not a rule
                     check = _check(f"{fmt}_within", behind, -limit, blocks, boot.n, conf)
@@ -385,7 +400,7 @@ def decide(
                 checks.append(_check("beats_base", vs_base, gate.min_gain, blocks, boot.n, conf))
             if CHAMPION in items:
                 vs_champion = boot.compare(CANDIDATE, CHAMPION, metric, higher)
-                comparisons.append(vs_champion)
+                comparisons.append(vs_champion[0])
                 checks.append(
                     _check(
                         "no_regression",
@@ -398,12 +413,11 @@ def decide(
                 )
             for where in boot.labels:
                 part = boot.compare(CANDIDATE, reference, metric, higher, where)
-                if part["items"] == 0:
+                shown = part[0]
+                if shown.items == 0:
                     continue  # e.g. a rate over unanswerable items in a slice that has none
-                regressed = part["high"] is not None and part["high"] < -EPS
-                slices.append(
-                    {k: v for k, v in part.items() if k != "_interval"} | {"regressed": regressed}
-                )
+                regressed = shown.high is not None and shown.high < -EPS
+                slices.append(SliceComparison(**shown.model_dump(), regressed=regressed))
                 if gate.max_slice_regression is not None:
                     checks.append(
                         _check(
@@ -425,61 +439,56 @@ def decide(
         for metric in sorted(found[CANDIDATE].values):
             higher = _direction(directions, suite, metric)
             kept = boot.compare(CANDIDATE, general_reference, metric, higher)
-            comparisons.append(kept)
+            comparisons.append(kept[0])
             if general_reference != BASE:
-                comparisons.append(boot.compare(CANDIDATE, BASE, metric, higher))
+                comparisons.append(boot.compare(CANDIDATE, BASE, metric, higher)[0])
             checks.append(_check("forgetting", kept, -gate.max_forgetting, blocks, boot.n, conf))
 
-    fixed = None
+    fixed = FixedBadcases()
+    notes: list[str] = []
     if fixed_badcases is not None:
-        fixed = _fixed_badcases(items, fixed_badcases, gate)
-        checks.append(fixed.pop("check"))
-        counts[fixed_badcases] = fixed["items"]
-    decision = _verdict(
-        gate, checks, comparisons, slices, counts, reference, general, could_not_run or {}
-    )
-    decision["thresholds"]["max_broken_fixes"] = gate.max_broken_fixes
-    decision["thresholds"]["fp4_max_drop"] = gate.fp4_max_drop
-    decision["exports"] = {fmt: export_decision(fmt, format_checks[fmt], gate) for fmt in exported}
-    for fmt in exported:
-        if fmt in FP4_FORMATS and decision["exports"][fmt]["refused"]:
-            decision["reasons"].append(decision["exports"][fmt]["reason"])
-    decision["fixed_badcases"] = fixed or {"suite": None, "items": 0, "status": "empty"}
-    if fixed is None:
-        decision["reasons"].append(
+        fixed, check = _fixed_badcases(items, fixed_badcases, gate)
+        checks.append(check)
+        counts[fixed_badcases] = fixed.items
+    standings = {fmt: export_decision(fmt, format_checks[fmt], gate) for fmt in exported}
+    notes += [s.reason for fmt, s in standings.items() if fmt in FP4_FORMATS and s.refused]
+    if fixed_badcases is None:
+        notes.append(
             "fixed badcases: the suite is empty (no corrected badcase from a month the "
             "champion trained on yet): nothing to keep fixed"
         )
-    return decision
+    judged = _Judged(checks, comparisons, slices, counts, standings, fixed)
+    return _verdict(gate, judged, reference, general, could_not_run or {}, notes, directions)
 
 
-def export_decision(fmt: str, checks: list[dict[str, Any]], gate: GateParams) -> dict[str, Any]:
+def export_decision(fmt: str, checks: list[Check], gate: GateParams) -> ExportStanding:
     """One export format's standing: its checks, their outcome, whether the gate refused it."""
     key = "fp8_max_drop" if fmt == "fp8" else "fp4_max_drop"
     limit = getattr(gate, key)
     # A check that passed blocks nothing; one that failed, or is unsettled where unsettled
     # rules block (gate.on_inconclusive), refuses the format.
-    stopping = [c for c in checks if c["blocking"] and c["status"] != PASS]
+    stopping = [c for c in checks if c.blocking and c.status != PASS]
     refused = bool(stopping)
+    status: Outcome | NotARule
     if limit is None:
         status, reason = NOT_A_RULE, f"{fmt}: compared below, not a rule (gate.{key} is null)"
     else:
-        status = outcome(c["status"] for c in checks) if checks else PASS
+        status = outcome(c.status for c in checks) if checks else PASS
         reason = (
-            f"{fmt} refused, not registered: " + "; ".join(c["reason"] for c in stopping)
+            f"{fmt} refused, not registered: " + "; ".join(c.reason for c in stopping)
             if refused
             else f"{fmt} within gate.{key} ({limit}) on every metric"
         )
-    return {
-        "format": fmt,
-        "model": EXPORT_MODELS[fmt],
-        "rule": key,
-        "max_drop": limit,
-        "status": status,
-        "refused": refused,
-        "reason": reason,
-        "checks": checks,
-    }
+    return ExportStanding(
+        format=fmt,
+        model=EXPORT_MODELS[fmt],
+        rule=key,
+        max_drop=limit,
+        status=status,
+        refused=refused,
+        reason=reason,
+        checks=checks,
+    )
 
 
 # Item ids of broken fixes quoted in the decision; the per-item files hold them all.
@@ -490,7 +499,7 @@ BROKEN_SHOWN = 20
 FIXED_METRIC = "accuracy"
 
 
-def _fixed_badcases(items: Items, suite: str, gate: GateParams) -> dict[str, Any]:
+def _fixed_badcases(items: Items, suite: str, gate: GateParams) -> tuple[FixedBadcases, Check]:
     """Count the fixes the candidate broke: items the champion answers right, it does not."""
     if CHAMPION not in items:
         raise GateError(
@@ -519,38 +528,38 @@ def _fixed_badcases(items: Items, suite: str, gate: GateParams) -> dict[str, Any
     if ids:
         shown = ", ".join(ids[:BROKEN_SHOWN])
         reason += f" (broken: {shown}{', ...' if len(ids) > BROKEN_SHOWN else ''})"
-    check = {
-        "suite": suite,
-        "metric": metric,
-        "slice": None,
-        "model": CANDIDATE,
-        "reference": CHAMPION,
-        "items": n_fixed,
-        "rule": "fixed_badcases",
-        "threshold": gate.max_broken_fixes,
-        "status": status,
-        "passed": status == PASS,
-        "blocking": status == FAIL,
-        "more_items": None,
-        "broken": n_broken,
-        "reason": reason,
-    }
-    return {
-        "suite": suite,
-        "items": len(candidate.ids),
-        "fixed_by_champion": n_fixed,
-        "broken": n_broken,
-        "broken_ids": ids,
-        "max_broken_fixes": gate.max_broken_fixes,
-        "status": status,
-        "check": check,
-    }
+    check = Check(
+        suite=suite,
+        metric=metric,
+        slice=None,
+        model=CANDIDATE,
+        reference=CHAMPION,
+        items=n_fixed,
+        rule="fixed_badcases",
+        threshold=gate.max_broken_fixes,
+        status=status,
+        passed=status == PASS,
+        blocking=status == FAIL,
+        more_items=None,
+        broken=n_broken,
+        reason=reason,
+    )
+    standing = FixedBadcases(
+        suite=suite,
+        items=len(candidate.ids),
+        fixed_by_champion=n_fixed,
+        broken=n_broken,
+        broken_ids=ids,
+        max_broken_fixes=gate.max_broken_fixes,
+        status=status,
+    )
+    return standing, check
 
 
 # --- the blind review's rule --------------------------------------------------------------------
 
 
-def review_check(results: Mapping[str, Any], gate: GateParams) -> dict[str, Any]:
+def review_check(results: Mapping[str, Any], gate: GateParams) -> Check:
     """The blind review as a check of the gate (``gate.blind_review`` must be set), on its
     results as ``tuneloop.review.tally.ReviewResults.as_dict()`` gives them.
 
@@ -604,51 +613,49 @@ def review_check(results: Mapping[str, Any], gate: GateParams) -> dict[str, Any]
             if more is not None
             else ": no number of votes settles it"
         )
-    return {
-        "suite": f"review:{results['review']}",
-        "metric": "decisive_win_rate",
-        "slice": None,
-        "model": CANDIDATE,
-        "reference": CHAMPION,
-        "value": _round(value),
-        "low": _round(low if value is not None else None),
-        "high": _round(high if value is not None else None),
-        "items": votes,
-        "rule": "blind_review",
-        "threshold": round(threshold, 6),
-        "status": status,
-        "passed": status == PASS,
-        "blocking": status == FAIL or (status == INCONCLUSIVE and blocking),
-        "more_items": more,
-        "reason": reason,
-    }
-
-
-def unsettled_rule(check: Mapping[str, Any]) -> dict[str, Any]:
-    """An inconclusive check as the approval form and ``tuneloop status`` list it."""
-    entry = {
-        "rule": check["rule"],
-        "suite": check["suite"],
-        "metric": check["metric"],
-        "slice": check.get("slice"),
-        "more_items": check.get("more_items"),
-        "blocking": check["blocking"],
-        "reason": check["reason"],
-    }
-    return entry | {"line": unsettled_line(entry)}
-
-
-def unsettled_line(entry: Mapping[str, Any]) -> str:
-    """One unsettled rule in a line: the rule, where, and what would settle it."""
-    where = f"{entry['suite']}/{entry['metric']}" + (
-        f" [{entry['slice']}]" if entry.get("slice") else ""
+    return Check(
+        suite=f"review:{results['review']}",
+        metric="decisive_win_rate",
+        slice=None,
+        model=CANDIDATE,
+        reference=CHAMPION,
+        value=_round(value),
+        low=_round(low if value is not None else None),
+        high=_round(high if value is not None else None),
+        items=votes,
+        rule="blind_review",
+        threshold=round(threshold, 6),
+        status=status,
+        passed=status == PASS,
+        blocking=status == FAIL or (status == INCONCLUSIVE and blocking),
+        more_items=more,
+        reason=reason,
     )
-    more = entry.get("more_items")
-    unit = "votes" if entry["rule"] == "blind_review" else "items"
+
+
+def unsettled_rule(check: Check) -> UnsettledRule:
+    """An inconclusive check as the approval form and ``tuneloop status`` list it."""
+    return UnsettledRule(
+        rule=check.rule,
+        suite=check.suite,
+        metric=check.metric,
+        slice=check.slice,
+        more_items=check.more_items,
+        blocking=check.blocking,
+        reason=check.reason,
+        line=unsettled_line(check),
+    )
+
+
+def unsettled_line(check: Check) -> str:
+    """One unsettled rule in a line: the rule, where, and what would settle it."""
+    where = f"{check.suite}/{check.metric}" + (f" [{check.slice}]" if check.slice else "")
+    more = check.more_items
+    unit = "votes" if check.rule == "blind_review" else "items"
     settle = (
         f"about {more} more {unit} would settle it" if more else "no number of items settles it"
     )
-    return f"{entry['rule']} {where}: inconclusive, {settle}"
+    return f"{check.rule} {where}: inconclusive, {settle}"
 
 
 def _aligned(items: Items, suite: str, models: list[str]) -> dict[str, SuiteItems]:
@@ -659,26 +666,8 @@ def _aligned(items: Items, suite: str, models: list[str]) -> dict[str, SuiteItem
     return {m: items[m][suite].aligned(ids, f"{m} on {suite}") for m in models}
 
 
-def _verdict(
-    gate: GateParams,
-    checks: list[dict[str, Any]],
-    comparisons: list[dict[str, Any]],
-    slices: list[dict[str, Any]],
-    counts: dict[str, int],
-    reference: str,
-    general: Sequence[str],
-    could_not_run: Mapping[str, str],
-) -> dict[str, Any]:
-    # A failure always blocks; an unsettled check blocks only where the rules say so.
-    verdict = outcome(c["status"] for c in checks if c["blocking"])
-    failed = [c for c in checks if c["status"] == FAIL]
-    unsettled = [c for c in checks if c["status"] == INCONCLUSIVE and c["blocking"]]
-    # Per suite, the most any unsettled check needs; None when one of them cannot say.
-    more: dict[str, int | None] = {}
-    for suite in dict.fromkeys(c["suite"] for c in unsettled):
-        needs = [c["more_items"] for c in unsettled if c["suite"] == suite]
-        more[suite] = None if None in needs else max(needs)
-    regressed = [s for s in slices if s["regressed"]]
+def _notes(reference: str, general: Sequence[str], could_not_run: Mapping[str, str]) -> list[str]:
+    """What the verdict did not judge, and why."""
     notes: list[str] = []
     if reference == BASE:
         notes.append("no champion in the registry yet (first release): no regression check")
@@ -688,56 +677,94 @@ def _verdict(
         notes.append("forgetting budget not enforced: no general suite could run")
     elif not general and not could_not_run:
         notes.append("no general suites (evaluate.general_suites): forgetting is not measured")
+    return notes
+
+
+@dataclass(frozen=True)
+class _Judged:
+    """What the rules found, before the verdict adds it up."""
+
+    checks: list[Check]
+    comparisons: list[Comparison]
+    slices: list[SliceComparison]
+    counts: dict[str, int]
+    exports: dict[str, ExportStanding]
+    fixed: FixedBadcases
+
+
+def _verdict(
+    gate: GateParams,
+    judged: _Judged,
+    reference: str,
+    general: Sequence[str],
+    could_not_run: Mapping[str, str],
+    last_notes: list[str],
+    directions: Directions,
+) -> Decision:
+    checks = judged.checks
+    # A failure always blocks; an unsettled check blocks only where the rules say so.
+    verdict = outcome(c.status for c in checks if c.blocking)
+    failed = [c for c in checks if c.status == FAIL]
+    unsettled = [c for c in checks if c.status == INCONCLUSIVE and c.blocking]
+    # Per suite, the most any unsettled check needs; None when one of them cannot say.
+    more: dict[str, int | None] = {}
+    for suite in dict.fromkeys(c.suite for c in unsettled):
+        needs = [c.more_items for c in unsettled if c.suite == suite]
+        more[suite] = None if None in needs else max(n for n in needs if n is not None)
+    regressed = [s for s in judged.slices if s.regressed]
+    notes = _notes(reference, general, could_not_run)
     slice_lines = [
         f"slice regressed (reported only): {_figures(s, gate.confidence)}"
         for s in regressed
         if gate.max_slice_regression is None
     ]
-    others = [c for c in checks if c["status"] == INCONCLUSIVE and not c["blocking"]]
+    others = [c for c in checks if c.status == INCONCLUSIVE and not c.blocking]
     if others:
         notes.insert(
             0,
             f"{len(others)} rule(s) unsettled and let through (gate.on_inconclusive: warn): "
             "the approval needs a person's acknowledgement of each",
         )
-    passes = [c for c in checks if c["status"] == PASS]
-    return {
-        "verdict": verdict,
-        "passed": verdict == PASS,
-        "primary_metric": gate.primary_metric,
-        "thresholds": {
-            "min_gain": gate.min_gain,
-            "max_regression": gate.max_regression,
-            "fp8_max_drop": gate.fp8_max_drop,
-            "max_forgetting": gate.max_forgetting,
-            "max_slice_regression": gate.max_slice_regression,
-        },
-        "statistics": {
-            "method": "paired bootstrap, percentile interval",
-            "confidence": gate.confidence,
-            "samples": gate.bootstrap_samples,
-            "seed": gate.seed,
-        },
-        # What a person acts on comes first: failures, then what is not settled.
-        "reasons": [c["reason"] for c in failed + unsettled]
+    passes = [c for c in checks if c.status == PASS]
+    return Decision(
+        verdict=verdict,
+        passed=verdict == PASS,
+        primary_metric=gate.primary_metric,
+        thresholds=Thresholds(
+            min_gain=gate.min_gain,
+            max_regression=gate.max_regression,
+            fp8_max_drop=gate.fp8_max_drop,
+            max_forgetting=gate.max_forgetting,
+            max_slice_regression=gate.max_slice_regression,
+            max_broken_fixes=gate.max_broken_fixes,
+            fp4_max_drop=gate.fp4_max_drop,
+        ),
+        statistics=Statistics(
+            method="paired bootstrap, percentile interval",
+            confidence=gate.confidence,
+            samples=gate.bootstrap_samples,
+            seed=gate.seed,
+        ),
+        reasons=[c.reason for c in failed + unsettled]
         + slice_lines
-        + [c["reason"] for c in others + passes]
-        + notes,
-        "failed": [c["reason"] for c in failed],
-        "inconclusive": [c["reason"] for c in unsettled],
-        "on_inconclusive": gate.on_inconclusive,
-        # Every rule the data could not settle, blocking or not: what a person must read.
-        "unsettled": [unsettled_rule(c) for c in checks if c["status"] == INCONCLUSIVE],
-        "more_items": more,
-        "regressed_slices": [f"{s['suite']}/{s['metric']} [{s['slice']}]" for s in regressed],
-        "reference": reference,
-        "items": counts,
-        "forgetting": {
-            "suites": list(general),
-            "reference": reference,
-            "could_not_run": dict(could_not_run),
-        },
-        "checks": checks,
-        "comparisons": [{k: v for k, v in c.items() if k != "_interval"} for c in comparisons],
-        "slices": slices,
-    }
+        + [c.reason for c in others + passes]
+        + notes
+        + last_notes,
+        failed=[c.reason for c in failed],
+        inconclusive=[c.reason for c in unsettled],
+        on_inconclusive=gate.on_inconclusive,
+        unsettled=[unsettled_rule(c) for c in checks if c.status == INCONCLUSIVE],
+        more_items=more,
+        regressed_slices=[f"{s.suite}/{s.metric} [{s.slice}]" for s in regressed],
+        reference=reference,
+        items=judged.counts,
+        forgetting=Forgetting(
+            suites=list(general), reference=reference, could_not_run=dict(could_not_run)
+        ),
+        checks=checks,
+        comparisons=judged.comparisons,
+        slices=judged.slices,
+        exports=judged.exports,
+        fixed_badcases=judged.fixed,
+        higher_is_better=directions,
+    )

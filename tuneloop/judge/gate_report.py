@@ -9,8 +9,8 @@ decision holds: no rule is judged here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+from tuneloop.judge.decision import Check, Comparison, Decision
 from tuneloop.judge.gate import (
     BASE,
     CANDIDATE,
@@ -25,63 +25,57 @@ from tuneloop.judge.gate import (
 )
 
 
-def _cell(c: dict[str, Any] | None) -> str:
+def _cell(c: Comparison | Check | None) -> str:
     if c is None:
         return ""
-    if c["diff"] is None:
+    if c.diff is None:
         return "n/a"
-    return f"{c['diff']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}]"
+    return f"{c.diff:+.3f} [{c.low:+.3f}, {c.high:+.3f}]"
 
 
 def _find(
-    decision: dict[str, Any], suite: str, metric: str, model: str, reference: str
-) -> dict[str, Any] | None:
-    for c in decision["comparisons"]:
-        if (c["suite"], c["metric"], c["model"], c["reference"]) == (
-            suite,
-            metric,
-            model,
-            reference,
-        ):
-            return dict(c)
+    decision: Decision, suite: str, metric: str, model: str, reference: str
+) -> Comparison | None:
+    for c in decision.comparisons:
+        if (c.suite, c.metric, c.model, c.reference) == (suite, metric, model, reference):
+            return c
     return None
 
 
-def report(scores: Scores, decision: dict[str, Any], directions: Directions) -> str:
+def report(scores: Scores, decision: Decision, directions: Directions) -> str:
     """Markdown: the verdict and its reasons, every model x metric with the paired
     differences and their intervals, the slices, and the general suites."""
-    verdict = str(decision["verdict"]).upper()
-    conf = decision["statistics"]
+    verdict = decision.verdict.upper()
+    conf = decision.statistics
     lines = ["# Evaluation", "", f"Gate: **{verdict}**", ""]
-    if champion := decision.get("champion"):
-        lines += [f"Champion: {champion['name']} v{champion['version']}", ""]
+    if champion := decision.champion:
+        lines += [f"Champion: {champion.name} v{champion.version}", ""]
     lines += [
         f'Differences are paired, item by item, and read "better by" (positive: the first '
-        f"model is better, whichever way the metric points), with {conf['confidence']:.0%} "
-        f"intervals from a {conf['method']} ({conf['samples']} resamples, seed {conf['seed']}).",
+        f"model is better, whichever way the metric points), with {conf.confidence:.0%} "
+        f"intervals from a {conf.method} ({conf.samples} resamples, seed {conf.seed}).",
         "",
     ]
-    lines += [f"- {reason}" for reason in decision["reasons"]]
-    if decision["thresholds"].get("fp8_max_drop", 0) is None:
+    lines += [f"- {reason}" for reason in decision.reasons]
+    if decision.thresholds.fp8_max_drop is None:
         lines.append(
             f"- {FP8}: compared below, not a rule (gate.fp8_max_drop is null: the FP8 export "
             "is not what is served)"
         )
-    exports = decision.get("exports", {})
     for fmt in FP4_FORMATS:
-        if exports.get(fmt, {}).get("status") == NOT_A_RULE:
-            lines.append(f"- {EXPORT_MODELS[fmt]}: {exports[fmt]['reason']}")
+        if (standing := decision.export(fmt)) is not None and standing.status == NOT_A_RULE:
+            lines.append(f"- {EXPORT_MODELS[fmt]}: {standing.reason}")
     lines += _scored_by(decision)
-    general = set(decision["forgetting"]["suites"])
+    general = set(decision.forgetting.suites)
     pairs = [(CANDIDATE, BASE), (CANDIDATE, CHAMPION), (FP8, CANDIDATE)]
     pairs += [(EXPORT_MODELS[fmt], CANDIDATE) for fmt in FP4_FORMATS]
     for suite in scores[CANDIDATE]:
-        if suite in general or suite == (decision.get("fixed_badcases") or {}).get("suite"):
+        if suite in general or suite == decision.fixed_badcases.suite:
             continue
         models = [m for m in scores if suite in scores[m]]
         shown = [(m, r) for m, r in pairs if m in models and r in models]
         header = ["metric", *models, *(f"{m} vs {r}" for m, r in shown)]
-        count = decision["items"].get(suite, "?")
+        count = decision.items.get(suite, "?")
         lines += ["", f"## {suite} ({count} items)", "", _row(header), "|---" * len(header) + "|"]
         for metric in sorted(scores[CANDIDATE][suite]):
             arrow = "↑" if directions.get(suite, {}).get(metric, True) else "↓"
@@ -89,58 +83,58 @@ def report(scores: Scores, decision: dict[str, Any], directions: Directions) -> 
             cells += [plain(scores[m][suite].get(metric)) for m in models]
             cells += [_cell(_find(decision, suite, metric, m, r)) for m, r in shown]
             lines.append(_row(cells))
-        parts = [s for s in decision["slices"] if s["suite"] == suite]
+        parts = [s for s in decision.slices if s.suite == suite]
         if parts:
             lines += [
                 "",
-                f"### {suite} by slice: {CANDIDATE} vs {decision['reference']}",
+                f"### {suite} by slice: {CANDIDATE} vs {decision.reference}",
                 "",
-                _row(["slice", "metric", "items", decision["reference"], CANDIDATE, "better by"]),
+                _row(["slice", "metric", "items", decision.reference, CANDIDATE, "better by"]),
                 "|---" * 6 + "|",
             ]
             for s in parts:
-                mark = " **regressed**" if s["regressed"] else ""
+                mark = " **regressed**" if s.regressed else ""
                 lines.append(
                     _row(
                         [
-                            s["slice"],
-                            s["metric"],
-                            str(s["items"]),
-                            plain(s["reference_value"]),
-                            plain(s["value"]),
+                            s.slice or "",
+                            s.metric,
+                            str(s.items),
+                            plain(s.reference_value),
+                            plain(s.value),
                             _cell(s) + mark,
                         ]
                     )
                 )
-    fixed = decision.get("fixed_badcases") or {}
-    if fixed.get("suite"):
+    fixed = decision.fixed_badcases
+    if fixed.suite:
         lines += [
             "",
-            f"## Fixed badcases: {fixed['suite']} ({fixed['items']} items, "
-            f"max_broken_fixes {fixed['max_broken_fixes']})",
+            f"## Fixed badcases: {fixed.suite} ({fixed.items} items, "
+            f"max_broken_fixes {fixed.max_broken_fixes})",
             "",
-            f"The champion answers {fixed['fixed_by_champion']} right; the candidate breaks "
-            f"{fixed['broken']} of them: **{fixed['status']}**.",
+            f"The champion answers {fixed.fixed_by_champion} right; the candidate breaks "
+            f"{fixed.broken} of them: **{fixed.status}**.",
         ]
-    forgetting = decision["forgetting"]
-    if forgetting["suites"] or forgetting["could_not_run"]:
-        budget = decision["thresholds"]["max_forgetting"]
+    forgetting = decision.forgetting
+    if forgetting.suites or forgetting.could_not_run:
+        budget = decision.thresholds.max_forgetting
         lines += [
             "",
-            f"## Forgetting: general suites, {CANDIDATE} vs {forgetting['reference']} "
+            f"## Forgetting: general suites, {CANDIDATE} vs {forgetting.reference} "
             f"(max_forgetting {budget:.3f})",
             "",
         ]
-        rows = [c for c in decision["checks"] if c["rule"] == "forgetting"]
+        rows = [c for c in decision.checks if c.rule == "forgetting"]
         if rows:
             models = [m for m in (BASE, CHAMPION, CANDIDATE) if m in scores]
             header = ["suite", "metric", *models, "better by", "check"]
             lines += [_row(header), "|---" * len(header) + "|"]
             for c in rows:
-                cells = [c["suite"], c["metric"]]
-                cells += [plain(scores[m].get(c["suite"], {}).get(c["metric"])) for m in models]
-                lines.append(_row([*cells, _cell(c), c["status"]]))
-        for suite, why in forgetting["could_not_run"].items():
+                cells = [c.suite, c.metric]
+                cells += [plain(scores[m].get(c.suite, {}).get(c.metric)) for m in models]
+                lines.append(_row([*cells, _cell(c), c.status]))
+        for suite, why in forgetting.could_not_run.items():
             lines.append(f"\n- {suite}: {why}")
     return "\n".join(lines) + "\n"
 
@@ -175,9 +169,9 @@ def plot(scores: Scores, directions: Directions, path: Path) -> None:
     plt.close(fig)
 
 
-def _scored_by(decision: dict[str, Any]) -> list[str]:
+def _scored_by(decision: Decision) -> list[str]:
     """Which engine scored each export: vLLM as served, or transformers' decompressed path."""
-    engines = decision.get("engines", {})
+    engines = decision.engines
     exported = [m for m in EXPORT_MODELS.values() if m in engines]
     if not exported:
         return []

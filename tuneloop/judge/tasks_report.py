@@ -20,10 +20,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
-from tuneloop.io import read_json
+from tuneloop.io import ModelFileError
+from tuneloop.judge.decision import Decision, Scores, read_scores
 from tuneloop.judge.gate import CANDIDATE, SuiteBootstrap
+from tuneloop.orchestration.flow_results import AdapterComparison, PipelineRun, TaskOutcome
 from tuneloop.params import Params
 from tuneloop.tracking import lineage, registry
 
@@ -71,10 +73,8 @@ def _short(md5: str | None) -> str:
     return "none" if md5 is None else md5.removesuffix(".dir")[:10]
 
 
-def _scores(params: Params, outcome: Mapping[str, Any]) -> str:
+def _scores(params: Params, evaluation: Scores, reference: str) -> str:
     """The candidate's primary metric on the task's suites, beside the reference's."""
-    evaluation = outcome.get("eval") or {}
-    reference = (outcome.get("decision") or {}).get("reference") or "base"
     metric = params.gate.primary_metric
     shown = []
     for suite in params.evaluate.suites:
@@ -89,11 +89,11 @@ def _scores(params: Params, outcome: Mapping[str, Any]) -> str:
 def _last_judged(params: Params, state: TaskState) -> str:
     """The scores of a task that did not run: its last evaluation, and what it judged."""
     try:
-        evaluation = read_json(params.paths.metrics / "evaluate.json")
-        decision = read_json(params.paths.metrics / "decision.json")
-    except (OSError, ValueError):
+        evaluation = read_scores(params.paths.metrics / "evaluate.json")
+        decision = Decision.read(params.paths.metrics / "decision.json")
+    except (OSError, ModelFileError):
         return "never judged"
-    scores = _scores(params, {"eval": evaluation, "decision": decision})
+    scores = _scores(params, evaluation, decision.reference)
     on = "this adapter" if state.judged_this_adapter else "not the adapter it has now (dvc.lock)"
     return f"last judged ({on}): {scores}"
 
@@ -102,7 +102,7 @@ def report(
     params: Params,
     before: Mapping[str, TaskState],
     after: Mapping[str, TaskState],
-    outcomes: Mapping[str, Mapping[str, Any]],
+    outcomes: Mapping[str, TaskOutcome],
 ) -> str:
     """The markdown table: one row per task, what ran, what moved, what the gate said."""
     lines = [
@@ -121,15 +121,14 @@ def report(
         view = params.for_task(task)
         if outcome is None:
             run, gate, scores = "not run", "-", _last_judged(view, now)
-        elif outcome.get("outcome") == "failed":
-            run, gate, scores = "failed", "-", str(outcome.get("error", ""))[:200]
-        elif outcome.get("outcome") == "unchanged":
-            reason = str(outcome.get("reason", ""))
-            run, gate, scores = "nothing new", "-", f"{reason}; {_last_judged(view, now)}"
+        elif outcome.outcome == "failed":
+            run, gate, scores = "failed", "-", outcome.error[:200]
+        elif outcome.outcome == "unchanged":
+            run, gate, scores = "nothing new", "-", f"{outcome.reason}; {_last_judged(view, now)}"
         else:
             run = "ran"
-            gate = "PASS" if outcome["decision"]["passed"] else "FAIL"
-            scores = _scores(view, outcome)
+            gate = "PASS" if outcome.decision.passed else "FAIL"
+            scores = _pipeline_scores(view, outcome)
         adapter = f"{_short(was.adapter)} -> {_short(now.adapter)}"
         adapter += "" if was.adapter != now.adapter else " (untouched)"
         champion = f"{was.champion or 'none'} -> {now.champion or 'none'}"
@@ -137,30 +136,36 @@ def report(
     moved = [
         task
         for task in params.task_names()
-        if outcomes.get(task, {}).get("outcome") in (None, "unchanged")
+        if (task not in outcomes or outcomes[task].outcome == "unchanged")
         and before.get(task) != after[task]
     ]
     lines += ["", f"Moved without running: {', '.join(moved) or 'none'}.", ""]
     return "\n".join(lines)
 
 
-def single_line(params: Params, outcome: Mapping[str, Any]) -> str:
+def _pipeline_scores(params: Params, outcome: PipelineRun) -> str:
+    return _scores(params, outcome.eval, outcome.decision.reference)
+
+
+def single_line(params: Params, outcome: TaskOutcome) -> str:
     """What became of the single adapter (every task's data) this month, in a sentence."""
     said = f"One adapter on every task's data ({params.tracking.registered_model}): "
-    if outcome["outcome"] == "failed":
-        return said + f"failed: {str(outcome.get('error', ''))[:200]}"
-    gate = "PASS" if outcome["decision"]["passed"] else "FAIL"
-    registration = outcome.get("registration")
+    if outcome.outcome == "failed":
+        return said + f"failed: {outcome.error[:200]}"
+    if outcome.outcome == "unchanged":
+        return said + f"not run: {outcome.reason}."
+    gate = "PASS" if outcome.decision.passed else "FAIL"
+    registration = outcome.registration
     if registration is None:
         kept = "judged beside the tasks' adapters, not registered"
-    elif registration["registered"]:
-        kept = f"registered as v{registration['version']}"
+    elif registration.registered:
+        kept = f"registered as v{registration.version}"
     else:
         kept = "not registered"
-    return said + f"ran, gate {gate}, {kept}; {_scores(params, outcome)}."
+    return said + f"ran, gate {gate}, {kept}; {_pipeline_scores(params, outcome)}."
 
 
-def single_comparison(params: Params, tasks: Sequence[str]) -> list[dict[str, Any]]:
+def single_comparison(params: Params, tasks: Sequence[str]) -> list[AdapterComparison]:
     """Each of ``tasks``' candidate adapter against the single adapter's candidate, on each of
     the task's suites and metrics: the same items, paired, with the gate's bootstrap and
     confidence (the task's ``gate``). ``better``: whose the interval says, if it settles it.
@@ -169,7 +174,7 @@ def single_comparison(params: Params, tasks: Sequence[str]) -> list[dict[str, An
     from tuneloop.judge.scoring import read_items
 
     single = read_items(params.paths.metrics / "eval-items" / f"{CANDIDATE}.jsonl")
-    directions = read_json(params.paths.metrics / "decision.json")["higher_is_better"]
+    directions = Decision.read(params.paths.metrics / "decision.json").higher_is_better
     rows = []
     for task in tasks:
         view = params.for_task(task)
@@ -178,18 +183,18 @@ def single_comparison(params: Params, tasks: Sequence[str]) -> list[dict[str, An
             theirs = single[suite].aligned(own[suite].ids, f"the single adapter on {suite}")
             boot = SuiteBootstrap(suite, {CANDIDATE: own[suite], SINGLE: theirs}, (), view.gate)
             for metric in sorted(set(own[suite].values) & set(theirs.values)):
-                row = boot.compare(CANDIDATE, SINGLE, metric, directions[suite][metric])
-                found = row.pop("_interval")
+                row, found = boot.compare(CANDIDATE, SINGLE, metric, directions[suite][metric])
+                better: Literal["adapter", "single", "no settled difference"]
                 better = "no settled difference"
                 if found is not None and found.low > 0:
                     better = "adapter"
                 elif found is not None and found.high < 0:
                     better = "single"
-                rows.append(row | {"task": task, "better": better})
+                rows.append(AdapterComparison(**row.model_dump(), task=task, better=better))
     return rows
 
 
-def single_section(rows: Sequence[Mapping[str, Any]], confidence: float) -> str:
+def single_section(rows: Sequence[AdapterComparison], confidence: float) -> str:
     """The comparison as a markdown table (``single_comparison``'s rows)."""
     lines = [
         "## Each task's adapter against one adapter on every task's data",
@@ -202,12 +207,11 @@ def single_section(rows: Sequence[Mapping[str, Any]], confidence: float) -> str:
     ]
     for r in rows:
         shown = "-"
-        if r["diff"] is not None:
-            shown = f"{r['diff']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}]"
-        mine = "-" if r["value"] is None else f"{r['value']:.3f}"
-        theirs = "-" if r["reference_value"] is None else f"{r['reference_value']:.3f}"
+        if r.diff is not None:
+            shown = f"{r.diff:+.3f} [{r.low:+.3f}, {r.high:+.3f}]"
+        mine = "-" if r.value is None else f"{r.value:.3f}"
+        theirs = "-" if r.reference_value is None else f"{r.reference_value:.3f}"
         lines.append(
-            f"| {r['task']} | {r['suite']}/{r['metric']} | {mine} | {theirs} | {shown} | "
-            f"{r['better']} |"
+            f"| {r.task} | {r.suite}/{r.metric} | {mine} | {theirs} | {shown} | {r.better} |"
         )
     return "\n".join([*lines, ""])

@@ -23,7 +23,6 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
@@ -31,6 +30,7 @@ from mlflow.tracking import MlflowClient
 
 from tuneloop.io import read_jsonl
 from tuneloop.judge import cards
+from tuneloop.judge.decision import Check, Decision
 from tuneloop.judge.gate import review_check
 from tuneloop.judge.verdict import INCONCLUSIVE
 from tuneloop.params import GateParams
@@ -88,12 +88,10 @@ def existing_review(
     return name
 
 
-def compared_with(
-    decision: dict[str, Any], candidate: ModelVersion, champion: ModelVersion
-) -> None:
+def compared_with(decision: Decision, candidate: ModelVersion, champion: ModelVersion) -> None:
     """The candidate's evaluated answers sit beside ``champion``'s: its ``decision.json``
     compared it with that version; ``ReviewUnavailable`` otherwise."""
-    evaluated = (decision.get("champion") or {}).get("version")
+    evaluated = None if decision.champion is None else decision.champion.version
     if str(evaluated) != str(champion.version):
         raise ReviewUnavailable(
             f"{label(candidate)} was evaluated against champion v{evaluated}, but the champion "
@@ -125,7 +123,7 @@ def ensure_review(
                 f"evaluate from before the blind review wrote none: {error}); rerun `dvc repro "
                 f"evaluate` and register again, or create review {name!r} by hand"
             ) from None
-        compared_with(json.loads(Path(decision).read_text(encoding="utf-8")), candidate, champion)
+        compared_with(Decision.read(Path(decision)), candidate, champion)
         records = list(read_jsonl(Path(path)))
     if not records:
         raise ReviewUnavailable(
@@ -141,7 +139,7 @@ def ensure_review(
 @dataclass(frozen=True)
 class ReviewJudgement:
     results: ReviewResults
-    check: dict[str, Any] | None  # None without gate.blind_review: reported, never blocking
+    check: Check | None  # None without gate.blind_review: reported, never blocking
 
     def summary(self) -> str:
         o = self.results.overall
@@ -158,7 +156,7 @@ class ReviewJudgement:
         status = (
             "reported, not a rule (gate.blind_review unset)"
             if self.check is None
-            else str(self.check["status"]).upper()
+            else self.check.status.upper()
         )
         return (
             f"blind review {self.results.review}: {self.results.votes} votes by "
@@ -211,13 +209,20 @@ def record_review(
     for key, value in results.metrics("review").items():
         client.log_metric(run_id, key, value)
     if judged.check is not None:
-        client.set_tag(run_id, "review.status", str(judged.check["status"]))
+        client.set_tag(run_id, "review.status", judged.check.status)
     with tempfile.TemporaryDirectory(prefix="tuneloop-review-") as tmp:
         folder = Path(tmp) / "review"
         folder.mkdir()
         (folder / "results.md").write_text(results.table() + "\n", encoding="utf-8")
         (folder / "results.json").write_text(
-            json.dumps({**results.as_dict(), "check": judged.check}, indent=2, ensure_ascii=False),
+            json.dumps(
+                {
+                    **results.as_dict(),
+                    "check": None if judged.check is None else judged.check.model_dump(),
+                },
+                indent=2,
+                ensure_ascii=False,
+            ),
             encoding="utf-8",
         )
         plot(results, folder / "results.png")
@@ -251,8 +256,8 @@ def unsettled_rules(candidate: ModelVersion, judged: ReviewJudgement | None) -> 
     """Every rule let through unsettled: the gate's (on the version's tags) and the review's."""
     found = tuple(unsettled_of(candidate))
     check = judged.check if judged is not None else None
-    if check is not None and check["status"] == INCONCLUSIVE and not check["blocking"]:
-        found += (check["reason"],)
+    if check is not None and check.status == INCONCLUSIVE and not check.blocking:
+        found += (check.reason,)
     return found
 
 

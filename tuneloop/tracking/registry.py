@@ -38,7 +38,7 @@ import logging
 import os
 import shutil
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +50,12 @@ from mlflow.models import Model
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.pyfunc import PythonModel, PythonModelContext
 from mlflow.tracking import MlflowClient
+from pydantic import BaseModel, ConfigDict
 
 from tuneloop.data.metrics import CleanMetrics
-from tuneloop.io import ModelFileError, atomic_dir, read_json, read_model, write_json
+from tuneloop.io import ModelFileError, atomic_dir, read_model, write_json
 from tuneloop.judge import cards
+from tuneloop.judge.decision import Champion, Decision
 from tuneloop.judge.verdict import PASS
 from tuneloop.params import Params
 from tuneloop.params.groups import ExportFormat
@@ -110,16 +112,16 @@ def find_alias(name: str, alias: str, client: MlflowClient | None = None) -> Mod
     return None if version is None else client.get_model_version(name, str(version))
 
 
-def describe(version: ModelVersion | None) -> dict[str, str] | None:
+def describe(version: ModelVersion | None) -> Champion | None:
     """A version's identity as decision.json records it."""
     if version is None:
         return None
-    return {
-        "name": version.name,
-        "version": str(version.version),
-        "run_id": version.run_id or "",
-        "source": version.source or "",
-    }
+    return Champion(
+        name=version.name,
+        version=str(version.version),
+        run_id=version.run_id or "",
+        source=version.source or "",
+    )
 
 
 def download_folder(version: ModelVersion, artifact: str, dst: Path) -> Path:
@@ -267,9 +269,10 @@ def _requirements() -> list[str]:
 # --- registering ------------------------------------------------------------------------------
 
 
-@dataclass
-class Registration:
+class Registration(BaseModel):
     """What the retrain flow's register step did, and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     registered: bool
     name: str
@@ -277,13 +280,10 @@ class Registration:
     alias: str | None = None
     model_uri: str | None = None
     run_id: str | None = None
-    reasons: list[str] = field(default_factory=list)
+    reasons: list[str] = []
     # This call made the version; False when it found the candidate registered already, so
     # a rerun of the flow does not announce (and release) the same version twice.
     created: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def candidate_key(merged: Path) -> str:
@@ -361,6 +361,14 @@ def _run(run_id: str | None, experiment_id: str) -> AbstractContextManager[Run]:
     )
 
 
+def read_decision(params: Params) -> Decision:
+    """The evaluate stage's ``decision.json``; ``StaleDecision`` when it does not parse."""
+    try:
+        return Decision.read(params.paths.metrics / "decision.json")
+    except ModelFileError as error:
+        raise StaleDecision(f"{error}; run `dvc repro evaluate` before registering") from None
+
+
 def register_candidate(
     params: Params, run_id: str | None = None, flow_run_id: str | None = None
 ) -> Registration:
@@ -374,21 +382,18 @@ def register_candidate(
     points alias ``challenger`` at it. The same candidate is registered once.
     """
     name = params.tracking.registered_model
-    decision = read_json(params.paths.metrics / "decision.json")
-    verdict = decision.get("verdict")
-    if verdict is None:
-        raise StaleDecision(
-            f"{params.paths.metrics / 'decision.json'} has no verdict (an older gate wrote it); "
-            "run `dvc repro evaluate` before registering"
-        )
+    decision = read_decision(params)
+    verdict = decision.verdict
     # Only a pass registers: an inconclusive gate blocks as a failed one does.
-    if verdict != PASS or not decision["passed"]:
-        blocking = decision.get("failed", []) + decision.get("inconclusive", [])
+    if verdict != PASS or not decision.passed:
+        blocking = decision.failed + decision.inconclusive
         log.warning("gate %s; nothing registered: %s", verdict, "; ".join(blocking))
-        return Registration(False, name, reasons=[f"gate {verdict}: nothing registered", *blocking])
+        return Registration(
+            registered=False, name=name, reasons=[f"gate {verdict}: nothing registered", *blocking]
+        )
 
     key = candidate_key(params.paths.merged)
-    if decision.get("candidate_key") != key:
+    if decision.candidate_key != key:
         raise StaleDecision(
             f"{params.paths.metrics / 'decision.json'} judged another candidate than the one in "
             f"{params.paths.merged}; run `dvc repro evaluate` before registering"
@@ -397,12 +402,13 @@ def register_candidate(
     experiment_id = runs.setup(params.tracking.experiment)
     client = MlflowClient()
     champion = describe(find_alias(name, CHAMPION, client))
-    compared = decision.get("champion")
-    if (champion or {}).get("version") != (compared or {}).get("version"):
+    compared = None if decision.champion is None else decision.champion.version
+    serving = None if champion is None else champion.version
+    if serving != compared:
         raise ChampionChanged(
             f"the gate compared the candidate with champion "
-            f"{(compared or {}).get('version', 'none')}, but {name}@{CHAMPION} is now "
-            f"{(champion or {}).get('version', 'none')}; run `dvc repro --force --single-item "
+            f"{compared or 'none'}, but {name}@{CHAMPION} is now "
+            f"{serving or 'none'}; run `dvc repro --force --single-item "
             "evaluate` so the gate compares with the model that serves now, then register"
         )
 
@@ -412,13 +418,13 @@ def register_candidate(
         alias = _point_challenger(client, name, version, champion)
         log.info("%s v%s already holds this candidate", name, version)
         return Registration(
-            True,
-            name,
+            registered=True,
+            name=name,
             version=version,
             alias=alias,
             model_uri=f"models:/{name}/{version}",
             run_id=found.run_id,
-            reasons=[f"already registered as {name} v{version}", *decision["reasons"]],
+            reasons=[f"already registered as {name} v{version}", *decision.reasons],
         )
 
     tags = lineage_tags(params, flow_run_id or os.environ.get("TUNELOOP_FLOW_RUN_ID"))
@@ -468,25 +474,26 @@ def register_candidate(
         mlflow.set_tags({"registry.version": version, "registry.name": name})
         log.info("registered %s v%s as %s (%s)", name, version, alias, info.model_uri)
         return Registration(
-            True,
-            name,
+            registered=True,
+            name=name,
             version=version,
             alias=alias,
             model_uri=f"models:/{name}/{version}",
             run_id=run.info.run_id,
-            reasons=[f"gate passed: registered {name} v{version} as {CHALLENGER}"]
-            + decision["reasons"],
+            reasons=[
+                f"gate passed: registered {name} v{version} as {CHALLENGER}",
+                *decision.reasons,
+            ],
             created=True,
         )
 
 
-def registered_formats(params: Params, decision: dict[str, Any]) -> list[ExportFormat]:
+def registered_formats(params: Params, decision: Decision) -> list[ExportFormat]:
     """The formats of ``export.formats`` a version holds: every one the gate did not refuse."""
-    exports = decision.get("exports") or {}
     kept: list[ExportFormat] = []
     refused: list[ExportFormat] = []
     for fmt in params.export.formats:
-        (refused if exports.get(fmt, {}).get("refused") else kept).append(fmt)
+        (refused if decision.refused(fmt) else kept).append(fmt)
     if refused:
         log.warning("not registering %s: the gate refused them", refused)
     return kept
@@ -500,10 +507,10 @@ def formats_of(version: ModelVersion) -> tuple[str, ...]:
     return tuple(f for f in text.split(",") if f)
 
 
-def unsettled_tags(decision: dict[str, Any]) -> dict[str, str]:
+def unsettled_tags(decision: Decision) -> dict[str, str]:
     """The version's tags for the rules its gate let through unsettled (none: no such tag)."""
-    tags = {TAG_ON_INCONCLUSIVE: str(decision.get("on_inconclusive", "block"))}
-    lines = [entry["line"] for entry in decision.get("unsettled", []) if not entry["blocking"]]
+    tags: dict[str, str] = {TAG_ON_INCONCLUSIVE: decision.on_inconclusive}
+    lines = [entry.line for entry in decision.let_through()]
     if lines:
         kept: list[str] = []
         for number, line in enumerate(lines):
@@ -523,10 +530,10 @@ def unsettled_of(version: ModelVersion) -> list[str]:
 
 
 def _point_challenger(
-    client: MlflowClient, name: str, version: str, champion: dict[str, str] | None
+    client: MlflowClient, name: str, version: str, champion: Champion | None
 ) -> str | None:
     # The champion already serves; calling it the challenger too would canary it against itself.
-    if champion is not None and champion["version"] == version:
+    if champion is not None and champion.version == version:
         return None
     client.set_registered_model_alias(name, CHALLENGER, version)
     return CHALLENGER
@@ -559,8 +566,8 @@ def register_base(params: Params) -> Registration:
     current = find_alias(name, CHAMPION, client)
     if current is not None:
         return Registration(
-            False,
-            name,
+            registered=False,
+            name=name,
             version=str(current.version),
             alias=CHAMPION,
             reasons=[f"{name} already has a champion (v{current.version}); nothing registered"],
@@ -605,8 +612,8 @@ def register_base(params: Params) -> Registration:
         mlflow.set_tags({"registry.version": version, "registry.name": name})
     log.info("registered the base model as %s v%s, alias %s", name, version, CHAMPION)
     return Registration(
-        True,
-        name,
+        registered=True,
+        name=name,
         version=version,
         alias=CHAMPION,
         model_uri=f"models:/{name}/{version}",
