@@ -30,7 +30,7 @@ pytestmark = pytest.mark.fast
 README = ROOT / "README.md"
 TUTORIAL = ROOT / "docs" / "tutorial" / "your-model.md"
 # A fenced block and the title in its info string: ```bash title="step 1: set up"
-REFERENCE = ("params", "cli", "stages", "mlflow")
+REFERENCE = ("params", "cli", "stages", "mlflow", "metrics")
 FENCE = re.compile(r'^```(\w+)(?: title="([^"]*)")?\n(.*?)^```', re.S | re.M)
 
 
@@ -149,3 +149,4 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     for page in ("index.html", *(f"reference/{name}/index.html" for name in REFERENCE)):
         assert (tmp_path / "site" / page).is_file()
     assert "train.learning_rate" in (tmp_path / "site/reference/params/index.html").read_text()
+    assert "global_steps" in (tmp_path / "site/reference/metrics/index.html").read_text()

@@ -15,6 +15,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.helpers import ROOT, flow_runs
+from tuneloop.cli.reference import metrics_models
 from tuneloop.data.metrics import CleanMetrics, IngestMetrics, PackMetrics
 from tuneloop.demo import domain
 from tuneloop.io import read_model
@@ -162,6 +163,8 @@ GATE_FILES = {"evaluate", "decision"}
 
 def test_every_metrics_file_reads_back_through_its_model(project: Path) -> None:
     files = sorted([*project.glob("metrics/*.json"), *project.glob("tasks/*/metrics/*.json")])
+    # The manual's page of metrics files lists the same files (docs/reference/metrics.md).
+    assert set(metrics_models()) == set(METRICS_MODELS) | {"decision"}
     # Every stage wrote its file, and no file is left without a model.
     assert {path.stem for path in files} - GATE_FILES == set(METRICS_MODELS)
     for path in files:

@@ -30,6 +30,7 @@ PAGES = (
     "reference/cli.md",
     "reference/stages.md",
     "reference/mlflow.md",
+    "reference/metrics.md",
 )
 
 
@@ -414,6 +415,64 @@ def mlflow_page(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- metrics files
+
+
+def metrics_models() -> dict[str, tuple[type[BaseModel], ...]]:
+    """Each stage's metrics file (``metrics/<stage>.json``) and the models its writer and its
+    readers go through (merge's is one of two); evaluate.json is ``Scores``, not a model."""
+    from tuneloop.data.metrics import CleanMetrics, IngestMetrics, PackMetrics
+    from tuneloop.judge.decision import Decision
+    from tuneloop.judge.fixed_badcases import FixedBadcasesMetrics
+    from tuneloop.models import BaseMetrics
+    from tuneloop.preflight.run import PreflightMetrics
+    from tuneloop.quantization import ExportMetrics
+    from tuneloop.tracking.init_from import InitMetrics
+    from tuneloop.training.merge import CopiedThrough, MergeMetrics
+    from tuneloop.training.metrics import TrainMetrics
+
+    return {
+        "base": (BaseMetrics,),
+        "init": (InitMetrics,),
+        "ingest": (IngestMetrics,),
+        "fixed_badcases": (FixedBadcasesMetrics,),
+        "clean": (CleanMetrics,),
+        "pack": (PackMetrics,),
+        "preflight": (PreflightMetrics,),
+        "train": (TrainMetrics,),
+        "merge": (MergeMetrics, CopiedThrough),
+        "export": (ExportMetrics,),
+        "decision": (Decision,),
+    }
+
+
+def _doc(model: type[BaseModel]) -> str:
+    return " ".join((model.__doc__ or "").split("\n\n")[0].split())
+
+
+def metrics_page() -> str:
+    lines = [
+        "# Metrics files",
+        "",
+        "What each stage leaves in `metrics/<stage>.json` (`tasks/<task>/metrics/` for a",
+        "task's stages): DVC's metrics (`dvc metrics show`, `dvc metrics diff`), the numbers on",
+        "the stage's MLflow run, and what later stages, the flows and the model card read.",
+        "Generated from the models the stages write them through and every reader reads them",
+        "through, when this site is built: a file with a key missing or misspelt is refused,",
+        "naming the file. `metrics/evaluate.json` is the scores, model -> suite -> metric ->",
+        "value; `metrics/decision.json` is the gate's decision, written by evaluate.",
+    ]
+    for stage, models in metrics_models().items():
+        lines += ["", f"## `metrics/{stage}.json`"]
+        for model in models:
+            intro = f"As `{model.__name__}`: {_doc(model)}" if len(models) > 1 else _doc(model)
+            lines += ["", intro, "", "| key | type | description |", "|---|---|---|"]
+            for key in param_keys(model):
+                cells = [f"`{key.path}`", key.type, key.description]
+                lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------- checks
 
 
@@ -431,5 +490,5 @@ def missing_descriptions() -> list[str]:
 
 def pages(root: Path) -> dict[str, str]:
     """Each reference page's path under docs/ and its Markdown."""
-    texts = (params_page(root), cli_page(), stages_page(root), mlflow_page(root))
+    texts = (params_page(root), cli_page(), stages_page(root), mlflow_page(root), metrics_page())
     return dict(zip(PAGES, texts, strict=True))
