@@ -222,7 +222,9 @@ def failure(
             f"train: the watchdog on {', '.join(found)} found a hang and ended Slurm job "
             f"{report.job_id} ({report.state}){also}; every rank's stacks and the {logs}"
         )
-    failed = sorted(node for node, code in codes.items() if code != 0) or list(report.nodes)
+    # A node whose watchdog left no exit code was ended before it could write one (scancel's
+    # SIGKILL after its grace): it did not end well either.
+    failed = [node for node in report.nodes if codes.get(node, 1) != 0] or list(report.nodes)
     return 1, (
         f"train: Slurm job {report.job_id} ended {report.state} on "
         f"{', '.join(failed) or 'no node'}; {logs}"
