@@ -251,8 +251,8 @@ def _retrain(repo: Path, params: Params, tasks: list[str] | None = None) -> Retr
             return _retrain_tasks(
                 repo, params, chosen, parent.info.run_id, experiment_id, by_hand=tasks is not None
             )
-        metrics = _run_stages(stage_order(repo), repo, params, parent.info.run_id, experiment_id)
-        result = _verdict(params, metrics, parent.info.run_id, experiment_id)
+        _run_stages(stage_order(repo), repo, params, parent.info.run_id, experiment_id)
+        result = _verdict(params, parent.info.run_id, experiment_id)
         if params.schedule.commit_results:
             said = f"gate {'passed' if result.decision.passed else 'failed'}"
             committed = _commit_results(repo, [params.paths.metrics], said)
@@ -271,21 +271,16 @@ def _commit_results(repo: Path, metrics: list[Path], said: str) -> ResultsCommit
 
 def _run_stages(
     stages: tuple[str, ...], repo: Path, params: Params, parent_run_id: str, experiment_id: str
-) -> dict[str, dict[str, Any]]:
-    """Run ``stages`` in order under ``parent_run_id``; their metrics by short stage name."""
-    metrics: dict[str, dict[str, Any]] = {}
+) -> None:
+    """Run ``stages`` in order under ``parent_run_id`` (their files are read through their
+    models by ``_verdict``)."""
     for stage in stages:
-        short = lineage.project_stage(stage)
-        retries = 0 if short in NOT_RETRIED else 1
-        metrics[short] = run_stage.with_options(retries=retries)(
-            stage, repo, params, parent_run_id, experiment_id
-        )
-    return metrics
+        retries = 0 if lineage.project_stage(stage) in NOT_RETRIED else 1
+        run_stage.with_options(retries=retries)(stage, repo, params, parent_run_id, experiment_id)
 
 
 def _verdict(
     params: Params,
-    metrics: dict[str, dict[str, Any]],
     run_id: str,
     experiment_id: str,
     registering: bool = True,
@@ -353,7 +348,7 @@ def _retrain_tasks(
     (``nothing_new``); run by hand, it runs whatever the data."""
     mode = params.schedule.task_models
     before = tasks_report.states(repo, params)
-    shared = _run_stages(SHARED_STAGES, repo, params, parent_run_id, experiment_id)
+    _run_stages(SHARED_STAGES, repo, params, parent_run_id, experiment_id)
     outcomes: dict[str, TaskOutcome] = {}
     for name in chosen if mode != "single" else ():
         view = params.for_task(name)
@@ -366,10 +361,8 @@ def _retrain_tasks(
             run_name=name, nested=True, tags={runs.TAG_PIPELINE: "retrain", "task": name}
         ) as run:
             try:
-                metrics = _run_stages(
-                    task_stages(name, repo), repo, view, run.info.run_id, experiment_id
-                )
-                outcomes[name] = _verdict(view, shared | metrics, run.info.run_id, experiment_id)
+                _run_stages(task_stages(name, repo), repo, view, run.info.run_id, experiment_id)
+                outcomes[name] = _verdict(view, run.info.run_id, experiment_id)
             except (StageFailed, DvcLockTimeout, ParamsError, OSError) as error:
                 get_run_logger().error("task %s failed: %s", name, error)
                 mlflow.set_tag("task.failed", str(error)[:5000])
@@ -378,7 +371,7 @@ def _retrain_tasks(
     # each task's adapter (both; not when tasks are run by hand).
     single = None
     if mode == "single" or (mode == "both" and not by_hand):
-        single = _retrain_single(repo, params, shared, experiment_id, mode == "single")
+        single = _retrain_single(repo, params, experiment_id, mode == "single")
     failed = sorted(t for t, o in outcomes.items() if o.outcome == "failed")
     mlflow.set_tag("tasks.failed", ",".join(failed))
     # Every task's adapter and champion before and after: the others did not move.
@@ -422,7 +415,6 @@ def _retrain_tasks(
 def _retrain_single(
     repo: Path,
     params: Params,
-    shared: dict[str, dict[str, Any]],
     experiment_id: str,
     registering: bool,
 ) -> TaskOutcome:
@@ -435,8 +427,8 @@ def _retrain_single(
     ) as run:
         stages = tuple(s for s in stage_order(repo) if s not in SHARED_STAGES)
         try:
-            metrics = _run_stages(stages, repo, params, run.info.run_id, experiment_id)
-            return _verdict(params, shared | metrics, run.info.run_id, experiment_id, registering)
+            _run_stages(stages, repo, params, run.info.run_id, experiment_id)
+            return _verdict(params, run.info.run_id, experiment_id, registering)
         except (StageFailed, DvcLockTimeout, ParamsError, OSError) as error:
             get_run_logger().error("the single adapter failed: %s", error)
             mlflow.set_tag("task.failed", str(error)[:5000])
