@@ -1,14 +1,16 @@
 """Stage ``ingest``: production badcases and exports into the append-only pool.
 
-Reads:  every ``*.jsonl`` under ``paths.incoming``; the pool so far. With ``tasks:``, each
-        record is routed to its task by its folder (``<incoming>/<task>/``) or its ``task``
-        field, and one for no listed task is quarantined with the reason.
+Reads:  every ``*.jsonl`` under ``paths.incoming``; the pool so far; the tasks' names
+        (``metrics/task_names.json``, stage ``task_names``). With tasks, each record is routed to
+        its task by its folder (``<incoming>/<task>/``) or its ``task`` field, and one for no
+        listed task is quarantined with the reason.
 Writes: one new batch file under ``paths.pool``/records (accepted records, each
         with its provenance) and one under ``paths.pool``/quarantine (rejected
         lines with file, line, byte offset, reason and a scrubbed excerpt);
         ``metrics/ingest.json``; ``paths.reports``/ingest-rejected.jsonl when
         too many lines are rejected.
-Params: ``ingest``, ``paths``, ``tasks``.
+Params: ``ingest``, ``paths``; the tasks' names through ``metrics/task_names.json`` alone, so
+        a change to a task's own settings does not rerun ingest.
 
 Every non-blank line ends in exactly one of: accepted, quarantined, or counted as a
 duplicate of a record already in the pool, with PII replaced by typed placeholders before
@@ -25,12 +27,25 @@ import logging
 
 from tuneloop.data import ingest
 from tuneloop.data import pool as pool_writes
-from tuneloop.io import write_jsonl
-from tuneloop.params import load_params
-from tuneloop.stage import logged_after, setup_logging, write_metrics
+from tuneloop.data.metrics import TaskNames
+from tuneloop.io import read_model, write_jsonl
+from tuneloop.params import Params, load_params
+from tuneloop.stage import logged_after, metrics_path, setup_logging, write_metrics
 
 STAGE = "ingest"
 log = logging.getLogger(__name__)
+
+
+def task_names(params: Params) -> tuple[str, ...]:
+    """The tasks records are routed to, as stage ``task_names`` wrote them."""
+    path = metrics_path(params, "task_names")
+    if not path.exists():
+        raise SystemExit(
+            f"ingest: {path} is missing: it holds the tasks' names that records are routed "
+            "to; `dvc repro ingest` writes it first (stage task_names), or run "
+            "`python -m stages.task_names`"
+        )
+    return read_model(path, TaskNames).tasks
 
 
 def main() -> None:
@@ -39,7 +54,8 @@ def main() -> None:
     pool = params.paths.pool
     with pool_writes.locked(pool), logged_after(STAGE, params):
         pool_writes.recover(pool)
-        tasks = tuple(params.tasks) or None
+        names = task_names(params)
+        tasks = names or None
         known, pooled = ingest.known_hashes(pool, tasks)
         now = dt.datetime.now(dt.UTC)
         try:
@@ -72,7 +88,7 @@ def main() -> None:
                 f"ingest.max_reject_rate={limit:.1%}; the pool is unchanged. Each rejected "
                 f"line and its reason: {rejected}"
             )
-        ingest.add_batch(pool, now, result, tuple(params.tasks))
+        ingest.add_batch(pool, now, result, names)
         write_metrics(params, STAGE, metrics.model_dump())
 
 

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stages import ingest as ingest_stage
+from stages import task_names
 from tests.helpers import write_params
 from tuneloop.data import ingest, pii, records
 from tuneloop.data.records import (
@@ -107,6 +108,7 @@ def pool_digest(pool: Path) -> dict[str, str]:
 @pytest.fixture
 def project(in_folder: Path) -> Iterator[Path]:
     write_params(in_folder, {"ingest": {"max_reject_rate": 0.9, "max_line_bytes": 1_000_000}})
+    task_names.main()
     incoming = in_folder / "data/badcases/incoming"
     incoming.mkdir(parents=True)
     (incoming / "first.jsonl").write_bytes(line(GOOD) + line({"prompt": "p", "response": "r"}))
@@ -278,6 +280,7 @@ def test_a_crash_mid_ingest_leaves_the_pool_as_it_was(
 
 def test_reject_rate_over_the_limit_fails_and_stores_nothing(in_folder: Path) -> None:
     write_params(in_folder, {"ingest": {"max_reject_rate": 0.2, "max_line_bytes": 1000}})
+    task_names.main()
     incoming = in_folder / "data/badcases/incoming"
     incoming.mkdir(parents=True)
     (incoming / "bad.jsonl").write_bytes(line(GOOD) + b"{nope\n{nope again\n")

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from stages import ingest
+from stages import ingest, task_names
 from tests.helpers import write_params
 from tuneloop.data.records import pool_records
 
@@ -196,6 +196,7 @@ def set_limits(project: Path, max_reject_rate: float) -> None:
             "paths": {"incoming": INCOMING},
         },
     )
+    task_names.main()
 
 
 def test_no_planted_value_anywhere_on_disk_and_every_line_accounted(hostile: Path) -> None:

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from stages import ingest as ingest_stage
+from stages import task_names
 from tests.helpers import write_params
 from tuneloop.data.records import pool_records
 from tuneloop.io import read_jsonl
@@ -35,6 +36,7 @@ def project(folder: Path, tasks: dict[str, Any]) -> Path:
     params = yaml.safe_load(path.read_text())
     params["tasks"] = tasks
     path.write_text(yaml.safe_dump(params, sort_keys=False))
+    task_names.main()
     incoming = folder / "data/badcases/incoming"
     incoming.mkdir(parents=True)
     return incoming

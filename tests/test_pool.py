@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from stages import ingest
+from stages import ingest, task_names
 from tests.helpers import ROOT, write_params
 from tuneloop.data import pool
 from tuneloop.data.records import pool_records
@@ -80,6 +80,7 @@ def lines(records: list[dict[str, Any]]) -> bytes:
 def project(in_folder: Path) -> Iterator[Path]:
     """A pool holding FIRST, and a new file (NEW and BAD) waiting in incoming."""
     write_params(in_folder, {"ingest": {"max_reject_rate": 0.9}})
+    task_names.main()
     incoming = in_folder / "data/badcases/incoming"
     incoming.mkdir(parents=True)
     (incoming / "first.jsonl").write_bytes(lines(FIRST))

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from tests.helpers import ROOT, flow_runs
 from tuneloop.cli.reference import metrics_models
-from tuneloop.data.metrics import CleanMetrics, IngestMetrics, PackMetrics
+from tuneloop.data.metrics import CleanMetrics, IngestMetrics, PackMetrics, TaskNames
 from tuneloop.demo import domain
 from tuneloop.io import read_model
 from tuneloop.judge.decision import Decision, read_scores
@@ -148,6 +148,7 @@ def test_evaluate_scores_every_model_and_decides(project: Path) -> None:
 METRICS_MODELS: dict[str, type[BaseModel]] = {
     "base": BaseMetrics,
     "init": InitMetrics,
+    "task_names": TaskNames,
     "ingest": IngestMetrics,
     "fixed_badcases": FixedBadcasesMetrics,
     "clean": CleanMetrics,

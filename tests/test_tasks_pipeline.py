@@ -186,6 +186,10 @@ def test_a_change_to_one_task_reruns_only_that_tasks_stages(
     changed = changed_stages(repo)
     support = {stage for stage in changed if stage.endswith("@support")}
     assert support and "task-train@support" in support
+    # Nor ingest, which reads the tasks' names alone: through task_names' file, which a
+    # task's own settings leave as it was.
+    status = set(json.loads(dvc(repo, "status", "--json")))
+    assert "task_names" in status and "ingest" not in status, sorted(status)
 
 
 def test_one_task_is_run_by_hand_and_the_others_stay_as_they_were(

@@ -21,7 +21,7 @@ class StageOrderError(ValueError):
 
 
 # The stages every task shares; the rest run once per task (``task_stages``).
-SHARED_STAGES = ("base", "ingest")
+SHARED_STAGES = ("base", "task_names", "ingest")
 
 
 def stage_order(root: Path = Path()) -> tuple[str, ...]:

@@ -421,7 +421,7 @@ def mlflow_page(root: Path) -> str:
 def metrics_models() -> dict[str, tuple[type[BaseModel], ...]]:
     """Each stage's metrics file (``metrics/<stage>.json``) and the models its writer and its
     readers go through (merge's is one of two); evaluate.json is ``Scores``, not a model."""
-    from tuneloop.data.metrics import CleanMetrics, IngestMetrics, PackMetrics
+    from tuneloop.data.metrics import CleanMetrics, IngestMetrics, PackMetrics, TaskNames
     from tuneloop.judge.decision import Decision
     from tuneloop.judge.fixed_badcases import FixedBadcasesMetrics
     from tuneloop.models import BaseMetrics
@@ -434,6 +434,7 @@ def metrics_models() -> dict[str, tuple[type[BaseModel], ...]]:
     return {
         "base": (BaseMetrics,),
         "init": (InitMetrics,),
+        "task_names": (TaskNames,),
         "ingest": (IngestMetrics,),
         "fixed_badcases": (FixedBadcasesMetrics,),
         "clean": (CleanMetrics,),

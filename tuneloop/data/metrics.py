@@ -110,3 +110,13 @@ class PackMetrics(BaseModel):
     tokens_dropped_for_balance: int
     val_samples: int
     val_bins: int
+
+
+class TaskNames(BaseModel):
+    """``metrics/task_names.json``: the names of params.yaml's tasks, in its order; empty in a
+    project without tasks. What ingest routes records by (stage ``task_names``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tasks: tuple[str, ...] = Field(description="the tasks ingest routes records to")
+    count: int = Field(description="how many")
