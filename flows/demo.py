@@ -379,7 +379,9 @@ def keep_customers_coming(
     return total
 
 
-def answer_for_nobody(wait_s: float, stop: threading.Event, answered: list[dict[str, Any]]) -> None:
+def answer_for_nobody(
+    wait_s: float, stop: threading.Event, answered: list[approval.Answered]
+) -> None:
     """Print how to approve each paused release; approve as ``demo-operator`` after ``wait_s``."""
     seen: dict[str, float] = {}
     while not stop.wait(1.0):
@@ -444,7 +446,7 @@ def release_month(
     else:
         stack = serve_release(params, repo, month)
     stop = threading.Event()
-    answered: list[dict[str, Any]] = []
+    answered: list[approval.Answered] = []
     seen: dict[str | None, customers.TrafficReport] = {}
     askers = [
         threading.Thread(
@@ -491,7 +493,7 @@ def release_month(
             **release_outcome(state).model_dump(),
             state=state.name,
             message=state.message,
-            demo_approvals=[a for a in answered if a.get("flow_run_id") == run_id],
+            demo_approvals=[a for a in answered if a.flow_run_id == run_id],
             traffic=Traffic.model_validate(seen[task].as_dict()) if task in seen else None,
         )
     return outcomes
@@ -565,7 +567,7 @@ def review_month(repo: Path, params: Params, logs: Path) -> DemoReview:
         votes_by_reviewer=cast,
         summary=judged.summary(),
         table=judged.results.table(),
-        results=judged.results.as_dict(),
+        results=judged.results,
         check=judged.check,
     )
 

@@ -45,6 +45,7 @@ from mlflow.tracking import MlflowClient
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 
+from tuneloop.orchestration.flow_results import ExperimentOutcome, ExperimentRun
 from tuneloop.params import Params, ParamsError, load_params, parse_params
 from tuneloop.tracking import lineage, recovery, runs, server
 
@@ -244,7 +245,7 @@ def experiment(
     repo: Path = Path(),
     jobs: int = 1,
     prefix: str | None = None,
-) -> dict[str, Any]:
+) -> ExperimentRun:
     """Run each param set (and/or a pilot) as a DVC experiment and compare them in MLflow."""
     logger = get_run_logger()
     repo = repo.resolve()
@@ -335,19 +336,19 @@ def experiment(
             if any(o.succeeded for o in outcomes):
                 chart = plot_comparison(outcomes, params, reports / "experiment-comparison.png")
                 mlflow.log_artifact(str(chart), "experiment")
-            result = {
-                "mlflow_run_id": parent.info.run_id,
-                "experiments": {
-                    o.name: {
-                        "set": o.settings,
-                        "rev": o.rev,
-                        "error": o.error,
-                        "scores": primary_scores(o, params),
-                        "gate_passed": o.metrics.get("decision", {}).get("passed"),
-                    }
+            result = ExperimentRun(
+                mlflow_run_id=parent.info.run_id,
+                experiments={
+                    o.name: ExperimentOutcome(
+                        settings=o.settings,
+                        rev=o.rev,
+                        error=o.error,
+                        scores=primary_scores(o, params),
+                        gate_passed=o.metrics.get("decision", {}).get("passed"),
+                    )
                     for o in outcomes
                 },
-            }
+            )
             failed = [o for o in outcomes if not o.succeeded]
             if failed:
                 mlflow.set_tag("tuneloop.experiment.failed", ",".join(o.name for o in failed))

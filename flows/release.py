@@ -116,6 +116,7 @@ from tuneloop.release.approval import (
     validate_answer,
 )
 from tuneloop.release.controller import Logger, Release, ReleaseLog, next_step
+from tuneloop.release.events import ApprovalStep
 from tuneloop.release.loadtest import compare_load, load_test
 from tuneloop.review.store import ReviewError, ReviewStore
 from tuneloop.tracking import runs
@@ -686,7 +687,7 @@ def _ramp(run: Release, name: str, versions: tuple[str, str], client: MlflowClie
             **answer.model_dump(),
         )
         run.log.tag(**{f"approval.{percent}": f"{answer.decision} by {answer.approver}"})
-        run.history.append({"kind": "approval", "percent": percent, **answer.model_dump()})
+        run.history.append(ApprovalStep(percent=percent, **answer.model_dump()))
         if answer.decision == "reject":
             reason = (
                 f"rejected by {answer.approver} at {percent} %: {answer.comment or '(no comment)'}"

@@ -218,11 +218,11 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
     reran = [{"preflight", "train", "merge", "export", "evaluate"}, {"evaluate"}]
     result = experiment(sets=sets, repo=repo, prefix="sweep")
 
-    assert list(result["experiments"]) == ["sweep-1", "sweep-2"]
-    for done, settings in zip(result["experiments"].values(), sets, strict=True):
-        assert done["error"] is None and done["rev"], done
-        assert done["set"] == settings
-        assert done["scores"]["eval_loss"] > 0
+    assert list(result.experiments) == ["sweep-1", "sweep-2"]
+    for done, settings in zip(result.experiments.values(), sets, strict=True):
+        assert done.error is None and done.rev, done
+        assert done.settings == settings
+        assert (done.scores["eval_loss"] or 0) > 0
     # Queued experiments ran in temporary copies: the workspace is as it was.
     assert {name: (repo / name).read_text() for name in before} == before
     assert only_init_runs_again(dvc(repo, "status"))
@@ -237,7 +237,7 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
     assert "data" in shown["sweep-2"]["metrics"]["metrics/evaluate.json"]
 
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
-    parent = client.get_run(result["mlflow_run_id"])
+    parent = client.get_run(result.mlflow_run_id)
     experiment_id = parent.info.experiment_id
 
     def children(run_id: str) -> dict[str, Run]:
@@ -251,7 +251,7 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
     for (name, run), settings, stages_set in zip(sorted(exps.items()), sets, reran, strict=True):
         assert run.info.status == "FINISHED"
         assert run.data.params == {key: str(value) for key, value in settings.items()}
-        assert run.data.tags["dvc.exp.rev"] == result["experiments"][name]["rev"]
+        assert run.data.tags["dvc.exp.rev"] == result.experiments[name].rev
         assert {"train.eval_loss", "evaluate.candidate.support_demo.accuracy"} <= set(
             run.data.metrics
         )

@@ -227,10 +227,10 @@ def test_month_one_was_reviewed_blind_by_the_panel_and_its_release_showed_it(
     review = history[0].review
     assert review is not None and review.review == f"{MODEL}-v2" and history[1].review is None
     # Three reviewers, each through the page's HTTP API: every item, plus their controls.
-    items = review.results["items"]
+    items = review.results.items
     assert set(review.votes_by_reviewer) == {"ana", "bo", "chen"}
     assert all(cast > items for cast in review.votes_by_reviewer.values()), review
-    assert review.results["votes"] == 3 * items
+    assert review.results.votes == 3 * items
     assert review.check is None  # gate.blind_review unset: reported, never blocking
     form = history[0].release.approval_form
     assert f"Blind review: {review.summary}" in form and "| slice | votes |" in form

@@ -47,6 +47,7 @@ from tuneloop.net import free_port
 from tuneloop.orchestration.flow_results import ReleaseOutcome
 from tuneloop.release import approval, signoff
 from tuneloop.release.backends import Backend, start_transformers_serve
+from tuneloop.release.events import Analysis, ApprovalStep, Shift
 from tuneloop.review import store as review_store
 from tuneloop.review.store import ReviewItem, ReviewStore, create_invite, create_review
 
@@ -378,8 +379,8 @@ def test_canary_ramps_with_cli_approvals_and_promotes(
     assert state.is_completed(), state
     result = state.result()
     assert result.outcome == "promoted"
-    assert [h["percent"] for h in result.history if h["kind"] == "shift"] == [10, 50, 100]
-    assert [h["approver"] for h in result.history if h["kind"] == "approval"] == ["alice", "bob"]
+    assert [h.percent for h in result.history if isinstance(h, Shift)] == [10, 50, 100]
+    assert [h.approver for h in result.history if isinstance(h, ApprovalStep)] == ["alice", "bob"]
 
     # The registry: the candidate is champion, the old champion kept for an instant return.
     found = aliases.get_registered_model(MODEL).aliases
@@ -438,10 +439,10 @@ def test_badcases_on_the_canary_roll_back_by_themselves(
     assert result.outcome == "rolled_back"
     # Every decided analysis failed; an inconclusive one (too few canary requests on a busy
     # runner) only extended its interval.
-    analyses = [h for h in result.history if h["kind"] == "analysis"]
-    decided = [h for h in analyses if not h["extended"]]
+    analyses = [h for h in result.history if isinstance(h, Analysis) and h.kind == "analysis"]
+    decided = [h for h in analyses if not h.extended]
     assert result.failures == RELEASE["failure_limit"] == len(decided)
-    assert all(h["outcome"] != "pass" for h in analyses)
+    assert all(h.outcome != "pass" for h in analyses)
     assert "badcase_rate" in result.reason
     assert result.rollback_seconds < 1.0
     assert final["challenger_percent"] == 0

@@ -216,11 +216,11 @@ def test_a_challenger_in_format_passes_the_shadow_step_and_only_then_gets_the_ca
 ) -> None:
     found = run_release(tmp_path, "[warranty] The kettle has a 24-month warranty.", answer=True)
     assert no_user_saw_the_challenger(found["replies"]) >= 10
-    kinds = [(h["kind"], h.get("percent")) for h in found["result"].history]
-    shadow_analyses = [h for h in found["result"].history if h["kind"] == "shadow_analysis"]
+    kinds = [(h.kind, getattr(h, "percent", None)) for h in found["result"].history]
+    shadow_analyses = [h for h in found["result"].history if h.kind == "shadow_analysis"]
     assert kinds[0] == ("shadow", 100) and ("shadow", 0) in kinds
     assert kinds.index(("shadow", 0)) < kinds.index(("shift", 10))
-    assert shadow_analyses[-1]["outcome"] == "pass"
+    assert shadow_analyses[-1].outcome == "pass"
     assert found["final"]["challenger_percent"] == 0  # the test rejected the canary
     # The comparison is on the candidate's run, with its figures and p-values.
     event = next(e for e in found["events"] if e["kind"] == "shadow_analysis")
@@ -245,7 +245,7 @@ def test_a_challenger_that_breaks_the_answer_format_fails_the_shadow_step(
     assert result.reason.startswith("shadow step:")
     assert "shadow_format_compliance" in result.reason
     assert result.failures == RELEASE["failure_limit"]
-    assert "shift" not in {h["kind"] for h in result.history}  # no canary, ever
+    assert "shift" not in {h.kind for h in result.history}  # no canary, ever
     assert {percent for _, percent, _, _ in found["replies"]} == {0}
     assert (found["final"]["challenger_percent"], found["final"]["shadow_percent"]) == (0, 0)
     assert found["metrics"]["release.analysis.shadow_format_compliance.challenger"] == 0.0

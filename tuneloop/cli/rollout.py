@@ -68,11 +68,11 @@ def _approve(args: argparse.Namespace) -> int:
     except approval.ApprovalError as error:
         print(f"tuneloop approve: {error}", file=sys.stderr)
         return 1
-    if done["decision"] == "review done":  # it waited for its blind review, not for a step
-        print(f"{done['flow_run']}: its blind review is judged again ({args.approver})")
+    if done.decision == "review done":  # it waited for its blind review, not for a step
+        print(f"{done.flow_run}: its blind review is judged again ({args.approver})")
     else:
-        shown = f"challenger -> {done['next_percent']} % by {args.approver}"
-        print(f"approved {done['flow_run']}: {shown}")
+        shown = f"challenger -> {done.next_percent} % by {args.approver}"
+        print(f"approved {done.flow_run}: {shown}")
     return 0
 
 
@@ -88,7 +88,7 @@ def _reject(args: argparse.Namespace) -> int:
         print(f"tuneloop reject: {error}", file=sys.stderr)
         return 1
     print(
-        f"rejected {done['flow_run']} by {args.approver}: rollback requested; the release rolls "
+        f"rejected {done.flow_run} by {args.approver}: rollback requested; the release rolls "
         "the challenger back to 0 % when it reads the answer (within seconds)",
         flush=True,
     )

@@ -12,7 +12,6 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -23,6 +22,9 @@ from tuneloop.orchestration.flow_results import (
     TaskOutcome,
     TrainSummary,
 )
+from tuneloop.release.approval import Answered
+from tuneloop.release.events import Analysis, ApprovalStep, Rollback, Shift
+from tuneloop.review.tally import ReviewResults
 
 WHERE_TO_LOOK = """
 Where to look:
@@ -63,7 +65,7 @@ class DemoRelease(ReleaseOutcome):
 
     state: str | None  # the flow run's final state name
     message: str | None
-    demo_approvals: list[dict[str, Any]]  # what the demo approved for nobody (approval.approve)
+    demo_approvals: list[Answered]  # what the demo approved for nobody (approval.approve)
     traffic: Traffic | None
 
 
@@ -74,7 +76,7 @@ class DemoReview(_Summary):
     votes_by_reviewer: dict[str, int]
     summary: str
     table: str
-    results: dict[str, Any]  # tuneloop.review.tally.ReviewResults.as_dict()
+    results: ReviewResults
     check: Check | None  # None without gate.blind_review
 
 
@@ -139,22 +141,17 @@ def _scores(evaluation: Scores, model: str) -> str:
 def _release_lines(release: ReleaseOutcome) -> list[str]:
     lines = [f"  release  {release.outcome}: {release.reason}"]
     for event in release.history:
-        kind = event.get("kind")
-        if kind == "shift":
-            lines.append(f"           challenger -> {event['percent']} %")
-        elif kind == "analysis":
-            share = event.get("challenger_share")
+        if isinstance(event, Shift):
+            lines.append(f"           challenger -> {event.percent} %")
+        elif isinstance(event, Analysis) and event.kind == "analysis":
+            share = event.challenger_share
             shown = "n/a" if share is None else f"{share:.0%} of requests to the challenger"
-            verdict = "pass" if event.get("passed") else "FAIL"
-            lines.append(f"           analysis at {event['percent']} %: {verdict} ({shown})")
-        elif kind == "approval":
-            lines.append(
-                f"           {event['decision']} by {event['approver']} at {event['percent']} %"
-            )
-        elif kind == "rollback":
-            lines.append(
-                f"           rollback in {event['seconds'] * 1000:.0f} ms: {event['reason']}"
-            )
+            verdict = "pass" if event.passed else "FAIL"
+            lines.append(f"           analysis at {event.percent} %: {verdict} ({shown})")
+        elif isinstance(event, ApprovalStep):
+            lines.append(f"           {event.decision} by {event.approver} at {event.percent} %")
+        elif isinstance(event, Rollback):
+            lines.append(f"           rollback in {event.seconds * 1000:.0f} ms: {event.reason}")
     seen = release.traffic.arms if isinstance(release, DemoRelease) and release.traffic else {}
     for arm, tally in seen.items():
         lines.append(

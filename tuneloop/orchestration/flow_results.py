@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tuneloop.judge.decision import Comparison, Decision, Scores
+from tuneloop.release.events import ReleaseEvent
 from tuneloop.tracking.registry import Registration
 
 
@@ -102,6 +103,25 @@ class TasksRun(_Result):
 RetrainResult = PipelineRun | TasksRun
 
 
+class ExperimentOutcome(_Result):
+    """One param set of a sweep or a pilot, run as a DVC experiment."""
+
+    settings: dict[str, Any] = Field(description="the params it set, dotted keys")
+    rev: str | None = Field(description="the experiment's commit; None: it did not finish")
+    error: str | None = None
+    scores: dict[str, float | None] = Field(
+        description="the gate's primary metric on each suite, and eval_loss"
+    )
+    gate_passed: bool | None = Field(description="None: it did not reach the gate")
+
+
+class ExperimentRun(_Result):
+    """What the experiment flow ran, by experiment name, under one MLflow parent run."""
+
+    mlflow_run_id: str
+    experiments: dict[str, ExperimentOutcome]
+
+
 class ReleaseOutcome(_Result):
     """What a release did; ``not released`` when there was nothing to release, and why."""
 
@@ -112,5 +132,5 @@ class ReleaseOutcome(_Result):
     failures: int = 0
     rollback_seconds: float | None = None
     # Every step of the release in order: shifts, analyses, approvals, the rollback.
-    history: list[dict[str, Any]] = []
+    history: list[ReleaseEvent] = []
     approval_form: str = ""  # what every approval form said of the blind review

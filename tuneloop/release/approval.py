@@ -55,6 +55,22 @@ class ApprovalError(RuntimeError):
     """The answer cannot be given; the message says why and what to do."""
 
 
+class Answered(BaseModel):
+    """An answer given to a paused release: the flow run it resumed and what it said.
+
+    ``review done``: the release waited for its blind review, and is told to judge it again.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    flow_run_id: str
+    flow_run: str = Field(description="the flow run's name")
+    decision: Literal["approve", "reject", "review done"]
+    approver: str
+    next_percent: int | None = Field(default=None, description="the step approved (approve)")
+    comment: str = ""
+
+
 # --- the answer ----------------------------------------------------------------------------------
 
 
@@ -227,7 +243,7 @@ def _answer(
     percent: int | None,
     comment: str,
     acknowledge: bool = False,
-) -> dict[str, Any]:
+) -> Answered:
     from prefect.exceptions import FlowPauseTimeout
     from prefect.flow_runs import resume_flow_run
 
@@ -241,7 +257,13 @@ def _answer(
                 "`tuneloop approve` when the reviewers are done (a review that fails blocks it)"
             )
         resume_flow_run(run.id, run_input={"approver": approver, "comment": comment})
-        return {"flow_run_id": str(run.id), "flow_run": run.name, "decision": "review done"}
+        return Answered(
+            flow_run_id=str(run.id),
+            flow_run=run.name,
+            decision="review done",
+            approver=approver,
+            comment=comment,
+        )
     field = schema.get("properties", {}).get("next_percent", {})
     planned, lowest = field.get("default"), field.get("minimum", 1)
     run_input: dict[str, Any] = {"decision": decision, "approver": approver, "comment": comment}
@@ -266,14 +288,14 @@ def _answer(
         ) from None
     except RuntimeError as error:  # the server refused the input or the state changed
         raise ApprovalError(f"flow run {run.name}: {error}") from None
-    return {
-        "flow_run_id": str(run.id),
-        "flow_run": run.name,
-        "decision": decision,
-        "approver": approver,
-        "next_percent": shown,
-        "comment": comment,
-    }
+    return Answered(
+        flow_run_id=str(run.id),
+        flow_run=run.name,
+        decision="approve" if decision == "approve" else "reject",
+        approver=approver,
+        next_percent=shown,
+        comment=comment,
+    )
 
 
 def approve(
@@ -282,13 +304,13 @@ def approve(
     percent: int | None = None,
     comment: str = "",
     acknowledge_inconclusive: bool = False,
-) -> dict[str, Any]:
+) -> Answered:
     """Approve the next step of a paused release (``percent``: another step than planned;
     ``acknowledge_inconclusive``: the tick the form needs when the gate left rules unsettled)."""
     return _answer(ref, "approve", approver, percent, comment, acknowledge_inconclusive)
 
 
-def reject(ref: str, approver: str, comment: str) -> dict[str, Any]:
+def reject(ref: str, approver: str, comment: str) -> Answered:
     """Reject a paused release: the flow rolls the challenger back to 0 %."""
     if not comment.strip():
         raise ApprovalError("a rejection needs a --comment: it is the rollback's recorded reason")

@@ -24,6 +24,7 @@ from tuneloop.params import ReleaseParams
 from tuneloop.release.admin import AdminError, Batch, Cursor, RouterAdmin
 from tuneloop.release.analysis import WEIGHT_CHECK, Verdict, analyse, analyse_shadow
 from tuneloop.release.checks import comparison
+from tuneloop.release.events import Analysis, ReleaseEvent, Rollback, Shadow, Shift
 from tuneloop.release.readings import ArmSamples, StatsError, read_pairs, tally
 from tuneloop.release.shadow import Judges
 
@@ -105,7 +106,7 @@ class Release:
     extensions: int = 0
     rolled_back: str | None = None
     rollback_seconds: float | None = None
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[ReleaseEvent] = field(default_factory=list)
     pending: list[dict[str, Any]] = field(default_factory=list)
     dropped: int = 0
     # The champion's requests of the last interval it served: what 100 % is judged against.
@@ -135,7 +136,7 @@ class Release:
             {"challenger_percent": float(percent)},
             percent=percent,
         )
-        self.history.append({"kind": "shift", "percent": percent})
+        self.history.append(Shift(percent=percent))
 
     def shadow(self, percent: int, reason: str) -> None:
         self.admin.set_shadow(percent, reason)
@@ -148,7 +149,7 @@ class Release:
             {"shadow_percent": float(percent)},
             percent=percent,
         )
-        self.history.append({"kind": "shadow", "percent": percent})
+        self.history.append(Shadow(percent=percent))
 
     def _read(self, cursor: Cursor) -> Batch:
         batch = cursor.read()
@@ -278,14 +279,15 @@ class Release:
             **verdict.as_dict(),
         )
         self.history.append(
-            {
-                "kind": "shadow_analysis" if where == "shadow" else "analysis",
-                "percent": percent,
-                "passed": verdict.passed,
-                "outcome": outcome,
-                "extended": extend,
-                **{k: v for k, v in extra.items() if k in ("challenger_share", "requests")},
-            }
+            Analysis(
+                kind="shadow_analysis" if where == "shadow" else "analysis",
+                percent=percent,
+                passed=verdict.passed,
+                outcome=outcome,
+                extended=extend,
+                challenger_share=extra.get("challenger_share"),
+                requests=extra.get("requests"),
+            )
         )
         return verdict
 
@@ -321,4 +323,4 @@ class Release:
             seconds=seconds,
         )
         self.log.tag(status="rolled_back", reason=reason)
-        self.history.append({"kind": "rollback", "reason": reason, "seconds": seconds})
+        self.history.append(Rollback(reason=reason, seconds=seconds))
