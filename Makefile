@@ -104,10 +104,10 @@ demo-real: setup serve-setup
 # others that start it), so it builds vLLM's environment first; a second time this is a no-op.
 test: setup serve-setup
 	$(IN_VENV) $(BIN)/python -c "import importlib as i, importlib.util as u; u.find_spec('deepspeed') and i.import_module('deepspeed.comm.torch').build_shm_op()"
-	$(IN_VENV) $(BIN)/pytest -n $(TEST_WORKERS) -m "(fast or slow) and not tutorial" $(PYTEST_ARGS)
+	$(IN_VENV) $(BIN)/pytest -n $(TEST_WORKERS) -m "fast or slow" $(PYTEST_ARGS)
 
 # docs/tutorial/your-model.md run as written from a clone (tests/test_tutorial.py): a month on
-# SmolLM2, about 11 minutes on 2 cores, on its own so that `make test` stays inside CI's time.
+# SmolLM2, about 4 minutes on 2 quiet cores. `make test` runs it too; this runs it alone.
 test-tutorial: setup
 	$(IN_VENV) $(BIN)/pytest -m tutorial tests/test_tutorial.py $(PYTEST_ARGS)
 

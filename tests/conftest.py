@@ -58,6 +58,7 @@ LONG_FIRST = (
     "test_loop",
     "test_team_stack",
     "test_real_lora",
+    "test_tutorial",
     "test_evaluate",
     "test_train_stage",
 )

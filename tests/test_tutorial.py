@@ -30,7 +30,7 @@ import yaml
 
 from tests.helpers import ROOT
 
-# The slow tier, and its own marker: `make test-tutorial` runs it, `make test` leaves it out.
+# The slow tier, and a marker of its own: `make test` runs it, `make test-tutorial` it alone.
 pytestmark = [pytest.mark.slow, pytest.mark.tutorial]
 
 PAGE = ROOT / "docs" / "tutorial" / "your-model.md"
@@ -86,7 +86,14 @@ def month(tmp_path_factory: pytest.TempPathFactory, prefect_harness: None) -> Pa
             script.append(f"python - <<'PY'\n{apply_params(body)}\nPY")
         else:
             script += [f"echo '--- {title}'", body]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    # A reader's shell: not this suite's interpreter settings, nor the `make test` it runs
+    # under (step 1's `make` would be a sub-make of it).
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTHON", "VIRTUAL_ENV"))
+        and k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")
+    }
     env |= {"PYTHONPATH": str(repo), "PREFECT_API_URL": str(PREFECT_API_URL.value())}
     log = repo.parent / "tutorial.log"
     with log.open("w") as out:
