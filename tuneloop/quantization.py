@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from tuneloop.io import read_jsonl
 from tuneloop.params import ExportParams, Params
@@ -87,16 +87,20 @@ class FormatMetrics(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    scheme: str
-    bytes: int
+    scheme: str = Field(description="llm-compressor's scheme, e.g. FP8_DYNAMIC")
+    bytes: int = Field(description="the export's safetensors files, bytes")
     # The headline: on disk against the bf16 checkpoint it replaces in serving.
-    size_ratio: float
-    size_ratio_vs_merged: float
-    quantized_tensors: int  # Linear weights stored in the format
-    high_precision_tensors: int
-    calibration_samples: int  # 0: the scheme takes no data
-    reload_forward_ok: bool
-    seconds: float  # quantize, save, check, reload
+    size_ratio: float = Field(description="bytes / bf16_reference_bytes")
+    size_ratio_vs_merged: float = Field(description="bytes / merged_bytes")
+    quantized_tensors: int = Field(description="Linear weights stored in the format")
+    high_precision_tensors: int = Field(
+        description="every other tensor saved: scales, norms, embeddings, ignored layers"
+    )
+    calibration_samples: int = Field(description="chats calibrated on; 0: the scheme takes none")
+    reload_forward_ok: bool = Field(
+        description="the export loaded back and ran a forward pass (a failure stops the stage)"
+    )
+    seconds: float = Field(description="quantize, save, check and reload, s")
 
 
 class ExportMetrics(BaseModel):
@@ -104,10 +108,12 @@ class ExportMetrics(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    formats: dict[str, FormatMetrics]
-    merged_bytes: int
-    bf16_reference_bytes: int
-    seconds: float  # the whole stage
+    formats: dict[str, FormatMetrics] = Field(description="export format -> its metrics")
+    merged_bytes: int = Field(description="the merged model's safetensors files, bytes")
+    bf16_reference_bytes: int = Field(
+        description="the merged model's parameters at 2 bytes each: its bf16 checkpoint"
+    )
+    seconds: float = Field(description="the whole stage, s")
 
 
 class NotExported(BaseModel):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from tuneloop.io import ModelFileError, read_json, read_model, write_model
 from tuneloop.judge.verdict import Outcome
@@ -30,122 +30,202 @@ class _Record(BaseModel):
 class Comparison(_Record):
     """``model`` vs ``reference`` on one metric, paired item by item ("better by" ``diff``)."""
 
-    suite: str
-    metric: str
-    higher_is_better: bool
-    slice: str | None  # "field=label", None for the whole suite
-    model: str
-    value: float | None
-    reference: str
-    reference_value: float | None
-    diff: float | None
-    low: float | None
-    high: float | None
-    se: float | None
-    items: int
+    suite: str = Field(description="the eval suite")
+    metric: str = Field(description="the metric compared, as the suite reports it")
+    higher_is_better: bool = Field(description="the metric's direction, as the suite gives it")
+    slice: str | None = Field(description='the slice, "field=label"; None: the whole suite')
+    model: str = Field(description="the model judged: candidate, or an export (candidate-fp8)")
+    value: float | None = Field(
+        description="the model's figure: the weighted mean over the items; None: no item counts"
+    )
+    reference: str = Field(description="the model it is compared with: base, champion, candidate")
+    reference_value: float | None = Field(
+        description="the reference's figure; None: no item counts"
+    )
+    diff: float | None = Field(
+        description="how much better the model is than the reference, whichever way the metric "
+        "points (negative: worse); None: a figure is missing"
+    )
+    low: float | None = Field(
+        description="low end of the paired bootstrap interval of diff (gate.confidence); None: "
+        "no interval"
+    )
+    high: float | None = Field(description="high end of that interval; None: no interval")
+    se: float | None = Field(
+        description="standard deviation of the bootstrap differences; None: no interval"
+    )
+    items: int = Field(description="items that count toward both figures")
 
 
 class SliceComparison(Comparison):
     """A comparison within one slice, and whether its whole interval is below zero."""
 
-    regressed: bool
+    regressed: bool = Field(description="the whole interval is below zero: the slice got worse")
 
 
 class Check(_Record):
     """One rule judged on one comparison (or a count, or the people's votes)."""
 
-    suite: str
-    metric: str
-    slice: str | None
-    model: str
-    reference: str
-    items: int
-    rule: str
-    threshold: float
-    status: Outcome
-    passed: bool
-    blocking: bool
-    more_items: int | None
-    reason: str
-    # The comparison's figures; a count (fixed badcases) has none, a review some.
-    higher_is_better: bool | None = None
-    value: float | None = None
-    reference_value: float | None = None
-    diff: float | None = None
-    low: float | None = None
-    high: float | None = None
-    se: float | None = None
-    broken: int | None = None  # fixed badcases only
+    suite: str = Field(description='the eval suite; the blind review: "review:<name>"')
+    metric: str = Field(description="the metric judged")
+    slice: str | None = Field(description='the slice, "field=label"; None: the whole suite')
+    model: str = Field(description="the model judged: candidate, or an export (candidate-fp8)")
+    reference: str = Field(description="the model it is held against: base, champion, candidate")
+    items: int = Field(
+        description="items that count toward the comparison; fixed badcases: the fixes (items "
+        "the champion answers right); the blind review: votes"
+    )
+    rule: str = Field(
+        description="beats_base, no_regression, fp8_within, nvfp4_within, nvfp4a16_within, "
+        "forgetting, slice_regression, fixed_badcases or blind_review"
+    )
+    threshold: float = Field(
+        description="the least diff that passes (negative: the drop allowed); fixed badcases: "
+        "the broken fixes allowed; the blind review: the least win rate"
+    )
+    status: Outcome = Field(description="pass, fail or inconclusive")
+    passed: bool = Field(description="status is pass")
+    blocking: bool = Field(
+        description="it stops the candidate: a failure, or inconclusive where "
+        "gate.on_inconclusive is block"
+    )
+    more_items: int | None = Field(
+        description="about how many more suite items (the blind review: votes) would settle an "
+        "inconclusive check; None: settled, or no number would"
+    )
+    reason: str = Field(description="the check in words: figures, threshold and outcome")
+    higher_is_better: bool | None = Field(
+        default=None, description="the metric's direction; None: a count or the blind review"
+    )
+    value: float | None = Field(
+        default=None,
+        description="the model's figure (the blind review: the candidate's decisive win rate); "
+        "None: a count, or no item counts",
+    )
+    reference_value: float | None = Field(
+        default=None, description="the reference's figure; None: a count or the blind review"
+    )
+    diff: float | None = Field(
+        default=None,
+        description="how much better the model is than the reference (negative: worse); None: "
+        "a count, the blind review, or a figure missing",
+    )
+    low: float | None = Field(
+        default=None,
+        description="low end of the interval (the blind review: Wilson's); None: no interval",
+    )
+    high: float | None = Field(
+        default=None, description="high end of the interval; None: no interval"
+    )
+    se: float | None = Field(
+        default=None,
+        description="standard deviation of the bootstrap differences; None: no bootstrap",
+    )
+    broken: int | None = Field(
+        default=None, description="fixes the candidate broke; None: not the fixed_badcases rule"
+    )
 
 
 class UnsettledRule(_Record):
     """An inconclusive check as the approval form and ``tuneloop status`` list it."""
 
-    rule: str
-    suite: str
-    metric: str
-    slice: str | None
-    more_items: int | None
-    blocking: bool
-    reason: str
-    line: str
+    rule: str = Field(description="the check's rule")
+    suite: str = Field(description="the check's suite")
+    metric: str = Field(description="the check's metric")
+    slice: str | None = Field(description='the slice, "field=label"; None: the whole suite')
+    more_items: int | None = Field(
+        description="about how many more items (or votes) would settle it; None: no number would"
+    )
+    blocking: bool = Field(
+        description="it blocks the candidate; false: let through (gate.on_inconclusive: warn)"
+    )
+    reason: str = Field(description="the check's reason")
+    line: str = Field(description="the rule, where, and what would settle it, in one line")
 
 
 class Thresholds(_Record):
-    min_gain: float
-    max_regression: float
-    fp8_max_drop: float | None
-    max_forgetting: float
-    max_slice_regression: float | None
-    max_broken_fixes: int | None = None
-    fp4_max_drop: float | None = None
+    min_gain: float = Field(description="gate.min_gain: the least the candidate beats the base by")
+    max_regression: float = Field(description="gate.max_regression: behind the champion, at most")
+    fp8_max_drop: float | None = Field(
+        description="gate.fp8_max_drop: the FP8 export behind the candidate, at most; None: not "
+        "a rule"
+    )
+    max_forgetting: float = Field(
+        description="gate.max_forgetting: behind the reference on a general suite, at most"
+    )
+    max_slice_regression: float | None = Field(
+        description="gate.max_slice_regression: behind the reference in a slice, at most; None: "
+        "slices reported only"
+    )
+    max_broken_fixes: int | None = Field(
+        default=None,
+        description="gate.max_broken_fixes; None: a decision written before the rule",
+    )
+    fp4_max_drop: float | None = Field(
+        default=None,
+        description="gate.fp4_max_drop: an FP4 export behind the candidate, at most; None: not "
+        "a rule",
+    )
 
 
 class Statistics(_Record):
-    method: str
-    confidence: float
-    samples: int
-    seed: int
+    method: str = Field(description="how the intervals are made: a paired bootstrap, percentile")
+    confidence: float = Field(description="gate.confidence: of every interval")
+    samples: int = Field(description="gate.bootstrap_samples: resamples per suite")
+    seed: int = Field(description="gate.seed: of the bootstrap")
 
 
 class Forgetting(_Record):
-    suites: list[str]
-    reference: str
-    could_not_run: dict[str, str]  # general suite -> why it could not run
+    suites: list[str] = Field(description="the general suites judged (those that could run)")
+    reference: str = Field(description="what the candidate is held against: champion, else base")
+    could_not_run: dict[str, str] = Field(description="general suite -> why it could not run")
 
 
 class ExportStanding(_Record):
     """One export format's checks, their outcome, and whether the gate refused the format."""
 
-    format: str
-    model: str
-    rule: str
-    max_drop: float | None
-    status: Outcome | NotARule
-    refused: bool
-    reason: str
-    checks: list[Check]
+    format: str = Field(description="the export format: fp8, nvfp4 or nvfp4a16")
+    model: str = Field(description="the export's model name in the scores, e.g. candidate-fp8")
+    rule: str = Field(description="the gate key that bounds it: fp8_max_drop or fp4_max_drop")
+    max_drop: float | None = Field(description="that key's value; None: not a rule")
+    status: Outcome | NotARule = Field(
+        description="the worst of its checks (pass when none), or not a rule"
+    )
+    refused: bool = Field(
+        description="the gate refused the format: it is not registered (a check failed, or is "
+        "unsettled and blocking)"
+    )
+    reason: str = Field(description="why refused or within, in words")
+    checks: list[Check] = Field(description="its checks, one per metric of each business suite")
 
 
 class FixedBadcases(_Record):
     """The fixes the candidate broke (``suite`` None and status ``empty``: none to keep)."""
 
-    suite: str | None = None
-    items: int = 0
-    fixed_by_champion: int = 0
-    broken: int = 0
-    broken_ids: list[str] = []
-    max_broken_fixes: int | None = None
-    status: Outcome | Literal["empty"] = "empty"
+    suite: str | None = Field(
+        default=None, description="the fixed-badcase suite; None: the suite is empty"
+    )
+    items: int = Field(default=0, description="the suite's items")
+    fixed_by_champion: int = Field(
+        default=0, description="items the champion answers right: the fixes to keep"
+    )
+    broken: int = Field(default=0, description="of those, the items the candidate answers wrong")
+    broken_ids: list[str] = Field(default=[], description="the item ids of every broken fix")
+    max_broken_fixes: int | None = Field(
+        default=None, description="gate.max_broken_fixes; None: the suite is empty"
+    )
+    status: Outcome | Literal["empty"] = Field(
+        default="empty", description="pass or fail; empty: no fix to keep yet"
+    )
 
 
 class Champion(_Record):
     """A registered version's identity, as the gate compared with it."""
 
-    name: str
-    version: str
-    run_id: str
-    source: str
+    name: str = Field(description="the registered model")
+    version: str = Field(description="its registered version")
+    run_id: str = Field(description='the MLflow run that logged it; "": none recorded')
+    source: str = Field(description='the version\'s source (artifact URI); "": none recorded')
 
 
 class Decision(_Record):
@@ -155,33 +235,70 @@ class Decision(_Record):
     them with :meth:`judged`.
     """
 
-    verdict: Outcome
-    passed: bool
-    primary_metric: str
-    thresholds: Thresholds
-    statistics: Statistics
+    verdict: Outcome = Field(
+        description="fail when a blocking check failed, else inconclusive when one is unsettled, "
+        "else pass"
+    )
+    passed: bool = Field(description="verdict is pass")
+    primary_metric: str = Field(description="gate.primary_metric: the metric beats_base judges")
+    thresholds: Thresholds = Field(description="the gate's thresholds the checks used")
+    statistics: Statistics = Field(description="how the intervals were made")
     # What a person acts on comes first: failures, then what is not settled.
-    reasons: list[str]
-    failed: list[str]
-    inconclusive: list[str]
-    on_inconclusive: Literal["block", "warn"] = "block"
-    # Every rule the data could not settle, blocking or not: what a person must read.
-    unsettled: list[UnsettledRule] = []
-    more_items: dict[str, int | None]  # suite -> items that would settle its unsettled checks
-    regressed_slices: list[str]
-    reference: str  # champion, else base
-    items: dict[str, int]  # suite -> items scored
-    forgetting: Forgetting
-    checks: list[Check]
-    comparisons: list[Comparison]
-    slices: list[SliceComparison]
-    exports: dict[str, ExportStanding] = {}
-    fixed_badcases: FixedBadcases = FixedBadcases()
-    higher_is_better: Directions
-    champion: Champion | None = None
-    candidate_key: str | None = None  # the judged merged folder: registration refuses another
-    backend: str | None = None
-    engines: dict[str, str] = {}  # model -> what answered, with its version
+    reasons: list[str] = Field(
+        description="every check's reason and every note: failures, blocking unsettled checks, "
+        "regressed slices, the rest, notes"
+    )
+    failed: list[str] = Field(description="the failed checks' reasons")
+    inconclusive: list[str] = Field(description="the blocking inconclusive checks' reasons")
+    on_inconclusive: Literal["block", "warn"] = Field(
+        default="block", description="gate.on_inconclusive: whether an unsettled rule blocks"
+    )
+    unsettled: list[UnsettledRule] = Field(
+        default=[],
+        description="every rule the data could not settle, blocking or not: what a person must "
+        "read",
+    )
+    more_items: dict[str, int | None] = Field(
+        description="suite -> items that would settle its blocking unsettled checks (the most "
+        "any needs); None: one of them cannot say"
+    )
+    regressed_slices: list[str] = Field(
+        description='"suite/metric [field=label]" of every slice whose interval is below zero'
+    )
+    reference: str = Field(description="what the candidate is held against: champion, else base")
+    items: dict[str, int] = Field(description="suite -> items scored")
+    forgetting: Forgetting = Field(description="the general suites and what could not run")
+    checks: list[Check] = Field(
+        description="every check of the rules (the FP4 exports' are under exports)"
+    )
+    comparisons: list[Comparison] = Field(description="every whole-suite comparison made")
+    slices: list[SliceComparison] = Field(
+        description="the candidate vs the reference in every slice of a business suite"
+    )
+    exports: dict[str, ExportStanding] = Field(
+        default={}, description="export format -> its checks and whether the gate refused it"
+    )
+    fixed_badcases: FixedBadcases = Field(
+        default=FixedBadcases(), description="the fixes the candidate broke"
+    )
+    higher_is_better: Directions = Field(
+        description="suite -> metric -> whether a higher figure is better"
+    )
+    champion: Champion | None = Field(
+        default=None, description="the registered champion compared with; None: none yet"
+    )
+    candidate_key: str | None = Field(
+        default=None,
+        description="sha256 of the judged merged folder's manifest: registration refuses "
+        "another; None: not yet set by evaluate",
+    )
+    backend: str | None = Field(
+        default=None,
+        description="hf or vllm: what scored the candidate; None: not yet set by evaluate",
+    )
+    engines: dict[str, str] = Field(
+        default={}, description="model -> what answered it, with its version"
+    )
 
     def judged(
         self, champion: Champion | None, candidate_key: str, backend: str, engines: dict[str, str]

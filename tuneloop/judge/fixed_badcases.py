@@ -54,13 +54,17 @@ class FixedBadcasesMetrics(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    items: int
+    items: int = Field(description="the suite's items: one question and its newest correction")
     champion_version: str | None = Field(
         description="the serving champion's version (``metrics/init.json``); None: no champion"
     )
     champion_batches: tuple[str, ...] = Field(description="the pool batches it trained on")
-    items_by_batch: dict[str, int]
-    items_by_source: dict[str, int]
+    items_by_batch: dict[str, int] = Field(
+        description="items by the pool batch that first gave the answer"
+    )
+    items_by_source: dict[str, int] = Field(
+        description="items by the badcase's meta.source (unknown: none)"
+    )
     left_out: dict[str, int] = Field(description="corrections not in the suite, by reason")
 
 

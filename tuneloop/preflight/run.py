@@ -67,12 +67,14 @@ class PreflightMetrics(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    seconds: float  # the whole gate
-    read_seconds: float = Field(description="reading the shards, tokenizer, config and GPUs")
-    passed: int
-    warnings: int
-    failed: int
-    skipped: int
+    seconds: float = Field(description="the whole gate: reading everything and every check, s")
+    read_seconds: float = Field(
+        description="reading the shards, tokenizer, config and GPU inventory, s"
+    )
+    passed: int = Field(description="checks that passed")
+    warnings: int = Field(description="checks that warned: it will work, slower or riskier")
+    failed: int = Field(description="checks that failed (the stage then stops)")
+    skipped: int = Field(description="checks that do not apply here")
     optimizer_steps: int = Field(description="optimizer steps the run will take, as planned")
 
 

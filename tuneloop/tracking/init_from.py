@@ -122,8 +122,8 @@ class ServingChampion(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    version: str
-    batches: tuple[str, ...]
+    version: str = Field(description="its registered version")
+    batches: tuple[str, ...] = Field(description="the pool batches it trained on, oldest first")
 
 
 class InitMetrics(BaseModel):
@@ -133,11 +133,11 @@ class InitMetrics(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    source: str  # "base" or "champion"
-    reason: str
-    model: str | None  # registered model name, for a champion
-    version: str | None
-    run_id: str | None
+    source: str = Field(description="what training starts from: base or champion")
+    reason: str = Field(description="why, in words (train.init_from and the registry)")
+    model: str | None = Field(description="the registered model; None: the base")
+    version: str | None = Field(description="the champion's registered version; None: the base")
+    run_id: str | None = Field(description="the champion's MLflow run; None: the base or none")
     batches: tuple[str, ...] = Field(description="pool batches the start already trained on")
     from_champion: int = Field(description="1 when training starts from the champion, else 0")
     champion_version: int = Field(description="the start's registered version; 0 for the base")

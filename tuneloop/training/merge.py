@@ -42,17 +42,21 @@ class MergeMetrics(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_abs_logit_diff: float
-    mean_abs_logit_diff: float
+    max_abs_logit_diff: float = Field(
+        description="the largest logit difference from the adapter model on the probes"
+    )
+    mean_abs_logit_diff: float = Field(description="the mean logit difference on the probes")
     max_rel_logit_diff: float = Field(
         description="max_abs_logit_diff / max_abs_logit: reads the same on models of any size"
     )
-    max_abs_logit: float  # the adapter model's largest logit magnitude
+    max_abs_logit: float = Field(description="the adapter model's largest logit magnitude")
     identical_generations: float = Field(description="share of probes with the same greedy text")
-    probes: int
-    saved_dtype: str  # merge.dtype
-    tolerance: float  # merge.max_abs_logit_diff
-    passed: bool
+    probes: int = Field(description="probe prompts, spread over every eval suite")
+    saved_dtype: str = Field(description="merge.dtype: what the merged model is saved in")
+    tolerance: float = Field(description="merge.max_abs_logit_diff: the most allowed")
+    passed: bool = Field(
+        description="max_abs_logit_diff within tolerance and every greedy generation identical"
+    )
 
 
 class CopiedThrough(BaseModel):
@@ -60,8 +64,8 @@ class CopiedThrough(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    skipped: str  # why nothing was merged: FULL_FINE_TUNE
-    probes: int = 0
+    skipped: str = Field(description='why nothing was merged: "full fine-tune"')
+    probes: int = Field(default=0, description="probe prompts: none, nothing was compared")
 
 
 class MergeFile(RootModel[MergeMetrics | CopiedThrough]):

@@ -14,13 +14,16 @@ from tuneloop.io import Omissible
 
 
 class NodeUsage(BaseModel):
+    """One node's GPU time in a cluster job."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    node: str
-    seconds: float
-    """Wall time the job held the node, every run of it (requeues) together."""
-    gpus: int
-    gpu_hours: float
+    node: str = Field(description="the node's name, as the scheduler gives it")
+    seconds: float = Field(
+        description="wall time the job held the node, every run of it (requeues) together, s"
+    )
+    gpus: int = Field(description="GPUs the job held on the node (cluster.gpus_per_node)")
+    gpu_hours: float = Field(description="gpus x seconds / 3600")
 
 
 class JobReport(BaseModel):
@@ -29,16 +32,17 @@ class JobReport(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    launcher: str
-    job_id: str
-    state: str
-    nodes: tuple[str, ...]
-    restarts: int
-    elapsed_s: float
-    gpu_hours: float
-    usage: tuple[NodeUsage, ...]
-    logs: str
-    """The folder with the job's output and each node's watchdog evidence."""
+    launcher: str = Field(description="slurm or kubernetes")
+    job_id: str = Field(description="the scheduler's job id (Kubernetes: the TrainJob's name)")
+    state: str = Field(description="the job's last state, in Slurm's words: COMPLETED, FAILED, ...")
+    nodes: tuple[str, ...] = Field(description="the nodes the scheduler last reported it on")
+    restarts: int = Field(description="times the scheduler requeued or restarted it")
+    elapsed_s: float = Field(description="the job's wall time, s")
+    gpu_hours: float = Field(description="GPU-hours over every node: the sum of usage")
+    usage: tuple[NodeUsage, ...] = Field(description="GPU time by node")
+    logs: str = Field(
+        description="the folder with the job's output and each node's watchdog evidence"
+    )
 
 
 class PhaseMetrics(BaseModel):
@@ -49,22 +53,36 @@ class PhaseMetrics(BaseModel):
     train_loss: float | None = Field(
         description="mean of the logged losses (None: no step logged one)"
     )
-    first_logged_loss: float | None
-    last_logged_loss: float | None
-    eval_loss: float | None = Field(description="the best checkpoint's validation loss")
-    best_step: int | None  # the step of that checkpoint
-    global_steps: int
-    max_steps: int
-    epochs: float
-    stopped_early: bool  # early stopping ended it before max_steps
-    resumed_from_step: int | None  # None: started afresh
-    seconds: float
-    tokens: int  # real tokens trained on, every rank
-    tokens_per_second: float | None
-    trainable_parameters: int
-    # DPO's own curves, last logged value; an SFT phase has none.
-    rewards_accuracies: Omissible[float] = None
-    rewards_margins: Omissible[float] = None
+    first_logged_loss: float | None = Field(
+        description="the first logged training loss; None: none logged"
+    )
+    last_logged_loss: float | None = Field(
+        description="the last logged training loss; None: none logged"
+    )
+    eval_loss: float | None = Field(
+        description="the best checkpoint's validation loss, else the last logged one; None: no "
+        "validation"
+    )
+    best_step: int | None = Field(description="the step of that checkpoint; None: no validation")
+    global_steps: int = Field(description="optimizer steps done")
+    max_steps: int = Field(description="optimizer steps planned")
+    epochs: float = Field(description="epochs done (fractional)")
+    stopped_early: bool = Field(description="early stopping ended it before max_steps")
+    resumed_from_step: int | None = Field(
+        description="the checkpoint step it resumed from; None: started afresh"
+    )
+    seconds: float = Field(description="this run's training time of the phase, s")
+    tokens: int = Field(description="real tokens this run trained on, every rank together")
+    tokens_per_second: float | None = Field(description="tokens / seconds; None: no time measured")
+    trainable_parameters: int = Field(
+        description="parameters the phase trained (a LoRA: the adapter's)"
+    )
+    rewards_accuracies: Omissible[float] = Field(
+        default=None, description="DPO's last logged rewards/accuracies; absent for SFT"
+    )
+    rewards_margins: Omissible[float] = Field(
+        default=None, description="DPO's last logged rewards/margins; absent for SFT"
+    )
 
 
 class TrainMetrics(BaseModel):
@@ -73,22 +91,28 @@ class TrainMetrics(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: str  # train.method
-    phases: dict[str, PhaseMetrics]
-    train_loss: float | None
-    first_logged_loss: float | None
-    last_logged_loss: float | None
-    eval_loss: float | None
-    global_steps: int
-    epochs: float
-    seconds: float  # every phase's training time
-    tokens_per_second: float | None
+    method: str = Field(description="train.method")
+    phases: dict[str, PhaseMetrics] = Field(description="phase (sft, dpo) -> its metrics")
+    train_loss: float | None = Field(description="the first phase's train_loss")
+    first_logged_loss: float | None = Field(description="the first phase's first_logged_loss")
+    last_logged_loss: float | None = Field(description="the first phase's last_logged_loss")
+    eval_loss: float | None = Field(description="the first phase's eval_loss")
+    global_steps: int = Field(description="the first phase's optimizer steps")
+    epochs: float = Field(description="the first phase's epochs")
+    seconds: float = Field(description="every phase's training time, s")
+    tokens_per_second: float | None = Field(
+        description="every phase's tokens / seconds; None: no time measured"
+    )
     gpu_hours: float = Field(
         description="GPUs x the stage's wall time; the scheduler's accounting on a cluster"
     )
-    trainable_parameters: int  # of the last phase
-    lora_alpha: int | None  # None: not a LoRA method
-    gradient_accumulation_steps: int
-    world_size: int
-    # The Slurm or Kubernetes job that ran the ranks (tuneloop.cluster); absent when local.
-    cluster: Omissible[JobReport] = None
+    trainable_parameters: int = Field(description="the last phase's trainable parameters")
+    lora_alpha: int | None = Field(
+        description="train.lora_alpha as used (null there: 2 x lora_r); None: not a LoRA method"
+    )
+    gradient_accumulation_steps: int = Field(description="micro-batches per optimizer step")
+    world_size: int = Field(description="training processes (ranks)")
+    cluster: Omissible[JobReport] = Field(
+        default=None,
+        description="the Slurm or Kubernetes job that ran the ranks; absent when run locally",
+    )
