@@ -47,8 +47,15 @@ def test_readme_is_a_landing_page() -> None:
     assert not hashes, f"README.md names commits {hashes}; measured runs go in RESULTS.md"
 
 
-def test_every_params_field_and_cli_flag_has_a_description() -> None:
+def test_every_params_field_cli_flag_and_metrics_field_has_a_description() -> None:
     assert reference.missing_descriptions() == []
+
+
+def test_metrics_fields_reach_every_nested_model() -> None:
+    # A model only nested in another (a check in the decision) is still checked for text.
+    reached = {model.__name__ for model, _, _ in reference.metrics_fields()}
+    nested = {"Check", "SliceComparison", "ExportStanding", "Champion", "JobReport", "NodeUsage"}
+    assert nested | {"FolderCounts", "ReplayMetrics", "FormatMetrics", "GgufSource"} <= reached
 
 
 def test_passthrough_commands_have_their_parsers() -> None:

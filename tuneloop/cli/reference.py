@@ -4,8 +4,8 @@ Three pages: every ``params.yaml`` key from the typed params models (type, defau
 ``params.yaml`` ships, description), every ``tuneloop`` command and flag from the argparse
 parsers (the passthrough commands' own parsers included), and every DVC stage from
 ``dvc.yaml`` with its stage module's docstring. ``docs/hooks.py`` adds them to the site at
-build time; ``missing_descriptions`` lists what has no text yet (tests/test_docs.py keeps it
-empty).
+build time; ``missing_descriptions`` lists what has no text yet, metrics-file fields included
+(tests/test_docs.py keeps it empty).
 
 It lives under the CLI because it reads the CLI's parsers, and nothing below the CLI may.
 """
@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 PAGES = (
@@ -451,6 +452,29 @@ def _doc(model: type[BaseModel]) -> str:
     return " ".join((model.__doc__ or "").split("\n\n")[0].split())
 
 
+def _models_in(annotation: Any) -> Iterator[type[BaseModel]]:
+    """Every model an annotation holds: itself, or inside a union, list, tuple or dict."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation
+    for arg in typing.get_args(annotation):
+        yield from _models_in(arg)
+
+
+def metrics_fields() -> Iterator[tuple[type[BaseModel], str, FieldInfo]]:
+    """Every field of every model a metrics file goes through, nested models included, each
+    model once: (model, field name, field)."""
+    seen: set[type[BaseModel]] = set()
+    todo = [model for models in metrics_models().values() for model in models]
+    while todo:
+        model = todo.pop(0)
+        if model in seen:
+            continue
+        seen.add(model)
+        for name, field in model.model_fields.items():
+            yield model, name, field
+            todo += _models_in(field.annotation)
+
+
 def metrics_page() -> str:
     lines = [
         "# Metrics files",
@@ -478,7 +502,8 @@ def metrics_page() -> str:
 
 
 def missing_descriptions() -> list[str]:
-    """Every params key and CLI command or flag with no description, by name."""
+    """Every params key, CLI command or flag and metrics-file field with no description, by
+    name."""
     from tuneloop.params import Params
 
     missing = [f"params: {k.path}" for k in param_keys(Params) if not k.description]
@@ -486,6 +511,11 @@ def missing_descriptions() -> list[str]:
         if not (parser.description or text):
             missing.append(f"cli: tuneloop {name}")
         missing += [f"cli: tuneloop {name} {f.names}" for f in flags(name, parser) if not f.help]
+    missing += [
+        f"metrics: {model.__name__}.{name}"
+        for model, name, field in metrics_fields()
+        if not field.description
+    ]
     return missing
 
 
