@@ -1,9 +1,10 @@
 """The manual's reference pages, generated from the code so they cannot drift from it.
 
-Three pages: every ``params.yaml`` key from the typed params models (type, default, the value
+Five pages: every ``params.yaml`` key from the typed params models (type, default, the value
 ``params.yaml`` ships, description), every ``tuneloop`` command and flag from the argparse
-parsers (the passthrough commands' own parsers included), and every DVC stage from
-``dvc.yaml`` with its stage module's docstring. ``docs/hooks.py`` adds them to the site at
+parsers (the passthrough commands' own parsers included), every DVC stage from ``dvc.yaml``
+with its stage module's docstring, the MLflow tags, metrics and artifacts each stage writes,
+and every metrics file's fields from the models the stages write them through. ``docs/hooks.py`` adds them to the site at
 build time; ``missing_descriptions`` lists what has no text yet, metrics-file fields included
 (tests/test_docs.py keeps it empty).
 
