@@ -201,8 +201,9 @@ def test_a_second_run_finds_every_stage_cached(
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     for run in latest:
         assert dvc_tags(run) == lock_tags(lock[run.data.tags["tuneloop.stage"]])
-        # base and init read no data (a model shape, the registry).
-        assert run.inputs.dataset_inputs or run.data.tags["tuneloop.stage"] in {"base", "init"}
+        # base, init and task_names read no data (a model shape, the registry, params).
+        stage = run.data.tags["tuneloop.stage"]
+        assert run.inputs.dataset_inputs or stage in {"base", "init", "task_names"}
 
 
 def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
