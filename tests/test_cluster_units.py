@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +142,42 @@ def test_the_signal_before_the_end_asks_the_ranks_to_save_then_requeues(tmp_path
     assert '[ ! -e "$TUNELOOP_SAVE_REQUEST.saved" ]' in trap and "exit 0" in trap
     assert end < next(i for i, line in enumerate(lines) if line.startswith("srun "))
     assert slurm.save_wait_s(load_params(two_nodes(tmp_path, signal_before_end_s=10))) == 5
+
+
+def test_a_second_signal_does_not_requeue_the_job_again(tmp_path: Path) -> None:
+    # The trap itself, in bash, with `scontrol` recorded instead of run. A run of the Slurm
+    # signal test once printed "requeueing" twice, and its requeued job ended FAILED: a
+    # second USR1 ran the trap again. Without the trap's first line this prints it twice.
+    params = load_params(two_nodes(tmp_path, signal_before_end_s=10))  # saves for 5 s
+    request, calls = tmp_path / "request", tmp_path / "calls"
+    harness = [
+        "set -u",
+        f"export TUNELOOP_SAVE_REQUEST={request}",
+        f'scontrol() {{ echo "$*" >> {calls}; }}',
+        *slurm.save_and_requeue_lines(params),
+        "trap save_and_requeue USR1",
+        "sleep 60 & step=$!",
+        "echo ready",
+        'wait "$step"',  # the trap ends this wait; the step never saves
+        'kill "$step"',
+    ]
+    shell = subprocess.Popen(
+        ["bash", "-c", "\n".join(harness)],
+        env={**os.environ, "SLURM_JOB_ID": "7"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert shell.stdout is not None and shell.stdout.readline() == "ready\n"
+    shell.send_signal(signal.SIGUSR1)
+    # The second signal while the trap waits for the save (5 s): once it asked for one.
+    deadline = time.monotonic() + 30
+    while not request.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert request.exists(), "the trap did not ask the ranks to save"
+    shell.send_signal(signal.SIGUSR1)
+    out, _ = shell.communicate(timeout=60)
+    assert out.count("requeueing") == 1, out
+    assert calls.read_text().splitlines() == ["requeue 7"]
 
 
 def test_a_save_request_saves_and_stops_at_the_next_step_once(tmp_path: Path) -> None:

@@ -189,10 +189,13 @@ def save_and_requeue_lines(params: Params) -> list[str]:
     It asks the ranks to save (tuneloop.training.preemption), waits until the step has ended
     or ``save_wait_s`` has passed, and requeues the job; the requeue ends any rank still
     running. A step that ended 0 without a save had finished training: the job completes.
+    Once per run: a second USR1 (Slurm's own beside an operator's ``scancel --signal``) is
+    ignored, or the trap would run again and requeue the job a second time.
     """
     request, saved = f'"${SAVE_REQUEST_ENV}"', f'"${SAVE_REQUEST_ENV}{SAVED_SUFFIX}"'
     return [
         "save_and_requeue() {",
+        "  trap '' USR1",
         '  echo "tuneloop: the time limit nears; the ranks save a checkpoint at their next step"',
         f"  touch {request}",
         "  waited=0",
