@@ -4,9 +4,9 @@ Five pages: every ``params.yaml`` key from the typed params models (type, defaul
 ``params.yaml`` ships, description), every ``tuneloop`` command and flag from the argparse
 parsers (the passthrough commands' own parsers included), every DVC stage from ``dvc.yaml``
 with its stage module's docstring, the MLflow tags, metrics and artifacts each stage writes,
-and every metrics file's fields from the models the stages write them through. ``docs/hooks.py`` adds them to the site at
-build time; ``missing_descriptions`` lists what has no text yet, metrics-file fields included
-(tests/test_docs.py keeps it empty).
+and every metrics file's fields from the models the stages write them through.
+``docs/hooks.py`` adds them to the site at build time; ``missing_descriptions`` lists what has
+no text yet, metrics-file fields included (tests/test_docs.py keeps it empty).
 
 It lives under the CLI because it reads the CLI's parsers, and nothing below the CLI may.
 """
