@@ -59,7 +59,7 @@ def params_for(folder: Path, steps: int, launcher: str) -> None:
 
 
 def build(folder: Path) -> None:
-    from stages import base, clean, ingest, pack
+    from stages import base, clean, ingest, pack, task_names
     from tuneloop.demo import domain
     from tuneloop.params import load_params
 
@@ -67,7 +67,7 @@ def build(folder: Path) -> None:
     os.chdir(folder)
     params_for(folder, 1, "local")
     domain.seed_month(load_params().paths.incoming, load_params().demo)
-    for stage in (base, ingest, clean, pack):
+    for stage in (base, task_names, ingest, clean, pack):
         stage.main()
 
 

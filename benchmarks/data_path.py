@@ -115,6 +115,7 @@ def template(folder: Path) -> Path:
     shutil.copy(ROOT / "params.yaml", folder / "params.yaml")
     shutil.copytree(ROOT / "eval", folder / "eval")
     run_stage(folder, "base")
+    run_stage(folder, "task_names")  # what ingest routes by: the same every month
     return folder
 
 

@@ -89,6 +89,8 @@ def make_project(folder: Path) -> Path:
     git(folder, "add", "-A")
     git(folder, "commit", "-qm", "benchmark project")
     run(folder, ["dvc", "repro", "--single-item", "base"], env())
+    # The task names ingest reads (stage task_names): written once, untimed, as base.
+    run(folder, ["dvc", "repro", "--single-item", "task_names"], env())
     return folder
 
 

@@ -46,7 +46,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTTrainer
 
-from stages import base, clean, ingest, pack
+from stages import base, clean, ingest, pack, task_names
 from tuneloop.data.shards import shard_name
 from tuneloop.demo import domain
 from tuneloop.models import base_model_ref
@@ -75,7 +75,7 @@ def build_project(
     (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     loaded = load_params()
     domain.seed_month(loaded.paths.incoming, loaded.demo)
-    for stage in (base, ingest, clean, pack):
+    for stage in (base, task_names, ingest, clean, pack):
         stage.main()
 
 

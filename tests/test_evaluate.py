@@ -32,6 +32,7 @@ from stages import (
     merge,
     pack,
     preflight,
+    task_names,
     train,
 )
 from tests.helpers import ROOT, write_params
@@ -94,6 +95,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         domain.seed_month(params.paths.incoming, params.demo)
         for stage in (
             base,
+            task_names,
             ingest,
             fixed_badcases,
             clean,

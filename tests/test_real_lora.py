@@ -28,7 +28,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from stages import base, clean, export, ingest, merge, pack, train
+from stages import base, clean, export, ingest, merge, pack, task_names, train
 from tests.helpers import ROOT, write_params
 from tests.vllm_helpers import (
     SERVE_VENV,
@@ -97,7 +97,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         write_params(folder, SMOLLM2)
         params = load_params()
         domain.seed_month(params.paths.incoming, params.demo)
-        for stage in (base, ingest, clean, pack):
+        for stage in (base, task_names, ingest, clean, pack):
             stage.main()
         yield folder
     finally:

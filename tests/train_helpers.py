@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from stages import base, clean, ingest, pack
+from stages import base, clean, ingest, pack, task_names
 from tests.helpers import ROOT, write_params
 from tuneloop.demo import domain
 from tuneloop.params import load_params
@@ -36,7 +36,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         write_params(folder)
         params = load_params()
         domain.seed_month(params.paths.incoming, params.demo)
-        for stage in (base, ingest, clean, pack):
+        for stage in (base, task_names, ingest, clean, pack):
             stage.main()
         write_params(folder, {"batch": {"world_size": 2, "effective_batch": 2}})
         shutil.move(folder / "data/packed", folder / "packed-1")
