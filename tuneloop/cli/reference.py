@@ -24,7 +24,6 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel
-from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 PAGES = (
@@ -453,29 +452,6 @@ def _doc(model: type[BaseModel]) -> str:
     return " ".join((model.__doc__ or "").split("\n\n")[0].split())
 
 
-def _models_in(annotation: Any) -> Iterator[type[BaseModel]]:
-    """Every model an annotation holds: itself, or inside a union, list, tuple or dict."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        yield annotation
-    for arg in typing.get_args(annotation):
-        yield from _models_in(arg)
-
-
-def metrics_fields() -> Iterator[tuple[type[BaseModel], str, FieldInfo]]:
-    """Every field of every model a metrics file goes through, nested models included, each
-    model once: (model, field name, field)."""
-    seen: set[type[BaseModel]] = set()
-    todo = [model for models in metrics_models().values() for model in models]
-    while todo:
-        model = todo.pop(0)
-        if model in seen:
-            continue
-        seen.add(model)
-        for name, field in model.model_fields.items():
-            yield model, name, field
-            todo += _models_in(field.annotation)
-
-
 def metrics_page() -> str:
     lines = [
         "# Metrics files",
@@ -513,9 +489,11 @@ def missing_descriptions() -> list[str]:
             missing.append(f"cli: tuneloop {name}")
         missing += [f"cli: tuneloop {name} {f.names}" for f in flags(name, parser) if not f.help]
     missing += [
-        f"metrics: {model.__name__}.{name}"
-        for model, name, field in metrics_fields()
-        if not field.description
+        f"metrics: {stage}: {key.path}"
+        for stage, models in metrics_models().items()
+        for model in models
+        for key in param_keys(model)
+        if not key.description
     ]
     return missing
 
