@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tuneloop.release.approval import Approval
+
 
 class _Event(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -45,15 +47,12 @@ class Analysis(_Event):
     )
 
 
-class ApprovalStep(_Event):
-    """A person's answer to the approval form at ``percent`` %."""
+class ApprovalStep(Approval):
+    """A person's answer to the approval form (``Approval``, as the flow validated it) at
+    ``percent`` %."""
 
     kind: Literal["approval"] = "approval"
-    decision: Literal["approve", "reject"]
-    approver: str
-    next_percent: int
-    comment: str = ""
-    acknowledge_inconclusive: bool = False
+    percent: int = Field(description="the challenger's share of traffic when it was asked")
 
 
 class Rollback(BaseModel):
