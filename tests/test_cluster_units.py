@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -153,13 +152,14 @@ def test_a_second_signal_does_not_requeue_the_job_again(tmp_path: Path) -> None:
     harness = [
         "set -u",
         f"export TUNELOOP_SAVE_REQUEST={request}",
-        f'scontrol() {{ echo "$*" >> {calls}; }}',
+        # As Slurm's requeue does, the recorded one ends the step (which never saves): the
+        # shell's `wait` then returns whether the trap ran during it or just before it.
+        f'scontrol() {{ echo "$*" >> {calls}; kill "$step"; }}',
         *slurm.save_and_requeue_lines(params),
         "trap save_and_requeue USR1",
         "sleep 60 & step=$!",
         "echo ready",
-        'wait "$step"',  # the trap ends this wait; the step never saves
-        'kill "$step"',
+        'wait "$step"',
     ]
     shell = subprocess.Popen(
         ["bash", "-c", "\n".join(harness)],
@@ -169,13 +169,14 @@ def test_a_second_signal_does_not_requeue_the_job_again(tmp_path: Path) -> None:
     )
     assert shell.stdout is not None and shell.stdout.readline() == "ready\n"
     shell.send_signal(signal.SIGUSR1)
-    # The second signal while the trap waits for the save (5 s): once it asked for one.
-    deadline = time.monotonic() + 30
-    while not request.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert request.exists(), "the trap did not ask the ranks to save"
+    # The second signal once the trap has begun (its first line out), while it waits 5 s
+    # for the save.
+    first = shell.stdout.readline()
+    assert "the time limit nears" in first, first
     shell.send_signal(signal.SIGUSR1)
     out, _ = shell.communicate(timeout=60)
+    out = first + out
+    assert request.exists(), "the trap did not ask the ranks to save"
     assert out.count("requeueing") == 1, out
     assert calls.read_text().splitlines() == ["requeue 7"]
 
