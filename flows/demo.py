@@ -440,7 +440,7 @@ def release_month(
     """
     from flows.release import release, release_outcome
 
-    tasks = tuple(params.tasks)  # none: a project of one task
+    tasks = tuple(params.tasks) if params.several_tasks else ()  # none: one task
     if tasks:
         stack = serve_tasks(params, repo, month, releasing or [])
     else:
@@ -576,7 +576,7 @@ def seed_month(params: Params, month: int) -> list[Path]:
     """The month's exports into incoming/: the support desk's, or each demo task's into its
     own folder (``DEMO_TASKS``: a task the demo has no data for is refused, naming them)."""
     incoming = params.paths.incoming
-    if not params.tasks:
+    if not params.several_tasks:
         return domain.seed_month(incoming, params.demo, month)
     unknown = sorted(set(params.tasks) - set(DEMO_TASKS))
     if unknown:

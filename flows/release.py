@@ -103,7 +103,7 @@ from pydantic import BaseModel, Field
 
 from tuneloop.judge.verdict import FAIL, PASS
 from tuneloop.orchestration.flow_results import ReleaseOutcome
-from tuneloop.params import Params, ParamsError, load_params
+from tuneloop.params import Params, load_params
 from tuneloop.release import shadow as suite_judges
 from tuneloop.release import signoff
 from tuneloop.release.admin import AdminError, LeaseKeeper, RouterAdmin
@@ -556,9 +556,7 @@ def release(
     logger = get_run_logger()
     repo = repo.resolve()
     task = task or None  # "" from a project of one task's registration event (prefect.yaml)
-    params = load_params(repo / "params.yaml", overrides, task)
-    if params.tasks and task is None:
-        raise ParamsError(f"params.yaml lists tasks {list(params.task_names())}: name the task")
+    params = load_params(repo / "params.yaml", overrides).the_task(task, "name the task")
     if overrides:
         logger.info("params.yaml overridden for this release: %s", overrides)
     rp = params.release

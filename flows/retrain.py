@@ -46,7 +46,7 @@ from tuneloop.orchestration.flow_results import (
     TrainSummary,
 )
 from tuneloop.params import Params, ParamsError, load_params
-from tuneloop.pipeline import SHARED_STAGES, stage_order, task_stages
+from tuneloop.pipeline import SHARED_STAGES, task_stages
 from tuneloop.telemetry.actions import TAG_REASON as TAG_WATCHDOG_REASON
 from tuneloop.tracking import lineage, recovery, registry, results, runs, server
 from tuneloop.tracking.init_from import InitMetrics
@@ -115,7 +115,7 @@ def run_stage(
         runs.record_lineage(stage, params, run_id, root=repo)
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
-    # A task's stage (task-clean@copy) writes clean.json into the task's metrics folder.
+    # A task's stage (clean@orders) writes clean.json into the task's metrics folder.
     metrics_file = repo / params.paths.metrics / f"{lineage.project_stage(stage)}.json"
     metrics = read_json(metrics_file) if metrics_file.exists() else {}
     if cached and metrics:
@@ -204,16 +204,13 @@ def retrain(
 
     ``params``: ``repo``'s params.yaml as the caller loaded it (the demo), else read here once.
     The stages read the file themselves, in their own processes.
-    ``tasks``: with ``tasks:`` in params.yaml, the tasks to run (by hand: ``prefect deployment
-    run retrain/retrain-monthly --param 'tasks=["copy"]'``); None runs every task.
+    ``tasks``: of params.yaml's tasks, those to run (by hand: ``prefect deployment run
+    retrain/retrain-monthly --param 'tasks=["orders"]'``); None runs every task.
+    A project of one task returns its pipeline's result (``PipelineRun``); of several, each
+    task's (``TasksRun``).
     """
     repo = repo.resolve()
     params = params or load_params(repo / "params.yaml")
-    if tasks is not None and params.schedule.task_models == "single":
-        raise ParamsError(
-            f"retrain tasks={tasks}: schedule.task_models is single, one adapter on every "
-            "task's data; run it without tasks"
-        )
     if tasks is not None:
         unknown = sorted(set(tasks) - set(params.tasks))
         if unknown or not tasks:
@@ -246,13 +243,18 @@ def _retrain(repo: Path, params: Params, tasks: list[str] | None = None) -> Retr
             runs.TAG_PIPELINE: "retrain",
         },
     ) as parent:
-        if params.tasks:
+        if params.several_tasks:
             chosen = tuple(t for t in params.task_names() if tasks is None or t in tasks)
             return _retrain_tasks(
                 repo, params, chosen, parent.info.run_id, experiment_id, by_hand=tasks is not None
             )
-        _run_stages(stage_order(repo), repo, params, parent.info.run_id, experiment_id)
-        result = _verdict(params, parent.info.run_id, experiment_id)
+        # One task: its stages after the shared ones, each a child of this run.
+        view = params.the_task()
+        _run_stages(SHARED_STAGES, repo, params, parent.info.run_id, experiment_id)
+        _run_stages(
+            task_stages(str(view.task), repo), repo, view, parent.info.run_id, experiment_id
+        )
+        result = _verdict(view, parent.info.run_id, experiment_id)
         if params.schedule.commit_results:
             said = f"gate {'passed' if result.decision.passed else 'failed'}"
             committed = _commit_results(repo, [params.paths.metrics], said)
@@ -279,14 +281,9 @@ def _run_stages(
         run_stage.with_options(retries=retries)(stage, repo, params, parent_run_id, experiment_id)
 
 
-def _verdict(
-    params: Params,
-    run_id: str,
-    experiment_id: str,
-    registering: bool = True,
-) -> PipelineRun:
-    """The pipeline's summary on its run ``run_id`` (the active one), then its registration
-    (none when not ``registering``: a single adapter judged beside the tasks' own)."""
+def _verdict(params: Params, run_id: str, experiment_id: str) -> PipelineRun:
+    """A task's pipeline's summary on its run ``run_id`` (the active one), then its
+    registration."""
     decision = Decision.read(params.paths.metrics / "decision.json")
     scores = read_scores(params.paths.metrics / "evaluate.json")
     data, train = data_counts(params), train_summary(params)
@@ -307,7 +304,7 @@ def _verdict(
         train=train,
         eval=scores,
         decision=decision,
-        registration=register(params, run_id) if registering else None,
+        registration=register(params, run_id),
         mlflow_run_id=run_id,
     )
 
@@ -346,11 +343,10 @@ def _retrain_tasks(
     task runs; the summary names each task's outcome. On the schedule (not ``by_hand``), a
     task with no records its champion did not train on keeps it and runs nothing
     (``nothing_new``); run by hand, it runs whatever the data."""
-    mode = params.schedule.task_models
     before = tasks_report.states(repo, params)
     _run_stages(SHARED_STAGES, repo, params, parent_run_id, experiment_id)
     outcomes: dict[str, TaskOutcome] = {}
-    for name in chosen if mode != "single" else ():
+    for name in chosen:
         view = params.for_task(name)
         why = None if by_hand else nothing_new(view)
         if why is not None:
@@ -367,22 +363,23 @@ def _retrain_tasks(
                 get_run_logger().error("task %s failed: %s", name, error)
                 mlflow.set_tag("task.failed", str(error)[:5000])
                 outcomes[name] = TaskFailed(error=str(error))
-    # The single adapter on every task's data: the month's model (single), or judged beside
-    # each task's adapter (both; not when tasks are run by hand).
-    single = None
-    if mode == "single" or (mode == "both" and not by_hand):
-        single = _retrain_single(repo, params, experiment_id, mode == "single")
     failed = sorted(t for t, o in outcomes.items() if o.outcome == "failed")
     mlflow.set_tag("tasks.failed", ",".join(failed))
     # Every task's adapter and champion before and after: the others did not move.
     text = tasks_report.report(params, before, tasks_report.states(repo, params), outcomes)
-    if single is not None:
-        text += "\n" + tasks_report.single_line(params, single) + "\n"
-    compared = None
-    if mode == "both" and single is not None and single.outcome == "ran":
-        ran = [t for t, o in outcomes.items() if o.outcome == "ran"]
+    # A task on every task's records: each task's adapter beside it, on the task's suites.
+    single, compared = None, None
+    for name, listed in params.tasks.items():
+        outcome = outcomes.get(name)
+        if listed.records != "all" or outcome is None:
+            continue
+        single = outcome
+        text += "\n" + tasks_report.single_line(params.for_task(name), outcome) + "\n"
+        ran = [t for t, o in outcomes.items() if o.outcome == "ran" and t != name]
+        if outcome.outcome != "ran" or not ran:
+            continue
         try:
-            compared = tasks_report.single_comparison(params, ran)
+            compared = tasks_report.single_comparison(params, name, ran)
             text += "\n" + tasks_report.single_section(compared, params.gate.confidence)
         # Scores the two cannot be compared on (a suite one of them could not run): said,
         # and the month's results stand.
@@ -410,26 +407,3 @@ def _retrain_tasks(
         mlflow_run_id=parent_run_id,
         results=committed,
     )
-
-
-def _retrain_single(
-    repo: Path,
-    params: Params,
-    experiment_id: str,
-    registering: bool,
-) -> TaskOutcome:
-    """One adapter on every task's data: dvc.yaml's own stages after the shared ones, under a
-    run of its own, registered as ``tracking.registered_model`` when ``registering``."""
-    with mlflow.start_run(
-        run_name=tasks_report.SINGLE,
-        nested=True,
-        tags={runs.TAG_PIPELINE: "retrain", "task": tasks_report.SINGLE},
-    ) as run:
-        stages = tuple(s for s in stage_order(repo) if s not in SHARED_STAGES)
-        try:
-            _run_stages(stages, repo, params, run.info.run_id, experiment_id)
-            return _verdict(params, run.info.run_id, experiment_id, registering)
-        except (StageFailed, DvcLockTimeout, ParamsError, OSError) as error:
-            get_run_logger().error("the single adapter failed: %s", error)
-            mlflow.set_tag("task.failed", str(error)[:5000])
-            return TaskFailed(error=str(error))

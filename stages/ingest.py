@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from pathlib import Path
 
 from tuneloop.data import ingest
 from tuneloop.data import pool as pool_writes
@@ -36,7 +37,7 @@ STAGE = "ingest"
 log = logging.getLogger(__name__)
 
 
-def task_names(params: Params) -> tuple[str, ...]:
+def task_names(params: Params) -> TaskNames:
     """The tasks records are routed to, as stage ``task_names`` wrote them."""
     path = metrics_path(params, "task_names")
     if not path.exists():
@@ -45,7 +46,22 @@ def task_names(params: Params) -> tuple[str, ...]:
             "to; `dvc repro ingest` writes it first (stage task_names), or run "
             "`python -m stages.task_names`"
         )
-    return read_model(path, TaskNames).tasks
+    return read_model(path, TaskNames)
+
+
+def refuse_unsorted(pool: Path, tasks: tuple[str, ...]) -> None:
+    """Stop on a pool written before every project listed its tasks: its batches lie in
+    ``records/`` itself, where no task's stages read them."""
+    loose = sorted(p.name for p in (pool / "records").glob("*.jsonl"))
+    if loose:
+        folder = pool / "records" / tasks[0]
+        raise SystemExit(
+            f"ingest: {pool / 'records'} holds {len(loose)} batch(es) from before tasks were "
+            f"listed ({loose[0]}, ...), which no task's stages read. They are the records of "
+            f"the one task then: move them, with their .ids files, into {folder}/ "
+            f"(mkdir -p {folder} && mv {pool / 'records'}/*.jsonl {pool / 'records'}/*.ids "
+            f"{folder}/), then run ingest again; the pool is unchanged"
+        )
 
 
 def main() -> None:
@@ -54,7 +70,9 @@ def main() -> None:
     pool = params.paths.pool
     with pool_writes.locked(pool), logged_after(STAGE, params):
         pool_writes.recover(pool)
-        names = task_names(params)
+        listed = task_names(params)
+        names = listed.tasks
+        refuse_unsorted(pool, names)
         tasks = names or None
         known, pooled = ingest.known_hashes(pool, tasks)
         now = dt.datetime.now(dt.UTC)
@@ -88,7 +106,7 @@ def main() -> None:
                 f"ingest.max_reject_rate={limit:.1%}; the pool is unchanged. Each rejected "
                 f"line and its reason: {rejected}"
             )
-        ingest.add_batch(pool, now, result, names)
+        ingest.add_batch(pool, now, result, names, everyone=listed.all_records)
         write_metrics(params, STAGE, metrics.model_dump())
 
 

@@ -22,7 +22,11 @@ def main() -> None:
     setup_logging()
     params = load_params()
     with logged_after(STAGE, params):
-        names = TaskNames(tasks=tuple(params.tasks), count=len(params.tasks))
+        names = TaskNames(
+            tasks=tuple(params.tasks),
+            count=len(params.tasks),
+            all_records=tuple(n for n, t in params.tasks.items() if t.records == "all"),
+        )
         write_metrics(params, STAGE, names.model_dump())
 
 

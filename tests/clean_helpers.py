@@ -35,6 +35,7 @@ def pool_line(data: dict[str, Any]) -> dict[str, Any]:
     ).model_dump(mode="json")
 
 
-def write_pool(pool: Path, batches: list[list[dict[str, Any]]]) -> None:
+def write_pool(pool: Path, batches: list[list[dict[str, Any]]], task: str = "support") -> None:
+    """The batches as ingest pools them for ``task`` (params.yaml's one task)."""
     for number, batch in enumerate(batches):
-        write_jsonl(pool / "records" / f"2026{number:02d}01T000000000000Z.jsonl", batch)
+        write_jsonl(pool / "records" / task / f"2026{number:02d}01T000000000000Z.jsonl", batch)

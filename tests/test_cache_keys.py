@@ -130,15 +130,13 @@ def test_the_suites_dvc_key_holds_what_it_is_built_from() -> None:
     """DVC reruns the stage (its out is the suite's cache) when the pool (a task's records),
     the champion and its batches (``metrics/init.json``) or the code change."""
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
-    one, each = stages["fixed_badcases"], stages["task-fixed_badcases"]["do"]
-    assert {"${paths.pool}", "${paths.metrics}/init.json"} <= set(one["deps"])
+    each = stages["fixed_badcases"]["do"]
     assert {
         "${paths.pool}/records/${key}",
-        "${paths.task_folders}/${key}/${paths.metrics}/init.json",
+        "${item.folder}/${paths.metrics}/init.json",
     } <= set(each["deps"])
     assert "tasks.${key}" in each["params"]
-    for spec in (one, each):
-        assert {"tuneloop/judge/fixed_badcases.py", "tuneloop/data/records.py"} <= set(spec["deps"])
+    assert {"tuneloop/judge/fixed_badcases.py", "tuneloop/data/records.py"} <= set(each["deps"])
 
 
 # --- the suites' items: read from the file's bytes every time -----------------------------------

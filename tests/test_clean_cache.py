@@ -265,7 +265,7 @@ def test_a_rewritten_pool_file_is_never_served_from_the_cache(
 ) -> None:
     root, _ = filled
     tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
-    batch = sorted((root / "pool" / "records").glob("*.jsonl"))[0]
+    batch = sorted((root / "pool" / "records" / "support").glob("*.jsonl"))[0]
     write_jsonl(batch, demo_lines(7, 50))
     rerun = run(root, root / "cache", tokenizer)
     assert rerun.files == uncached(root, tokenizer).files
@@ -274,7 +274,7 @@ def test_a_rewritten_pool_file_is_never_served_from_the_cache(
 
 def test_removed_batches_leave_the_cache(filled: tuple[Path, Run], tokenizer_folder: Path) -> None:
     root, _ = filled
-    last = sorted((root / "pool" / "records").glob("*.jsonl"))[-1]
+    last = sorted((root / "pool" / "records" / "support").glob("*.jsonl"))[-1]
     last.unlink()
     run(root, root / "cache", ChatTokenizer.from_folder(tokenizer_folder))
     assert not [p for p in (root / "cache").rglob("*") if last.stem in p.name]
@@ -317,7 +317,7 @@ def test_seen_batches_are_replayed_at_the_share_and_new_ones_in_full(
 ) -> None:
     root, full = filled  # seen nothing: every batch in full
     tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
-    month1, month2 = (p.stem for p in sorted((root / "pool" / "records").glob("*.jsonl")))
+    month1, month2 = (p.stem for p in sorted((root / "pool" / "records" / "support").glob("*.jsonl")))
     # Month 1's training chats are what it gives alone (it is cleaned first either way).
     write_pool(root / "m1" / "pool", [demo_lines(1, 90)])
     month1_train = _lines(run(root / "m1", root / "m1" / "cache", tokenizer).files["train.jsonl"])
@@ -360,7 +360,7 @@ def test_corrected_badcases_of_seen_batches_are_all_trained_on_again(
 ) -> None:
     root, _ = filled
     tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
-    month1 = sorted((root / "pool" / "records").glob("*.jsonl"))[0].stem
+    month1 = sorted((root / "pool" / "records" / "support").glob("*.jsonl"))[0].stem
     write_pool(root / "m1" / "pool", [demo_lines(1, 90)])
     alone = run(root / "m1", root / "m1" / "cache", tokenizer)
     month1_train = _lines(alone.files["train.jsonl"])
@@ -389,7 +389,7 @@ def test_a_new_month_draws_a_new_replay_sample(tmp_path: Path, tokenizer_folder:
     tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
     batches = [demo_lines(1, 90), demo_lines(2, 60), demo_lines(3, 60)]
     write_pool(tmp_path / "pool", batches[:2])
-    month1 = sorted((tmp_path / "pool" / "records").glob("*.jsonl"))[0].stem
+    month1 = sorted((tmp_path / "pool" / "records" / "support").glob("*.jsonl"))[0].stem
     cache = tmp_path / "cache"
     before = _lines(run(tmp_path, cache, tokenizer, seen=(month1,)).files["train.jsonl"])
     write_pool(tmp_path / "pool", batches)
@@ -590,7 +590,7 @@ def test_same_size_bytes_under_the_old_mtime_miss(
     shutil.copytree(filled_once[0], tmp_path / "root")
     root, first = tmp_path / "root", filled_once[1]
     tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
-    batch = sorted((root / "pool" / "records").glob("*.jsonl"))[0]
+    batch = sorted((root / "pool" / "records" / "support").glob("*.jsonl"))[0]
     before = batch.stat()
     lines = batch.read_bytes().splitlines(keepends=True)
     batch.write_bytes(b"".join(reversed(lines)))  # the same size, other bytes

@@ -75,7 +75,9 @@ def test_each_task_gets_its_month_in_its_folder_and_orders_only_its_first(
     ]
     # A task the demo has no data for is refused by name, before anything is written.
     odd = tasks_params(
-        tmp_path / "odd", copy={"registered_model": "tuneloop-copy", "suites": ["x"]}
+        tmp_path / "odd",
+        support={"folder": "s", "registered_model": "tuneloop-support"},
+        copy={"folder": "c", "registered_model": "tuneloop-copy"},
     )
     with pytest.raises(ValueError, match=r"not \['copy'\]"):
         demo.seed_month(odd, 1)

@@ -77,10 +77,11 @@ def test_the_smollm2_demo_is_judged_and_served_by_vllm() -> None:
     assert loaded.tracking == parse_params(params).tracking
 
 
-def test_an_entry_of_tasks_is_added_but_a_key_of_one_is_checked() -> None:
+def test_a_configs_tasks_are_the_projects_but_a_key_of_another_group_is_checked() -> None:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    merged = workspace.merged(params, {"tasks": {"copy": {"suites": ["x"]}}}, Path("x.yaml"))
-    assert merged["tasks"] == {"copy": {"suites": ["x"]}}
+    assert params["tasks"] == {"support": {"folder": "."}}
+    merged = workspace.merged(params, {"tasks": {"copy": {"folder": "c"}}}, Path("x.yaml"))
+    assert merged["tasks"] == {"copy": {"folder": "c"}}
     with pytest.raises(workspace.BadConfig, match=r"x\.yaml: demo\.n_copies is not in params"):
         workspace.merged(params, {"demo": {"n_copies": 1}}, Path("x.yaml"))
 

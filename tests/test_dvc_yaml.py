@@ -1,4 +1,4 @@
-"""dvc.yaml is the contract: every stage lists every local module it imports and its outs.
+"""dvc.yaml is the contract: each stage written once, listing every local module it imports.
 
 A module missing from a stage's deps means `dvc repro` would keep a stale
 result after that module changed; this test finds such gaps by following
@@ -25,8 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 LOCAL_PACKAGES = ("tuneloop", "stages")
 DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())
 PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
-# The project's own stages; each task's are generated from them (``task_stage``).
-OWN = [name for name, spec in DVC["stages"].items() if "foreach" not in spec]
+STAGES = list(DVC["stages"])
+# Each task's stages: a ``foreach`` over params.yaml's tasks.
+PER_TASK = [name for name, spec in DVC["stages"].items() if "foreach" in spec]
+
+
+def body(stage: str) -> dict[str, Any]:
+    """A stage's definition: a task's stage is its ``foreach`` group's ``do``."""
+    spec: dict[str, Any] = DVC["stages"][stage]
+    return spec.get("do", spec)
 
 
 def module_file(name: str) -> Path | None:
@@ -72,8 +79,10 @@ def runs_code(path: Path) -> bool:
     return bool(body)
 
 
-def render(value: str) -> str:
-    """Resolve ``${paths.x}`` the way DVC does from params.yaml."""
+def render(value: str, folder: str = "tasks/orders", key: str = "orders") -> str:
+    """Resolve ``${paths.x}`` the way DVC does from params.yaml (a task's ``${item.folder}``
+    and ``${key}`` as given)."""
+    value = value.replace("${item.folder}", folder).replace("${key}", key)
     while "${" in value:
         start = value.index("${")
         end = value.index("}", start)
@@ -84,10 +93,9 @@ def render(value: str) -> str:
     return value
 
 
-@pytest.mark.parametrize("stage", sorted(OWN))
+@pytest.mark.parametrize("stage", STAGES)
 def test_stage_lists_every_local_module_it_imports(stage: str) -> None:
-    spec = DVC["stages"][stage]
-    assert spec["cmd"] == f"python -m stages.{stage}"
+    spec = body(stage)
     deps = {render(dep) for dep in spec["deps"]}
     # A package __init__ that is a docstring alone changes nothing a stage computes; one that
     # runs code (tuneloop's own sets environment variables) is a dep like any module.
@@ -100,90 +108,74 @@ def test_stage_lists_every_local_module_it_imports(stage: str) -> None:
     assert not missing, f"dvc.yaml stage {stage!r} lacks deps {missing}"
 
 
-@pytest.mark.parametrize("stage", sorted(OWN))
+def test_each_stage_is_written_once_and_a_tasks_once_for_every_task() -> None:
+    commands = [body(stage)["cmd"] for stage in STAGES]
+    assert len(set(commands)) == len(commands)
+    for stage in STAGES:
+        task = "" if stage in SHARED_STAGES else " --task ${key}"
+        assert body(stage)["cmd"] == f"python -m stages.{stage}{task}"
+    assert [s for s in STAGES if s not in PER_TASK] == list(SHARED_STAGES)
+    assert all(DVC["stages"][s]["foreach"] == "${tasks}" for s in PER_TASK)
+    assert task_stages("orders", ROOT) == tuple(f"{name}@orders" for name in PER_TASK)
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_stage_param_groups_exist(stage: str) -> None:
-    for key in DVC["stages"][stage]["params"]:
+    for key in body(stage)["params"]:
         node = PARAMS
-        for part in key.split("."):
+        for part in key.replace("${key}", next(iter(PARAMS["tasks"]))).split("."):
             assert part in node, f"{stage}: param {key!r} is not in params.yaml"
             node = node[part]
+    if stage in PER_TASK:
+        # Its task's own settings (overrides, registered model, folder), no other task's.
+        assert "tasks.${key}" in body(stage)["params"]
+        assert "tasks" not in body(stage)["params"]
 
 
 def test_stages_are_listed_in_an_order_they_can_run() -> None:
     # The flows and tests run the stages in dvc.yaml's order; it is checked against DVC's
     # graph of deps and outs.
     order = stage_order(ROOT)
-    assert order == tuple(OWN)
-    assert order[0] == "base" and order[-1] == "evaluate"
+    assert order == tuple(STAGES)
+    assert order[: len(SHARED_STAGES)] == SHARED_STAGES and order[-1] == "evaluate"
 
 
-# What the shared stages write in paths.metrics.
-SHARED_METRICS = ("ingest.json", "base.json")
-# Not a dep of a task's stage: ingest's numbers (every task's, for the cards) change with any
-# task's records; the task's own records (<pool>/records/<task>) are its dep.
-DROPPED_DEPS = ("${paths.metrics}/ingest.json",)
-# A task's own: tasks.<task>.registered_model.
-DROPPED_PARAMS = ("tracking.registered_model",)
+# Not a task stage's dep, though the cards read it: ingest's numbers (every task's) change
+# with any task's records.
+SHARED_METRICS: tuple[str, ...] = ()
 
 
-def task_path(path: str) -> str:
-    """A path of the project's stage as the task's stage reads or writes it."""
-    found = re.fullmatch(r"\$\{paths\.(\w+)\}(/.*)?", path)
-    if not found:
-        return path
-    key, rest = found.group(1), found.group(2) or ""
-    if key == "metrics" and rest.lstrip("/") in SHARED_METRICS:
-        return path
-    if key in PER_TASK_PATHS:
-        return f"${{paths.task_folders}}/${{key}}/{path}"
-    if key == "pool":
-        return f"${{paths.pool}}/records/${{key}}{rest}"
-    return path
+def paths_of(spec: dict[str, Any], fields: tuple[str, ...]) -> list[str]:
+    return [next(iter(e)) if isinstance(e, dict) else e for f in fields for e in spec.get(f, [])]
 
 
-def _entry(entry: Any) -> Any:
-    if isinstance(entry, str):
-        return task_path(entry)
-    return {task_path(k): v for k, v in entry.items()}
+@pytest.mark.parametrize("stage", PER_TASK)
+def test_a_task_stage_reads_and_writes_its_own_folder(stage: str) -> None:
+    # Every path a task writes lies under its folder, so two tasks never share an out, and
+    # what it reads of what a task writes is its own task's: a change to one task's data
+    # reruns that task's stages alone.
+    spec = body(stage)
+    for path in paths_of(spec, ("outs", "metrics")):
+        assert path.startswith("${item.folder}/"), f"{stage} writes {path} outside its folder"
+    for path in paths_of(spec, ("deps",)):
+        found = re.match(r"\$\{paths\.(\w+)\}(/.*)?$", path)
+        if found is None:
+            continue
+        key, rest = found.group(1), (found.group(2) or "").lstrip("/")
+        assert key not in PER_TASK_PATHS or rest in SHARED_METRICS, (
+            f"{stage} reads {path}, not its task's: write ${{item.folder}}/{path}"
+        )
+        assert key != "pool" or rest == "records/${key}", f"{stage} reads every task's records"
 
 
-def task_stage(spec: dict[str, Any]) -> dict[str, Any]:
-    """The ``foreach`` group of a project's stage: the same command, code deps and param
-    groups, with the task's folders, records and params."""
-    body: dict[str, Any] = {}
-    for field, value in spec.items():
-        if field == "cmd":
-            body[field] = f"{value} --task ${{key}}"
-        elif field == "deps":
-            body[field] = [_entry(e) for e in value if e not in DROPPED_DEPS]
-        elif field in ("outs", "metrics"):
-            body[field] = [_entry(e) for e in value]
-        elif field == "params":
-            kept = [p for p in value if p not in DROPPED_PARAMS]
-            body[field] = [*kept, "paths.task_folders", "tasks.${key}"]
-        else:
-            body[field] = value
-    return {"foreach": "${tasks}", "do": body}
-
-
-def test_each_task_stage_is_its_project_stage_with_the_tasks_paths() -> None:
-    # One dvc.yaml holds both; were they written apart, a dep added to one would be missed
-    # in the other.
-    groups = [name for name in DVC["stages"] if name not in OWN]
-    assert groups == [f"task-{name}" for name in OWN if name not in SHARED_STAGES]
-    for name in groups:
-        assert DVC["stages"][name] == task_stage(DVC["stages"][name.removeprefix("task-")])
-    assert task_stages("copy", ROOT) == tuple(f"{name}@copy" for name in groups)
-
-
-def test_task_stages_write_nothing_a_project_stage_writes() -> None:
-    # DVC refuses an out inside another's, so a task's folders lie apart (paths.task_folders).
-    project = {
-        render(next(iter(o)) if isinstance(o, dict) else o)
-        for spec in DVC["stages"].values()
-        if "foreach" not in spec
-        for o in [*spec.get("outs", []), *spec.get("metrics", [])]
-    }
-    for key in PER_TASK_PATHS:
-        ours = Path(PARAMS["paths"]["task_folders"], "copy", PARAMS["paths"][key])
-        assert not any(ours.is_relative_to(p) or Path(p).is_relative_to(ours) for p in project)
+def test_tasks_in_their_folders_write_nothing_a_shared_stage_writes() -> None:
+    # DVC refuses an out inside another's: a task at the project's root writes beside the
+    # shared stages, and one in tasks/<task> apart from them.
+    shared = {render(p) for s in SHARED_STAGES for p in paths_of(body(s), ("outs", "metrics"))}
+    for folder in (".", "tasks/orders"):
+        for stage in PER_TASK:
+            for path in paths_of(body(stage), ("outs", "metrics")):
+                ours = Path(render(path, folder))
+                assert not any(
+                    ours.is_relative_to(p) or Path(p).is_relative_to(ours) for p in shared
+                )

@@ -9,14 +9,19 @@ import pytest
 import yaml
 
 from tuneloop.cli import main
-from tuneloop.params import DEFAULT_TASK, PER_TASK_PATHS, ParamsError, load_params, parse_params
+from tuneloop.params import PER_TASK_PATHS, ParamsError, load_params, parse_params
 
 # The fast tier: no pipeline, server or rank.
 pytestmark = pytest.mark.fast
 
 TASKS = {
-    "support": {"registered_model": "tuneloop-support", "suites": ["support_demo"]},
+    "support": {
+        "folder": "tasks/support",
+        "registered_model": "tuneloop-support",
+        "suites": ["support_demo"],
+    },
     "copy": {
+        "folder": "tasks/copy",
         "registered_model": "tuneloop-copy",
         "suites": ["copy_demo"],
         "public_model": "product-copy",
@@ -35,13 +40,18 @@ def with_tasks(tasks: Any) -> dict[str, Any]:
     return {**shipped(), "tasks": tasks}
 
 
-def test_a_project_without_tasks_is_the_one_task_case() -> None:
+def test_a_project_of_one_task_lists_it_in_the_projects_folders() -> None:
     params = load_params()
-    assert params.tasks == {} and params.task is None
-    assert params.task_names() == (DEFAULT_TASK,)
-    assert params.for_task(DEFAULT_TASK) is params
-    assert params.public_model(DEFAULT_TASK) == DEFAULT_TASK
-    with pytest.raises(ParamsError, match=r"no task 'copy'.*\['default'\]"):
+    assert params.task_names() == ("support",) and params.task is None
+    support = params.the_task()
+    assert support.task == "support" and support == params.for_task("support")
+    # Its folder is the project's root, its model and suites tracking's and evaluate's.
+    assert support.paths == params.paths
+    assert support.tracking == params.tracking and support.evaluate == params.evaluate
+    # One router: no /tasks/<task> prefix.
+    assert support.release.routers == params.release.routers
+    assert params.public_model("support") == "support"
+    with pytest.raises(ParamsError, match=r"no task 'copy'.*\['support'\]"):
         params.for_task("copy")
 
 
@@ -58,8 +68,10 @@ def test_each_task_sees_its_model_suites_overrides_and_folders() -> None:
     assert copy.gate.max_forgetting == params.gate.max_forgetting
     assert copy.evaluate.general_suites == params.evaluate.general_suites
     assert copy.task == "copy" and params.task is None
+    with pytest.raises(ParamsError, match=r"lists tasks \['support', 'copy'\]: give --task"):
+        params.the_task()
     for key in PER_TASK_PATHS:
-        own = params.paths.task_folders / "copy" / getattr(params.paths, key)
+        own = Path("tasks/copy") / getattr(params.paths, key)
         assert getattr(copy.paths, key) == own, key
         assert copy.project_path(key) == getattr(params.paths, key)
     assert copy.paths.clean != support.paths.clean
@@ -73,15 +85,24 @@ def test_each_task_sees_its_model_suites_overrides_and_folders() -> None:
     )
     assert params.public_model("copy") == "product-copy"
     assert params.public_model("support") == "support"
-    # The shared view is the single merged model's (every task's data, one adapter).
-    assert params.tracking.registered_model == "tuneloop-support"
 
 
 def test_a_params_file_from_before_tasks_is_shown_the_new_shape() -> None:
     data = shipped()
     del data["tasks"]
-    with pytest.raises(ParamsError, match=r"tasks: required key is missing \(write `tasks: \{\}`"):
+    with pytest.raises(ParamsError, match=r"tasks: required key is missing \(list each task"):
         parse_params(data)
+    for old, new in (
+        (
+            {"tasks": {}},
+            "no tasks: list each task with its folder: `tasks: {support: {folder: .}}`",
+        ),
+        ({"paths": {**data["paths"], "task_folders": "tasks"}}, "tasks.<task>.folder"),
+        ({"schedule": {**data["schedule"], "task_models": "both"}}, "`records: all`"),
+    ):
+        with pytest.raises(ParamsError) as raised:
+            parse_params({**shipped(), **old})
+        assert new in str(raised.value), str(raised.value)
 
 
 def test_the_command_line_says_what_is_wrong_in_one_line(
@@ -93,7 +114,7 @@ def test_the_command_line_says_what_is_wrong_in_one_line(
     monkeypatch.chdir(tmp_path)
     assert main(["status"]) == 2
     said = capsys.readouterr().err
-    assert said.startswith("tuneloop status: ") and "write `tasks: {}`" in said, said
+    assert said.startswith("tuneloop status: ") and "{support: {folder: .}}" in said, said
     assert "Traceback" not in said and len(said.splitlines()) <= 3, said
 
 
@@ -108,9 +129,18 @@ def test_an_absolute_path_of_a_task_is_its_own_subfolder() -> None:
 @pytest.mark.parametrize(
     ("tasks", "message"),
     [
-        (None, "null is no longer a value; write `tasks: {}` for a project of one task"),
+        (None, "no tasks: list each task with its folder"),
         ({"Support": TASKS["support"]}, "name 'Support' must match"),
-        ({"support": {"suites": ["support_demo"]}}, "tasks.support.registered_model"),
+        ({"support": {"suites": ["support_demo"]}}, "tasks.support.folder: required key"),
+        ({"support": {**TASKS["support"], "folder": "../x"}}, "must be a folder inside"),
+        (
+            {"support": TASKS["support"], "copy": {**TASKS["copy"], "folder": "tasks/support"}},
+            "share folder 'tasks/support'",
+        ),
+        (
+            {"support": TASKS["support"], "copy": {**TASKS["copy"], "registered_model": None}},
+            "share registered_model 'tuneloop-support'",
+        ),
         ({"support": {**TASKS["support"], "suites": []}}, "tasks.support.suites"),
         ({"support": {**TASKS["support"], "owner": "me"}}, "tasks.support.owner: unknown key"),
         (
@@ -134,23 +164,13 @@ def test_a_wrong_task_is_refused_naming_it(tasks: Any, message: str) -> None:
     assert message in str(raised.value), str(raised.value)
 
 
-def test_a_single_adapter_beside_the_tasks_needs_its_own_model_and_every_tasks_suites() -> None:
-    def data(mode: str, model: str, suites: list[str]) -> dict[str, Any]:
-        found = with_tasks(TASKS)
-        found["schedule"] = {**found["schedule"], "task_models": mode}
-        found["tracking"] = {**found["tracking"], "registered_model": model}
-        found["evaluate"] = {**found["evaluate"], "suites": suites}
-        return found
+def test_a_task_on_every_tasks_records_is_judged_on_their_suites() -> None:
+    def data(suites: list[str]) -> dict[str, Any]:
+        everyone = {"folder": "tasks/all", "registered_model": "tuneloop-all", "suites": suites}
+        return with_tasks({**TASKS, "all": {**everyone, "records": "all"}})
 
-    both = ["support_demo", "copy_demo"]
-    with pytest.raises(ParamsError, match=r"tracking\.registered_model 'tuneloop-support' is task"):
-        parse_params(data("single", "tuneloop-support", both))
-    with pytest.raises(ParamsError, match=r"evaluate.suites .* lacks \['copy_demo'\]: add them"):
-        parse_params(data("both", "tuneloop-all", ["support_demo"]))
-    # Single: the one model's suites are its own choice; both: every task's are there.
-    assert parse_params(data("single", "tuneloop-all", ["support_demo"])).tasks
-    params = parse_params(data("both", "tuneloop-all", both))
-    assert params.schedule.task_models == "both"
-    assert params.for_task("copy").tracking.registered_model == "tuneloop-copy"
-    # Per task (the default), the project's model may be a task's: nothing trains it.
-    assert parse_params(data("per_task", "tuneloop-support", ["support_demo"])).tasks
+    with pytest.raises(ParamsError, match=r"task all trains on every task's records .* lack \['copy_demo'\]"):
+        parse_params(data(["support_demo"]))
+    params = parse_params(data(["support_demo", "copy_demo"]))
+    assert params.tasks["all"].records == "all" and params.tasks["copy"].records == "own"
+    assert params.for_task("all").tracking.registered_model == "tuneloop-all"

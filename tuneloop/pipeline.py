@@ -20,15 +20,15 @@ class StageOrderError(ValueError):
     """dvc.yaml lists a stage before a stage whose output it reads."""
 
 
-# The stages every task shares; the rest run once per task (``task_stages``).
+# The stages the project runs once, before each task's (``task_stages``).
 SHARED_STAGES = ("base", "task_names", "ingest")
 
 
 def stage_order(root: Path = Path()) -> tuple[str, ...]:
-    """The project's own stages of ``root``'s dvc.yaml (not the per-task ``foreach`` groups),
-    in the order written, checked to be a valid run order."""
+    """The stages of ``root``'s dvc.yaml as written (each task's, a ``foreach`` group, by
+    the group's name), checked to be a valid run order: the shared stages, then a task's."""
     spec = read_yaml(root / "dvc.yaml")
-    order = tuple(name for name, stage in spec["stages"].items() if "foreach" not in stage)
+    order = tuple(spec["stages"])
     # Imported here: dvc takes about a second to import.
     from dvc.repo import Repo
 
@@ -36,7 +36,8 @@ def stage_order(root: Path = Path()) -> tuple[str, ...]:
     with Repo(os.fspath(root)) as repo:
         # An edge runs from a stage to a stage whose out it depends on.
         for stage, upstream in repo.index.graph.edges:
-            name, before = getattr(stage, "name", None), getattr(upstream, "name", None)
+            name = getattr(stage, "name", "").partition("@")[0]
+            before = getattr(upstream, "name", "").partition("@")[0]
             if name in position and before in position and position[before] > position[name]:
                 raise StageOrderError(
                     f"{root / 'dvc.yaml'}: stage {name!r} is listed before {before!r}, whose "
@@ -46,7 +47,7 @@ def stage_order(root: Path = Path()) -> tuple[str, ...]:
 
 
 def task_stages(task: str, root: Path = Path()) -> tuple[str, ...]:
-    """Task ``task``'s stages, as DVC names them (``task-clean@copy``), in dvc.yaml's order:
+    """Task ``task``'s stages, as DVC names them (``clean@orders``), in dvc.yaml's order:
     each ``foreach`` group generates one per task of params.yaml's ``tasks:``."""
     spec = read_yaml(root / "dvc.yaml")
     return tuple(f"{name}@{task}" for name, stage in spec["stages"].items() if "foreach" in stage)

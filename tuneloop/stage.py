@@ -35,17 +35,16 @@ TASK_ENV = "TUNELOOP_TASK"
 def stage_params(argv: list[str] | None = None) -> Params:
     """params.yaml as a stage of one task sees it (``Params.for_task``).
 
-    dvc.yaml's per-task stages run ``python -m stages.<stage> --task <name>``; the
-    single-model stages run without it and see the params as written. The task is exported
-    in ``TUNELOOP_TASK`` for the processes the stage starts, which read it from there.
+    dvc.yaml runs each task's stages as ``python -m stages.<stage> --task <name>``; by hand,
+    a project of one task may leave ``--task`` out. The task is exported in
+    ``TUNELOOP_TASK`` for the processes the stage starts, which read it from there.
     """
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--task", default=os.environ.get(TASK_ENV) or None)
     task = parser.parse_known_args(sys.argv[1:] if argv is None else argv)[0].task
-    if task is None:
-        return load_params()
-    os.environ[TASK_ENV] = task
-    return load_params(task=task)
+    params = load_params().the_task(task, "run the stage with --task <task>")
+    os.environ[TASK_ENV] = str(params.task)
+    return params
 
 
 def setup_logging() -> None:

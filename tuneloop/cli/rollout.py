@@ -208,11 +208,7 @@ def _traffic(args: argparse.Namespace) -> int:
 
 def _for_task(params: Params, task: str | None) -> Params:
     """The params of ``task``; a project of several tasks must name one."""
-    from tuneloop.params import ParamsError
-
-    if task is None and params.tasks:
-        raise ParamsError(f"params.yaml lists tasks {list(params.task_names())}: give --task")
-    return params if task is None else params.for_task(task)
+    return params.the_task(task, "give --task")
 
 
 def _rollback(args: argparse.Namespace) -> int:
@@ -283,8 +279,8 @@ def _status(args: argparse.Namespace) -> int:
     params = load_params()
     if (training := training_job_line(params)) is not None:
         print(f"training: {training}")
-    if not params.tasks:
-        result = approval.status(params)
+    if not params.several_tasks:
+        result = approval.status(params.the_task())
         if args.json:
             print(json.dumps(result, indent=2, ensure_ascii=False, default=str))
         else:

@@ -581,13 +581,19 @@ def metrics(result: IngestResult, pooled: int, tasks: Tasks = None) -> IngestMet
 
 
 def add_batch(
-    pool: Path, now: dt.datetime, result: IngestResult, tasks: Sequence[str] = ()
+    pool: Path,
+    now: dt.datetime,
+    result: IngestResult,
+    tasks: Sequence[str] = (),
+    everyone: Sequence[str] = (),
 ) -> None:
     """Add the run's records and quarantined lines to the pool as one batch, all or nothing.
 
     With ``tasks``, each task's records go to a folder of its own, ``records/<task>/``: the
     task's stages depend on that folder alone (dvc.yaml), so a month that brings one task
-    new records reruns that task's pipeline and no other.
+    new records reruns that task's pipeline and no other. A task of ``everyone`` (``records:
+    all``) gets every task's records in its folder too: a copy, so that its folder is still
+    the one dep its stages need, and a new record of any task reruns it.
     """
     batch = now.strftime("%Y%m%dT%H%M%S%fZ")
     # DVC needs the out (and each task's folder, a dep) to exist even when a run adds nothing.
@@ -597,9 +603,10 @@ def add_batch(
     for line, digest, task in zip(
         result.accepted, result.accepted_ids, result.accepted_tasks, strict=True
     ):
-        lines, ids = by_task.setdefault(task or "", ([], []))
-        lines.append(line)
-        ids.append(digest)
+        for owner in {task or "", *(e for e in everyone if e != task)}:
+            lines, ids = by_task.setdefault(owner, ([], []))
+            lines.append(line)
+            ids.append(digest)
     files: dict[str, bytes | list[bytes]] = {}
     for task, (lines, ids) in sorted(by_task.items()):
         name = f"records/{task}/{batch}_{task}" if task else f"records/{batch}"

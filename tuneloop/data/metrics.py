@@ -130,10 +130,15 @@ class PackMetrics(BaseModel):
 
 
 class TaskNames(BaseModel):
-    """``metrics/task_names.json``: the names of params.yaml's tasks, in its order; empty in a
-    project without tasks. What ingest routes records by (stage ``task_names``)."""
+    """``metrics/task_names.json``: the names of params.yaml's tasks, in its order. What
+    ingest routes records by (stage ``task_names``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     tasks: tuple[str, ...] = Field(description="the tasks ingest routes records to")
     count: int = Field(description="how many")
+    all_records: tuple[str, ...] = Field(
+        default=(),
+        description="the tasks that train on every task's records (`records: all`): ingest "
+        "copies each batch's records into their folders too",
+    )

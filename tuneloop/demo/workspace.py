@@ -64,7 +64,8 @@ MODELS: dict[str, DemoModel] = {
 }
 # Folders of the environment, not of the pipeline: shared with the project, as absolute paths.
 SHARED_FOLDERS = (("paths", "downloads"), ("serve", "venv"))
-# Groups whose keys are the project's own names (params.yaml's `tasks: {}`): a config adds them.
+# Groups whose keys are the project's own names (params.yaml's `tasks:`): a config's replaces
+# params.yaml's whole, the tasks it lists are the project's.
 OPEN_GROUPS = frozenset({"tasks"})
 GIT = ["git", "-c", "user.name=tuneloop demo", "-c", "user.email=demo@tuneloop.invalid"]
 
@@ -75,12 +76,16 @@ class BadConfig(ValueError):
 
 def merged(params: dict[str, Any], overrides: dict[str, Any], source: Path) -> dict[str, Any]:
     """``params`` with ``overrides`` merged in key by key (nested groups too); an override of a
-    group or key ``params`` does not have is refused, naming it, except in ``OPEN_GROUPS``."""
+    group or key ``params`` does not have is refused, naming it; a group of ``OPEN_GROUPS``
+    is replaced whole."""
 
     def merge(base: dict[str, Any], extra: dict[str, Any], where: str) -> dict[str, Any]:
         out = dict(base)
         for key, value in extra.items():
-            if key not in base and where.rstrip(".") not in OPEN_GROUPS:
+            if not where and key in OPEN_GROUPS:
+                out[key] = value
+                continue
+            if key not in base:
                 raise BadConfig(
                     f"{source}: {where}{key} is not in params.yaml; the config file overrides "
                     "params.yaml's keys, it cannot add any"

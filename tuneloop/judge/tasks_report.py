@@ -3,16 +3,16 @@
 Each task has its own adapter, so a month that retrains one task cannot move another's
 scores: the other's adapter is the same bytes and its champion the same version. This report
 shows it rather than asserting it. For every task it sets the adapter's DVC md5 (dvc.lock's
-out of ``task-train@<task>``) and the registry's champion before the run beside the same
+out of ``train@<task>``) and the registry's champion before the run beside the same
 after it, with the task's outcome, gate and scores; a task whose adapter or champion moved
 without its pipeline running would stand out here. A task that did not run shows the scores
 of its last evaluation, and whether dvc.lock ties that evaluation to the adapter it has now
 (train's adapter -> merge -> the merged model evaluate judged): the scores it still stands on.
 
-With ``schedule.task_models: both`` the month also trains one adapter on every task's data
-(the single model, dvc.yaml's own stages), and ``single_comparison`` sets each task's adapter
-beside it on the task's suites, item by item, with the gate's paired bootstrap: which of the
-two a team should serve, per task, measured rather than assumed.
+A task with ``records: all`` trains one adapter on every task's data (the single model), and
+``single_comparison`` sets each task's adapter beside it on the task's suites, item by item,
+with the gate's paired bootstrap: which of the two a team should serve, per task, measured
+rather than assumed.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def states(repo: Path, params: Params) -> dict[str, TaskState]:
         view = params.for_task(task)
 
         def stage(name: str, kind: str, path: Path, task: str = task) -> str | None:
-            entry = lock.get(f"{lineage.TASK_STAGE_PREFIX}{name}@{task}", {})
+            entry = lock.get(f"{name}@{task}", {})
             return entry.get(kind, {}).get(path.as_posix())
 
         adapter = stage("train", "outs", view.paths.adapter)
@@ -148,7 +148,8 @@ def _pipeline_scores(params: Params, outcome: PipelineRun) -> str:
 
 
 def single_line(params: Params, outcome: TaskOutcome) -> str:
-    """What became of the single adapter (every task's data) this month, in a sentence."""
+    """What became of the single adapter (every task's data; ``params`` its task's view) this
+    month, in a sentence."""
     said = f"One adapter on every task's data ({params.tracking.registered_model}): "
     if outcome.outcome == "failed":
         return said + f"failed: {outcome.error[:200]}"
@@ -165,16 +166,20 @@ def single_line(params: Params, outcome: TaskOutcome) -> str:
     return said + f"ran, gate {gate}, {kept}; {_pipeline_scores(params, outcome)}."
 
 
-def single_comparison(params: Params, tasks: Sequence[str]) -> list[AdapterComparison]:
-    """Each of ``tasks``' candidate adapter against the single adapter's candidate, on each of
-    the task's suites and metrics: the same items, paired, with the gate's bootstrap and
-    confidence (the task's ``gate``). ``better``: whose the interval says, if it settles it.
+def single_comparison(
+    params: Params, single_task: str, tasks: Sequence[str]
+) -> list[AdapterComparison]:
+    """Each of ``tasks``' candidate adapter against the candidate of ``single_task`` (a task
+    on every task's records), on each of the task's suites and metrics: the same items,
+    paired, with the gate's bootstrap and confidence (the task's ``gate``). ``better``: whose
+    the interval says, if it settles it.
     """
     # lm-eval, which the scoring module imports, takes seconds; the flow imports this module.
     from tuneloop.judge.scoring import read_items
 
-    single = read_items(params.paths.metrics / "eval-items" / f"{CANDIDATE}.jsonl")
-    directions = Decision.read(params.paths.metrics / "decision.json").higher_is_better
+    metrics = params.for_task(single_task).paths.metrics
+    single = read_items(metrics / "eval-items" / f"{CANDIDATE}.jsonl")
+    directions = Decision.read(metrics / "decision.json").higher_is_better
     rows = []
     for task in tasks:
         view = params.for_task(task)

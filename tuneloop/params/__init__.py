@@ -56,18 +56,16 @@ from tuneloop.params.operations import (
     WatchdogParams,
 )
 from tuneloop.params.tasks import (
-    DEFAULT_TASK,
     PER_TASK_PATHS,
+    REPLACED_KEYS,
     TASKS_SHAPE,
     TaskParams,
-    check_single,
     check_tasks,
     task_paths,
 )
 
 __all__ = [
     "BUILTIN_BASES",
-    "DEFAULT_TASK",
     "PARAMS_FILE",
     "PER_TASK_PATHS",
     "TRAIN_PHASE_ORDER",
@@ -109,9 +107,9 @@ __all__ = [
 
 
 class Params(_Group):
-    """Every group of ``params.yaml``. With ``tasks:``, this is the view of a single merged
-    model (every task's data, one adapter, ``tracking.registered_model``); each task's own
-    pipeline sees ``for_task(name)``."""
+    """Every group of ``params.yaml``: the project's own view, which the shared stages (base,
+    task_names, ingest), the flows and the CLI read. Each task's stages see
+    ``for_task(name)``."""
 
     model: ModelParams
     paths: PathsParams
@@ -132,25 +130,27 @@ class Params(_Group):
     watchdog: WatchdogParams
     cluster: ClusterParams
     schedule: ScheduleParams
-    # Required, so a params.yaml from before tasks says how to write it (``_describe``);
-    # ``{}`` is the one-task project, whose per-task stages dvc.yaml generates none of.
+    # Required, at least one: dvc.yaml declares each stage once, for each task listed
+    # (``_describe`` shows how to write it).
     tasks: dict[str, TaskParams]
     # The task whose view this is (``for_task``); None: the project's own params.
     _task: str | None = PrivateAttr(default=None)
+    # The project's own paths, for a task's view (``project_path``).
+    _project_paths: PathsParams | None = PrivateAttr(default=None)
 
     @field_validator("tasks", mode="before")
     @classmethod
     def _tasks_shape(cls, value: Any) -> Any:
-        if value is None:
-            raise ValueError(f"null is no longer a value; {TASKS_SHAPE}")
+        if not value:
+            raise ValueError(f"no tasks: {TASKS_SHAPE}")
         return value
 
     @model_validator(mode="after")
     def _tasks_apart(self) -> Params:
-        check_tasks(self.tasks, self.gate, self.train)
-        check_single(
+        check_tasks(
             self.tasks,
-            self.schedule.task_models,
+            self.gate,
+            self.train,
             self.tracking.registered_model,
             self.evaluate.suites,
         )
@@ -184,54 +184,68 @@ class Params(_Group):
         """The task this view is of (``for_task``), None for the project's own params."""
         return self._task
 
+    @property
+    def several_tasks(self) -> bool:
+        """More than one task: the router serves each at /tasks/<task>, the CLI and the
+        release must be told which."""
+        return len(self.tasks) > 1
+
     def project_path(self, key: str) -> Path:
         """``paths.<key>`` of the project, not of this task's view: where a shared stage
         (ingest, base) writes, e.g. ``metrics`` (ingest.json), not ``tasks/<task>/metrics``."""
-        path: Path = getattr(self.paths, key)
-        if self._task is None or key not in PER_TASK_PATHS:
-            return path
-        return (
-            path.parent
-            if path.is_absolute()
-            else path.relative_to(self.paths.task_folders / self._task)
-        )
+        paths = self._project_paths or self.paths
+        result: Path = getattr(paths, key)
+        return result
 
     def task_names(self) -> tuple[str, ...]:
-        """The tasks on the base, in the file's order (``DEFAULT_TASK`` without tasks)."""
-        return tuple(self.tasks) or (DEFAULT_TASK,)
+        """The tasks on the base, in the file's order."""
+        return tuple(self.tasks)
+
+    def the_task(self, name: str | None = None, said: str = "give --task") -> Params:
+        """Task ``name``'s view; without a name, the one task of a project of one task (a
+        project of several must name it: ``said`` says how)."""
+        if name is None:
+            if self.several_tasks:
+                raise ParamsError(f"params.yaml lists tasks {list(self.tasks)}: {said}")
+            name = next(iter(self.tasks))
+        return self.for_task(name)
 
     def for_task(self, name: str) -> Params:
         """The params as task ``name``'s stages see them: its model, suites, overrides and
-        folders. The one task of a project without tasks sees them as written."""
-        if not self.tasks and name == DEFAULT_TASK:
-            return self
+        folder."""
         if name not in self.tasks:
             raise ParamsError(
                 f"no task {name!r} in params.yaml; its tasks: {list(self.task_names())}"
             )
+        if self._task == name:
+            return self
+        if self._task is not None:
+            raise ParamsError(f"already the view of task {self._task}, not of the project")
         task = self.tasks[name]
-        paths = task_paths(self.paths, name)
+        paths = task_paths(self.paths, task.folder, name, self.several_tasks)
+        routers = self.release.routers
+        if self.several_tasks:
+            # The router of several tasks serves each one's own router at /tasks/<task>
+            # (serving.tasks): a release, a rollback, a status reach that task alone.
+            routers = tuple(f"{u.rstrip('/')}/tasks/{name}" for u in routers)
         view = self.model_copy(
             update={
                 "paths": paths,
                 "tracking": self.tracking.model_copy(
-                    update={"registered_model": task.registered_model}
-                ),
-                "evaluate": self.evaluate.model_copy(update={"suites": task.suites}),
-                "gate": GateParams.model_validate({**self.gate.model_dump(), **task.gate}),
-                "train": TrainParams.model_validate({**self.train.model_dump(), **task.train}),
-                # The router of several tasks serves each one's own router at /tasks/<task>
-                # (serving.tasks): a release, a rollback, a status reach that task alone.
-                "release": self.release.model_copy(
                     update={
-                        "routers": tuple(
-                            f"{u.rstrip('/')}/tasks/{name}" for u in self.release.routers
-                        )
+                        "registered_model": task.registered_model or self.tracking.registered_model
                     }
                 ),
+                "evaluate": self.evaluate.model_copy(
+                    update={"suites": task.suites or self.evaluate.suites}
+                ),
+                "gate": GateParams.model_validate({**self.gate.model_dump(), **task.gate}),
+                "train": TrainParams.model_validate({**self.train.model_dump(), **task.train}),
+                "release": self.release.model_copy(update={"routers": routers}),
             }
         )
         view._task = name
+        view._project_paths = self.paths
         return view
 
     def public_model(self, name: str) -> str:
@@ -244,11 +258,15 @@ def _describe(error: ValidationError, source: Path) -> str:
     lines = [f"{source}: {error.error_count()} invalid value(s):"]
     for item in error.errors():
         key = ".".join(str(part) for part in item["loc"])
-        if item["type"] == "extra_forbidden":
+        if item["type"] == "extra_forbidden" and key in REPLACED_KEYS:
+            lines.append(f"  {key}: no longer a key; {REPLACED_KEYS[key]}")
+        elif item["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown key (a typo? remove it or fix its spelling)")
         elif item["type"] == "missing":
             hint = f" ({TASKS_SHAPE})" if key == "tasks" else ""
             lines.append(f"  {key}: required key is missing{hint}")
+        elif not key:  # the whole file's rule (tasks apart, the cluster's ranks)
+            lines.append(f"  {item['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
     return "\n".join(lines)
@@ -269,8 +287,7 @@ def load_params(
     """Read and validate params.yaml (the project's own unless ``path`` is given).
 
     For a run that says how it differs (the release flow's parameters): ``overrides`` merged
-    in (``with_overrides``), then task ``task``'s view (``Params.for_task``); with ``task``
-    given, a project with ``tasks:`` must be named one.
+    in (``with_overrides``), then task ``task``'s view (``Params.for_task``).
     """
     source = path or PARAMS_FILE
     try:

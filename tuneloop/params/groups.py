@@ -211,10 +211,6 @@ class PathsParams(_Group):
     watch: Path = Field(
         description="the watchdog's evidence (trace, stacks, timeline, verdict), one folder per run"
     )
-    task_folders: Path = Field(
-        description="with several tasks, each task's own folders: <task_folders>/<task>/data/"
-        "clean, .../models/adapter, .../metrics (tuneloop.params.tasks)"
-    )
 
     @model_validator(mode="after")
     def _evidence_outside_what_is_replaced(self) -> PathsParams:

@@ -218,13 +218,6 @@ class ScheduleParams(_Group):
     dvc_lock_wait_s: float = Field(
         ge=0, description="how long a flow's dvc call waits for another dvc command's lock"
     )
-    task_models: Literal["per_task", "single", "both"] = Field(
-        default="per_task",
-        description="with `tasks:`, what the retrain trains: an adapter per task (per_task); "
-        "one adapter on every task's data (single: dvc.yaml's own stages, registered as "
-        "tracking.registered_model); or both, each task's adapter compared with the single one "
-        "on the task's suites (the single one judged, not registered)",
-    )
 
     @field_validator("cron")
     @classmethod

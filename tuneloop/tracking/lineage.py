@@ -61,32 +61,26 @@ def _load_yaml(path: Path) -> dict[str, Any]:
 CODE_ROOT = Path(__file__).resolve().parents[2]
 
 
-# A task's stages in dvc.yaml: ``task-<stage>`` generated per task (foreach), named
-# ``task-<stage>@<task>`` by DVC.
-TASK_STAGE_PREFIX = "task-"
-
-
 def dvc_stage(stage: str, params: Params) -> str:
     """The DVC name of ``stage`` run for the task of ``params`` (``Params.for_task``):
-    ``clean`` -> ``task-clean@copy``; the name itself for the project's own params or a name
-    that is already a DVC one."""
+    ``clean`` -> ``clean@support``; the name itself for the project's own params (the shared
+    stages) or a name that is already a DVC one."""
     if params.task is None or "@" in stage:
         return stage
-    return f"{TASK_STAGE_PREFIX}{stage}@{params.task}"
+    return f"{stage}@{params.task}"
 
 
 def project_stage(dvc_name: str) -> str:
-    """The project's stage a DVC stage name runs: ``task-clean@copy`` -> ``clean``."""
-    return dvc_name.partition("@")[0].removeprefix(TASK_STAGE_PREFIX)
+    """The stage a DVC stage name runs: ``clean@support`` -> ``clean``."""
+    return dvc_name.partition("@")[0]
 
 
 def stage_param_groups(stage: str, repo: Path = CODE_ROOT) -> list[str]:
-    """The param groups (or keys) a stage declares in dvc.yaml (``task-clean@copy``: those of
-    the ``task-clean`` group, ``${key}`` read as ``copy``)."""
+    """The param groups (or keys) a stage declares in dvc.yaml (``clean@orders``: those of
+    the ``clean`` group, ``${key}`` read as ``orders``)."""
     name, _, key = stage.partition("@")
     spec = _load_yaml(repo / "dvc.yaml").get("stages", {}).get(name, {})
-    if key:
-        spec = spec.get("do", {})
+    spec = spec.get("do", spec)
     groups: list[str] = []
     for entry in spec.get("params", []):
         if isinstance(entry, str):
@@ -94,7 +88,8 @@ def stage_param_groups(stage: str, repo: Path = CODE_ROOT) -> list[str]:
         elif isinstance(entry, dict):  # {file: [keys]} form
             for keys in entry.values():
                 groups.extend(keys)
-    return [group.replace("${key}", key) for group in groups]
+    # A task's stage by its group's name alone (``train``): its own keys, not a task's.
+    return [g.replace("${key}", key) for g in groups if key or "${key}" not in g]
 
 
 def params_subset(params: Params, groups: list[str]) -> dict[str, Any]:
@@ -123,7 +118,11 @@ def dvc_lock_md5s(repo: Path = Path()) -> dict[str, dict[str, dict[str, str]]]:
     stages = _load_yaml(repo / "dvc.lock").get("stages") or {}
     return {
         stage: {
-            kind: {item["path"]: item.get("md5", "") for item in entry.get(kind, [])}
+            # normpath: a task whose folder is the root writes ./models/adapter, which
+            # readers name models/adapter.
+            kind: {
+                os.path.normpath(item["path"]): item.get("md5", "") for item in entry.get(kind, [])
+            }
             for kind in ("deps", "outs")
         }
         for stage, entry in stages.items()
@@ -186,7 +185,7 @@ def stage_md5s(stage: str, root: Path = Path(), *, outs: bool = True) -> StageMd
                 # What Output.save() does before recording a hash: a legacy (DVC 2) entry
                 # whose data changed is hashed as plain md5 from then on.
                 item.update_legacy_hash_name()
-                hashed[kind][item.def_path] = item.get_hash().value
+                hashed[kind][os.path.normpath(item.def_path)] = item.get_hash().value
             except FileNotFoundError:
                 log.warning("%s %r does not exist: no md5 recorded for it", kind[:-1], item)
         return StageMd5s(hashed["deps"], hashed["outs"], _default_remote(repo))

@@ -405,7 +405,7 @@ def train(params: Params, plan: TrainPlan, started_at: float) -> None:
     # The first TrainingArguments starts the process group (gloo, NCCL or DeepSpeed's) that
     # the checkpoint set-up below waits on.
     first_args = phase_args(plan.phases[0], params, plan)
-    groups = lineage.stage_param_groups(STAGE)
+    groups = lineage.stage_param_groups(lineage.dvc_stage(STAGE, params))
     params_hash = lineage.params_hash(params, groups)
     record = checkpoints.RunRecord(checkpoints.fingerprint(params, inputs(params)), params_hash)
     with first_args.main_process_first(local=False, desc="checkpoint set-up"):
