@@ -368,12 +368,11 @@ def _retrain_tasks(
     # Every task's adapter and champion before and after: the others did not move.
     text = tasks_report.report(params, before, tasks_report.states(repo, params), outcomes)
     # A task on every task's records: each task's adapter beside it, on the task's suites.
-    single, compared = None, None
+    compared = None
     for name, listed in params.tasks.items():
         outcome = outcomes.get(name)
         if listed.records != "all" or outcome is None:
             continue
-        single = outcome
         text += "\n" + tasks_report.single_line(params.for_task(name), outcome) + "\n"
         ran = [t for t, o in outcomes.items() if o.outcome == "ran" and t != name]
         if outcome.outcome != "ran" or not ran:
@@ -399,7 +398,6 @@ def _retrain_tasks(
         )
     return TasksRun(
         tasks=outcomes,
-        single=single,
         compared=compared,
         failed=failed,
         report=str(repo / written),

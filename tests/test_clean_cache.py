@@ -317,7 +317,8 @@ def test_seen_batches_are_replayed_at_the_share_and_new_ones_in_full(
 ) -> None:
     root, full = filled  # seen nothing: every batch in full
     tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
-    month1, month2 = (p.stem for p in sorted((root / "pool" / "records" / "support").glob("*.jsonl")))
+    pooled = sorted((root / "pool" / "records" / "support").glob("*.jsonl"))
+    month1, month2 = (p.stem for p in pooled)
     # Month 1's training chats are what it gives alone (it is cleaned first either way).
     write_pool(root / "m1" / "pool", [demo_lines(1, 90)])
     month1_train = _lines(run(root / "m1", root / "m1" / "cache", tokenizer).files["train.jsonl"])

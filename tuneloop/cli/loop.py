@@ -69,10 +69,7 @@ def _print_summary(result: RetrainResult) -> None:
     if isinstance(result, PipelineRun):
         _print_pipeline(result)
     else:
-        outcomes = [*(("task " + t, o) for t, o in result.tasks.items())]
-        if result.single is not None:  # schedule.task_models: single or both
-            outcomes.append(("one adapter on every task's data", result.single))
-        for said, outcome in outcomes:
+        for said, outcome in (("task " + t, o) for t, o in result.tasks.items()):
             print(f"\n--- {said}")
             if outcome.outcome == "unchanged":
                 print(f"not run: {outcome.reason}; its champion stays")

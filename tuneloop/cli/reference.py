@@ -252,9 +252,10 @@ def stages_page(root: Path) -> str:
         "# DVC stages",
         "",
         "Every stage of `dvc.yaml`, in its order, with its stage module's docstring; generated",
-        "when this site is built. A `task-<stage>` runs the same module once per task of",
-        "`tasks:` (`foreach`), with `--task <name>` and the task's own folders. Code deps are",
-        "the local modules the stage imports: a change to one reruns it.",
+        "when this site is built. `base`, `task_names` and `ingest` run once; every other",
+        "stage once per task of `tasks:` (`foreach`; DVC names it `<stage>@<task>`), with",
+        "`--task <name>`, the task's folder and its records. Code deps are the local modules",
+        "the stage imports: a change to one reruns it.",
     ]
     for name, stage in stages.items():
         body = stage.get("do", stage)

@@ -80,18 +80,18 @@ TaskOutcome = Annotated[PipelineRun | TaskUnchanged | TaskFailed, Field(discrimi
 
 
 class AdapterComparison(Comparison):
-    """A task's own adapter against the single adapter on every task's data."""
+    """A task's own adapter against the single adapter on every task's data (a task of
+    ``records: all``)."""
 
     task: str
     better: Literal["adapter", "single", "no settled difference"]
 
 
 class TasksRun(_Result):
-    """A retrain of several tasks: each task's outcome, the single adapter's, the report."""
+    """A retrain of several tasks: each task's outcome, and the report."""
 
     tasks: dict[str, TaskOutcome]
-    single: TaskOutcome | None = None
-    # The tasks' adapters against the single one (schedule.task_models: both).
+    # Each task's adapter against a task's on every task's records (`records: all`).
     compared: list[AdapterComparison] | None = None
     failed: list[str]
     report: str  # the report's path

@@ -120,7 +120,8 @@ def fingerprint(params: Params, inputs: Mapping[str, Path]) -> str:
     Not the training code or library versions: resuming after a fix to the code is what a
     resume is for; ``train.resume: never`` starts afresh.
     """
-    subset = lineage.params_subset(params, lineage.stage_param_groups(lineage.dvc_stage("train", params)))
+    groups = lineage.stage_param_groups(lineage.dvc_stage("train", params))
+    subset = lineage.params_subset(params, groups)
     subset["train"] = {
         key: value for key, value in subset.get("train", {}).items() if key not in OPERATIONAL_KEYS
     }
