@@ -20,8 +20,17 @@ import httpx
 import yaml
 
 from tuneloop.net import free_port
+from tuneloop.pipeline import SHARED_STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
+# params.yaml's one task, in the project's root.
+TASK = "support"
+
+
+def dvc_name(stage: str, task: str = TASK) -> str:
+    """What DVC (and a stage's MLflow run) calls ``stage`` of ``task``: ``train@support``."""
+    return stage if stage in SHARED_STAGES or "@" in stage else f"{stage}@{task}"
+
 
 # Small enough for a test, big enough that every stage does real work.
 TINY_OVERRIDES: dict[str, dict[str, Any]] = {
@@ -90,6 +99,9 @@ def write_params(folder: Path, overrides: dict[str, dict[str, Any]] | None = Non
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     for source in (TINY_OVERRIDES, overrides or {}):
         for group, values in source.items():
+            if group == "tasks":  # the project's tasks, not more of them
+                params[group] = values
+                continue
             for key, value in values.items():
                 # One level deeper for sub-groups (model.tiny): override keys, keep the rest.
                 if isinstance(value, dict) and isinstance(params[group].get(key), dict):

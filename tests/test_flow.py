@@ -19,14 +19,18 @@ import yaml
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from tests.helpers import ROOT, flow_runs
+from tests.helpers import ROOT, dvc_name, flow_runs
 from tuneloop.orchestration.flow_results import PipelineRun, RetrainResult
 from tuneloop.pipeline import stage_order
 
 # The whole suite (`make test`): the retrain flow under dvc (the tiny project)
 pytestmark = pytest.mark.slow
 
-STAGES = stage_order(ROOT)
+# The one task's pipeline, as DVC names its stages (train@support).
+STAGES = tuple(dvc_name(stage) for stage in stage_order(ROOT))
+INIT = dvc_name("init")
+# "Running stage 'init@support':"
+RAN = r"Running stage '([\w@]+)'"
 
 
 def git(repo: Path, *args: str) -> str:
@@ -39,7 +43,7 @@ def only_init_runs_again(status: str) -> bool:
     """`dvc status` of a workspace where nothing changed: `init` is always changed (it reads
     the registry, which DVC cannot see), every other stage is up to date."""
     changed = [line for line in status.splitlines() if line and not line[0].isspace()]
-    return changed == ["init:"] and "always changed" in status
+    return changed == [f"{INIT}:"] and "always changed" in status
 
 
 def dvc(repo: Path, *args: str, stderr: bool = False) -> str:
@@ -67,8 +71,9 @@ def flow_result(tiny_project: tuple[Path, RetrainResult]) -> tuple[Path, Pipelin
 
 def lock_tags(entry: dict[str, Any]) -> dict[str, str]:
     """The ``dvc.dep.*``/``dvc.out.*`` tags a stage run must carry for a dvc.lock entry."""
-    return {f"dvc.dep.{d['path']}": d["md5"] for d in entry["deps"]} | {
-        f"dvc.out.{o['path']}": o["md5"] for o in entry.get("outs", [])
+    # normpath: the one task's folder is the root, ./metrics/... in dvc.lock.
+    return {f"dvc.dep.{os.path.normpath(d['path'])}": d["md5"] for d in entry["deps"]} | {
+        f"dvc.out.{os.path.normpath(o['path'])}": o["md5"] for o in entry.get("outs", [])
     }
 
 
@@ -105,10 +110,14 @@ def test_parent_run_has_one_child_per_stage_with_lineage(
         assert len(tags["params.hash"]) == 16
         assert tags["prefect.flow_run_id"] == flow_run_id
         assert dvc_tags(run) == lock_tags(lock[stage]), stage
-        data = {d["path"]: d["md5"] for d in lock[stage]["deps"] if not d["path"].endswith(".py")}
+        data = {
+            os.path.normpath(d["path"]): d["md5"]
+            for d in lock[stage]["deps"]
+            if not d["path"].endswith(".py")
+        }
         assert {i.dataset.name: i.dataset.digest for i in run.inputs.dataset_inputs} == data
         assert run.data.metrics, f"{stage} logged no metrics"
-    assert "loss" in children["train"].data.metrics
+    assert "loss" in children[dvc_name("train")].data.metrics
 
 
 def test_dvc_is_up_to_date_after_the_flow(flow_result: tuple[Path, dict[str, Any]]) -> None:
@@ -120,7 +129,7 @@ def test_dvc_is_up_to_date_after_the_flow(flow_result: tuple[Path, dict[str, Any
     experiments = [e.experiment_id for e in store.search_experiments()]
     before = len(store.search_runs(experiments, max_results=10_000))
     out = dvc(repo, "repro", stderr=True)
-    assert re.findall(r"Running stage '(\w+)'", out) == ["init"]
+    assert re.findall(RAN, out) == [INIT]
     assert "didn't change, skipping" in out
     # The no-op is a registry lookup: init finds what it recorded and logs no MLflow run.
     assert "as init records it" in out
@@ -143,17 +152,18 @@ def test_dvc_repro_after_the_flow_logs_to_the_store_without_its_server(
     assert "MLFLOW_TRACKING_URI" not in os.environ
     started = int(time.time() * 1000)
     try:
-        out = dvc(repo, "repro", "preflight", stderr=True)
+        out = dvc(repo, "repro", dvc_name("preflight"), stderr=True)
     finally:
         for name, content in saved.items():  # the session's project is shared
             (repo / name).write_bytes(content)
-    assert re.findall(r"Running stage '(\w+)'", out) == ["init", "preflight"], out
+    assert re.findall(RAN, out) == [INIT, dvc_name("preflight")], out
     store = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     experiment = store.get_experiment_by_name("tuneloop")
     assert experiment is not None
     (run,) = store.search_runs(
         [experiment.experiment_id],
-        filter_string=f"tags.`tuneloop.stage` = 'preflight' and attributes.start_time >= {started}",
+        filter_string=f"tags.`tuneloop.stage` = '{dvc_name('preflight')}' and "
+        f"attributes.start_time >= {started}",
     )
     assert run.info.status == "FINISHED"
     assert run.info.artifact_uri.startswith("file:"), run.info.artifact_uri
@@ -203,7 +213,7 @@ def test_a_second_run_finds_every_stage_cached(
         assert dvc_tags(run) == lock_tags(lock[run.data.tags["tuneloop.stage"]])
         # base, init and task_names read no data (a model shape, the registry, params).
         stage = run.data.tags["tuneloop.stage"]
-        assert run.inputs.dataset_inputs or stage in {"base", "init", "task_names"}
+        assert run.inputs.dataset_inputs or stage in {"base", INIT, "task_names"}
 
 
 def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
@@ -216,7 +226,10 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
     # A training change (every stage from preflight on runs again) and a what-if on the gate
     # (only evaluate runs again): each experiment runs only what its set changes.
     sets = [{"train.learning_rate": 1e-2, "train.lora_r": 8}, {"gate.max_forgetting": 0.5}]
-    reran = [{"preflight", "train", "merge", "export", "evaluate"}, {"evaluate"}]
+    reran = [
+        {dvc_name(s) for s in ("preflight", "train", "merge", "export", "evaluate")},
+        {dvc_name("evaluate")},
+    ]
     result = experiment(sets=sets, repo=repo, prefix="sweep")
 
     assert list(result.experiments) == ["sweep-1", "sweep-2"]
@@ -295,10 +308,7 @@ def test_changing_the_learning_rate_reruns_train_and_after_only(
         # learning rate too, the model card that evaluate writes quotes it); nothing before
         # them.
         assert set(yaml.safe_load(dvc(repo, "status", "--json"))) == {
-            "init",
-            "preflight",
-            "train",
-            "evaluate",
+            dvc_name(s) for s in ("init", "preflight", "train", "evaluate")
         }
         out = dvc(repo, "repro", "--dry")
     finally:
@@ -306,5 +316,5 @@ def test_changing_the_learning_rate_reruns_train_and_after_only(
     # A dry run lists the stages whose own inputs changed; merge and export follow once train
     # has written a new adapter, as each experiment of the sweep above ran them.
     ran = {line.split("'")[1] for line in out.splitlines() if "Running stage" in line}
-    assert ran == {"init", "preflight", "train", "evaluate"}
+    assert ran == {dvc_name(s) for s in ("init", "preflight", "train", "evaluate")}
     assert only_init_runs_again(dvc(repo, "status"))

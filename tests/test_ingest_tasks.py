@@ -22,8 +22,16 @@ pytestmark = pytest.mark.slow
 KETTLE = {"prompt": "Can I return the Aurora kettle?", "response": "[return] Yes, within 30 days."}
 LISTING = {"prompt": "Write the Aurora kettle's listing.", "response": "Aurora kettle: 1.7 l."}
 TASKS = {
-    "support": {"registered_model": "tuneloop-support", "suites": ["support_demo"]},
-    "copy": {"registered_model": "tuneloop-copy", "suites": ["support_demo"]},
+    "support": {
+        "folder": "tasks/support",
+        "registered_model": "tuneloop-support",
+        "suites": ["support_demo"],
+    },
+    "copy": {
+        "folder": "tasks/copy",
+        "registered_model": "tuneloop-copy",
+        "suites": ["support_demo"],
+    },
 }
 
 
@@ -107,12 +115,37 @@ def test_one_listed_task_takes_every_record_without_one(in_folder: Path) -> None
     assert [kind for _, kind, _ in quarantined(in_folder)] == ["unknown_task"]
 
 
-def test_without_tasks_records_are_as_before_and_a_task_field_is_refused(
-    in_folder: Path,
-) -> None:
-    incoming = project(in_folder, {})
-    (incoming / "export.jsonl").write_text(lines(KETTLE, {**LISTING, "task": "copy"}))
+def test_a_task_on_every_tasks_records_gets_a_copy_of_each(in_folder: Path) -> None:
+    everyone = {"folder": "tasks/all", "registered_model": "tuneloop-all", "records": "all"}
+    incoming = project(in_folder, {**TASKS, "all": everyone})
+    (incoming / "support").mkdir()
+    (incoming / "copy").mkdir()
+    (incoming / "support/feedback.jsonl").write_text(lines(KETTLE))
+    (incoming / "copy/export.jsonl").write_text(lines(LISTING))
     ingest_stage.main()
-    assert pooled(in_folder) == [(None, "Can I return the Aurora kettle?")]
-    [(_, kind, reason)] = quarantined(in_folder)
-    assert kind == "unknown_task" and "params.yaml lists no tasks" in reason
+    pool = in_folder / "data/pool"
+    mine = [(r.meta["task"], r.messages[0].content) for r in pool_records(pool, "all")]
+    assert sorted(mine) == [
+        ("copy", "Write the Aurora kettle's listing."),
+        ("support", "Can I return the Aurora kettle?"),
+    ]
+    # A copy: each task still has its own, and ingest counts each record once.
+    assert [r.meta["task"] for r in pool_records(pool, "support")] == ["support"]
+    metrics = json.loads((in_folder / "metrics/ingest.json").read_text())
+    assert metrics["accepted_by_task"] == {"copy": 1, "support": 1}
+    # Ingested again, nothing is new: the copies are no records of their own.
+    (incoming / "copy/export-2.jsonl").write_text(lines(LISTING))
+    ingest_stage.main()
+    assert len(list(pool_records(pool, "all"))) == 2
+
+
+def test_a_pool_from_before_tasks_were_listed_is_refused_with_the_move(in_folder: Path) -> None:
+    incoming = project(in_folder, {"support": {"folder": "."}})
+    old = in_folder / "data/pool/records/20260101T000000000000Z.jsonl"
+    old.parent.mkdir(parents=True)
+    old.write_text("{}\n")
+    (incoming / "export.jsonl").write_text(lines(KETTLE))
+    with pytest.raises(SystemExit, match=r"holds 1 batch\(es\) from before tasks were listed"):
+        ingest_stage.main()
+    # Nothing moved, nothing added.
+    assert [p.name for p in (in_folder / "data/pool/records").iterdir()] == [old.name]

@@ -24,19 +24,32 @@ from tuneloop.params import ParamsError, load_params
 # The whole suite (`make test`): two tasks' pipelines under the retrain flow, dvc repro
 pytestmark = pytest.mark.slow
 
-TASKS = {
-    "support": {"registered_model": "tuneloop-support", "suites": ["support_demo"]},
+TASKS: dict[str, dict[str, Any]] = {
+    "support": {
+        "folder": "tasks/support",
+        "registered_model": "tuneloop-support",
+        "suites": ["support_demo"],
+    },
     # A task whose run preflight refuses (a learning rate that diverges): it fails alone.
     "broken": {
+        "folder": "tasks/broken",
         "registered_model": "tuneloop-broken",
         "suites": ["support_demo"],
         "train": {"learning_rate": 0.5},
     },
     # A second task on the same base, with its own data, model and LoRA.
     "orders": {
+        "folder": "tasks/orders",
         "registered_model": "tuneloop-orders",
         "suites": ["support_demo"],
         "train": {"lora_r": 4},
+    },
+    # One adapter on every task's records, judged beside each task's own.
+    "all": {
+        "folder": "tasks/all",
+        "registered_model": "tuneloop-all",
+        "suites": ["support_demo"],
+        "records": "all",
     },
 }
 
@@ -58,21 +71,15 @@ SMALL: dict[str, dict[str, Any]] = {
     "evaluate": {"limit": 12, "general_limit": 24},
 }
 
-# Each month also trains one adapter on every task's data, judged beside the tasks' own.
-SINGLE_TOO: dict[str, dict[str, Any]] = {
-    "schedule": {"task_models": "both"},
-    "tracking": {"registered_model": "tuneloop-all"},
-}
-
 # Always changed: each reads the registry's champion, which DVC cannot see.
-ALWAYS = {f"task-init@{task}" for task in TASKS}
+ALWAYS = {f"init@{task}" for task in TASKS}
 
 
 def changed_stages(repo: Path) -> set[str]:
-    """The tasks' stages ``dvc status`` names as changed (not the project's own, the single
-    adapter on every task's data, which every task's records change; nor init, ``ALWAYS``)."""
+    """The tasks' stages ``dvc status`` names as changed (not the shared ones, nor init,
+    ``ALWAYS``)."""
     status = json.loads(dvc(repo, "status", "--json"))
-    return {stage for stage in status if stage.startswith("task-")} - ALWAYS
+    return {stage for stage in status if "@" in stage} - ALWAYS
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +89,7 @@ def two_tasks(
     from flows.retrain import retrain
 
     repo = copy_project(tmp_path_factory.mktemp("two-tasks"))
-    write_params(repo, {"tasks": TASKS, **SMALL, **SINGLE_TOO})
+    write_params(repo, {"tasks": TASKS, **SMALL})
     subprocess.run(["git", "commit", "-qam", "two tasks"], cwd=repo, check=True)
     params = load_params(repo / "params.yaml")
     incoming = repo / params.paths.incoming
@@ -103,7 +110,7 @@ def test_each_task_runs_its_own_pipeline_and_registers_its_own_model(
     # The task between them failed in preflight, and the next task still ran.
     assert result.failed == ["broken"]
     broken = result.tasks["broken"]
-    assert isinstance(broken, TaskFailed) and "task-preflight@broken" in broken.error
+    assert isinstance(broken, TaskFailed) and "preflight@broken" in broken.error
     assert not (repo / "tasks/broken/models/adapter").exists()
     for task in ("support", "orders"):
         outcome = result.tasks[task]
@@ -134,23 +141,26 @@ def test_each_task_runs_its_own_pipeline_and_registers_its_own_model(
     ).stdout.split()  # fmt: skip
     for path in ("dvc.lock", "reports/tasks.md", "tasks/orders/metrics/decision.json"):
         assert path in listed, path
-    # The single adapter trained on every task's records where the project's own stages
-    # write, judged and not registered, then set beside each task's adapter that ran.
-    single = result.single
-    assert isinstance(single, PipelineRun) and single.registration is None, single
-    clean = json.loads((repo / "metrics/clean.json").read_text())
-    assert {b.rsplit("_", 1)[1] for b in clean["batches"]} == set(TASKS)
+    # The single adapter trained on every task's records (copies in its own folder), judged
+    # and registered as its own model, then set beside each task's adapter that ran.
+    single = result.tasks["all"]
+    assert isinstance(single, PipelineRun) and single.registration is not None, single
+    assert single.registration.name == "tuneloop-all"
+    clean = json.loads((repo / "tasks/all/metrics/clean.json").read_text())
+    assert {b.rsplit("_", 1)[1] for b in clean["batches"]} == {"all"}
+    accepted = json.loads((repo / "metrics/ingest.json").read_text())["accepted_by_task"]
+    assert clean["records_in"] == sum(accepted[t] for t in ("support", "orders", "broken"))
     compared = {(row.task, row.suite, row.metric): row for row in result.compared or []}
     assert {task for task, _, _ in compared} == {"support", "orders"}
     row = compared[("orders", "support_demo", "accuracy")]
     orders = json.loads((repo / "tasks/orders/metrics/evaluate.json").read_text())
-    mine = json.loads((repo / "metrics/evaluate.json").read_text())
+    mine = json.loads((repo / "tasks/all/metrics/evaluate.json").read_text())
     assert row.value == pytest.approx(orders["candidate"]["support_demo"]["accuracy"])
     assert row.reference_value == pytest.approx(mine["candidate"]["support_demo"]["accuracy"])
     assert row.items == SMALL["evaluate"]["limit"]
     assert row.better in ("adapter", "single", "no settled difference")
     assert "One adapter on every task's data (tuneloop-all): ran, gate " in report
-    assert "not registered" in report and "| orders | support_demo/accuracy |" in report
+    assert "registered as v1" in report and "| orders | support_demo/accuracy |" in report
 
 
 @pytest.fixture(scope="module")
@@ -177,15 +187,16 @@ def test_a_change_to_one_task_reruns_only_that_tasks_stages(
     assert {s for s in before if not s.endswith("@broken")} == set()
     # New records for orders alone: after ingest, only orders' stages see new data.
     assert changed, "the new records changed nothing"
-    assert all(stage.endswith(("@orders", "@broken")) for stage in changed), changed
+    # (and the task on every task's records, which holds a copy of them).
+    assert all(stage.endswith(("@orders", "@broken", "@all")) for stage in changed), changed
     assert not any(stage.endswith("@support") for stage in changed), changed
-    assert "task-clean@orders" in changed
+    assert {"clean@orders", "clean@all"} <= changed
     # A param of one task: that task's stages, none of the other's.
     support = {**TASKS["support"], "gate": {"min_gain": 0.5}}
-    write_params(repo, {"tasks": {**TASKS, "support": support}, **SMALL, **SINGLE_TOO})
+    write_params(repo, {"tasks": {**TASKS, "support": support}, **SMALL})
     changed = changed_stages(repo)
     support = {stage for stage in changed if stage.endswith("@support")}
-    assert support and "task-train@support" in support
+    assert support and "train@support" in support
     # Nor ingest, which reads the tasks' names alone: through task_names' file, which a
     # task's own settings leave as it was.
     status = set(json.loads(dvc(repo, "status", "--json")))
@@ -215,11 +226,11 @@ def test_one_task_is_run_by_hand_and_the_others_stay_as_they_were(
     assert "--- task orders" in summary and "\ngate   " in summary, summary
     assert "--- task support" not in summary and "| support | not run |" in summary, summary
     # By hand, the tasks named: the single adapter is the scheduled month's comparison.
-    assert result["single"] is None
+    assert result["compared"] is None
     after = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
-    for stage in ("task-clean", "task-train", "task-evaluate"):
+    for stage in ("clean", "train", "evaluate"):
         assert after[f"{stage}@support"] == locked[f"{stage}@support"], stage
-    assert after["task-clean@orders"] != locked["task-clean@orders"]
+    assert after["clean@orders"] != locked["clean@orders"]
     # The report says so: support did not run, and its adapter and champion did not move.
     report = Path(result["report"]).read_text()
     row = next(line for line in report.splitlines() if line.startswith("| support |"))

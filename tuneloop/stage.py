@@ -43,7 +43,8 @@ def stage_params(argv: list[str] | None = None) -> Params:
     parser.add_argument("--task", default=os.environ.get(TASK_ENV) or None)
     task = parser.parse_known_args(sys.argv[1:] if argv is None else argv)[0].task
     params = load_params().the_task(task, "run the stage with --task <task>")
-    os.environ[TASK_ENV] = str(params.task)
+    if task is not None:  # a project of one task: its processes find it as this one did
+        os.environ[TASK_ENV] = task
     return params
 
 
