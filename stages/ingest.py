@@ -1,11 +1,12 @@
 """Stage ``ingest``: production badcases and exports into the append-only pool.
 
 Reads:  every ``*.jsonl`` under ``paths.incoming``; the pool so far; the tasks' names
-        (``metrics/task_names.json``, stage ``task_names``). With tasks, each record is routed to
-        its task by its folder (``<incoming>/<task>/``) or its ``task`` field, and one for no
-        listed task is quarantined with the reason.
-Writes: one new batch file under ``paths.pool``/records (accepted records, each
-        with its provenance) and one under ``paths.pool``/quarantine (rejected
+        (``metrics/task_names.json``, stage ``task_names``). Each record is routed to its task
+        by its folder (``<incoming>/<task>/``), its ``task`` field or, in a project of one
+        task, by being there; one for no listed task is quarantined with the reason.
+Writes: one new batch file per task under ``paths.pool``/records/<task> (accepted records,
+        each with its provenance; a task of ``records: all`` gets every task's too) and one
+        under ``paths.pool``/quarantine (rejected
         lines with file, line, byte offset, reason and a scrubbed excerpt);
         ``metrics/ingest.json``; ``paths.reports``/ingest-rejected.jsonl when
         too many lines are rejected.

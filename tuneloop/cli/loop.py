@@ -158,7 +158,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     retrain.add_argument(
         "--task",
         action="append",
-        help="with tasks: in params.yaml, run this task alone, whatever its data (repeat for "
+        help="run this task alone, whatever its data (repeat for "
         "several); the others keep their adapters and champions. Default: every task, as the "
         "monthly schedule runs them",
     )

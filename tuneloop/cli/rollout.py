@@ -360,7 +360,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     release.add_argument("--json", action="store_true", help="also print the outcome")
     release.add_argument(
-        "--task", help="with tasks: in params.yaml, the task to release (the others stay)"
+        "--task", help="the task to release (the others stay); a project of one task: its one"
     )
     release.set_defaults(run=_release)
 
@@ -445,7 +445,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="who; recorded beside the reason (default: your OS user name)",
     )
     rollback.add_argument(
-        "--task", help="with tasks: in params.yaml, the task to roll back (the others stay)"
+        "--task", help="the task to roll back (the others stay); a project of one task: its one"
     )
     rollback.set_defaults(run=_rollback)
 

@@ -31,7 +31,8 @@ class IngestMetrics(BaseModel):
     accepted: int = Field(description="lines whose record joined the pool")
     accepted_by_source: dict[str, int] = Field(description="accepted records by their meta.source")
     accepted_by_task: dict[str, int] = Field(
-        description="accepted records by task; empty in a project without tasks"
+        description="accepted records by the task they are for (not counting the copies a "
+        "task on every task's records gets)"
     )
     quarantined: int = Field(description="invalid lines, set aside in quarantine with a reason")
     duplicates: int = Field(description="lines whose record the pool already holds")
@@ -44,7 +45,7 @@ class IngestMetrics(BaseModel):
     )
     by_task_folder: dict[str, FolderCounts] = Field(
         description="by the task folder a line lay in ('elsewhere': no task's); empty in a "
-        "project without tasks"
+        "project of one task"
     )
 
 

@@ -96,7 +96,7 @@ def compared_with(decision: Decision, candidate: ModelVersion, champion: ModelVe
         raise ReviewUnavailable(
             f"{label(candidate)} was evaluated against champion v{evaluated}, but the champion "
             f"is {label(champion)} now: its answers for a blind review sit beside another "
-            "model's. Run `dvc repro --force --single-item evaluate` and register it again"
+            "model's. Run `dvc repro --force --single-item evaluate@<task>` and register it again"
         )
 
 

@@ -24,7 +24,7 @@ The other registry read, the champion, does happen inside ``evaluate``: the
 gate must score it. DVC cannot see an alias move, so the decision records the
 champion version it compared with (and which merged folder it judged), and
 :func:`register_candidate` refuses to register when either has changed since
-(rerun ``dvc repro --force --single-item evaluate``).
+(rerun ``dvc repro --force --single-item evaluate@<task>``).
 
 Logging a version copies both folders into the MLflow artifact store: for a
 real model that is the merged checkpoint plus its FP8 export, once per version.
@@ -396,7 +396,8 @@ def register_candidate(
     if decision.candidate_key != key:
         raise StaleDecision(
             f"{params.paths.metrics / 'decision.json'} judged another candidate than the one in "
-            f"{params.paths.merged}; run `dvc repro evaluate` before registering"
+            f"{params.paths.merged}; run `dvc repro "
+            f"{lineage.dvc_stage('evaluate', params)}` before registering"
         )
 
     experiment_id = runs.setup(params.tracking.experiment)
@@ -409,7 +410,8 @@ def register_candidate(
             f"the gate compared the candidate with champion "
             f"{compared or 'none'}, but {name}@{CHAMPION} is now "
             f"{serving or 'none'}; run `dvc repro --force --single-item "
-            "evaluate` so the gate compares with the model that serves now, then register"
+            f"{lineage.dvc_stage('evaluate', params)}` so the gate compares with the model "
+            "that serves now, then register"
         )
 
     found = _existing(client, name, key)
