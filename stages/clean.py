@@ -70,7 +70,10 @@ def main() -> None:
                 )
             write_json(
                 out / "manifest.json",
-                lineage.manifest(STAGE, params, inputs={"pool": params.paths.pool}),
+                # The task's records, its dep in dvc.yaml (ingest.add_batch's folder).
+                lineage.manifest(
+                    STAGE, params, inputs={"pool": params.paths.pool / "records" / str(params.task)}
+                ),
             )
         metrics = report.metrics(params.clean.replay_fraction)
         write_metrics(params, STAGE, metrics.model_dump())

@@ -21,7 +21,7 @@ import yaml
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from tests.helpers import ROOT, copy_project, seed_demo_month, write_params
+from tests.helpers import ROOT, copy_project, dvc_name, seed_demo_month, write_params
 from tuneloop.params import ParamsError, parse_params
 from tuneloop.pipeline import StageOrderError, stage_order
 from tuneloop.tracking import lineage
@@ -53,7 +53,14 @@ def set_param(repo: Path, group: str, key: str, value: Any) -> None:
 
 
 def lock_entry(repo: Path, stage: str) -> dict[str, Any]:
-    entry: dict[str, Any] = yaml.safe_load((repo / "dvc.lock").read_text())["stages"][stage]
+    """dvc.lock's entry of the one task's ``stage``, its paths as the readers name them
+    (./metrics/clean.json: metrics/clean.json)."""
+    entry: dict[str, Any] = yaml.safe_load((repo / "dvc.lock").read_text())["stages"][
+        dvc_name(stage)
+    ]
+    for kind in ("deps", "outs"):
+        for item in entry.get(kind, []):
+            item["path"] = os.path.normpath(item["path"])
     return entry
 
 
@@ -63,7 +70,7 @@ def latest_run(repo: Path, stage: str) -> Run:
     assert experiment is not None
     found = client.search_runs(
         [experiment.experiment_id],
-        filter_string=f"tags.`tuneloop.stage` = '{stage}'",
+        filter_string=f"tags.`tuneloop.stage` = '{dvc_name(stage)}'",
         order_by=["attributes.start_time DESC"],
         max_results=1,
     )
@@ -96,7 +103,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = copy_project(tmp_path_factory.mktemp("lineage"))
     write_params(repo, SMALL)
     seed_demo_month(repo)
-    dvc(repo, "repro", "clean")
+    dvc(repo, "repro", "clean")  # every task's clean: the one task's, clean@support
     return repo
 
 
@@ -109,15 +116,16 @@ def test_dvc_repro_records_each_stage_with_its_lock_entry(project: Path) -> None
     assert clean.data.tags["base_model.revision"] == base_md5
     manifest = json.loads((project / "data/clean/manifest.json").read_text())
     assert manifest["base_model"] == {"base": "builtin:tiny", "revision": base_md5}
-    pool = {d["path"]: d["md5"] for d in lock_entry(project, "clean")["deps"]}["data/pool"]
-    assert manifest["inputs"]["pool"] == {"path": "data/pool", "md5": pool}
+    records = "data/pool/records/support"
+    pool = {d["path"]: d["md5"] for d in lock_entry(project, "clean")["deps"]}[records]
+    assert manifest["inputs"]["pool"] == {"path": records, "md5": pool}
 
 
 def test_a_param_change_reruns_clean_and_its_run_carries_the_new_lock(project: Path) -> None:
     before = lock_entry(project, "clean")
     set_param(project, "clean", "val_fraction", 0.3)
     ran = dvc(project, "repro", "clean")
-    assert "Running stage 'clean'" in ran and "Running stage 'ingest'" not in ran
+    assert "Running stage 'clean@support'" in ran and "Running stage 'ingest'" not in ran
     after = lock_entry(project, "clean")
     # The split moved, so the out changed: tags read before the run would be stale.
     assert after["outs"] != before["outs"]
@@ -126,7 +134,7 @@ def test_a_param_change_reruns_clean_and_its_run_carries_the_new_lock(project: P
 
 def test_dvc_exp_run_records_the_experiments_lock(project: Path) -> None:
     before = lock_entry(project, "clean")
-    dvc(project, "exp", "run", "clean", "-S", "clean.val_fraction=0.15")
+    dvc(project, "exp", "run", "clean@support", "-S", "clean.val_fraction=0.15")
     after = lock_entry(project, "clean")  # `dvc exp run` leaves its lock in the workspace
     assert after["outs"] != before["outs"]
     assert_run_matches_lock(latest_run(project, "clean"), after)

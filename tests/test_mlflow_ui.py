@@ -107,7 +107,7 @@ def test_runs_page_dataset_column_shows_the_dvc_version(ui: UI, tmp_path: Path) 
 
 def test_run_page_shows_the_lineage_tags(ui: UI, tmp_path: Path) -> None:
     child = ui.client.search_runs(
-        [ui.experiment_id], filter_string="tags.`tuneloop.stage` = 'train'"
+        [ui.experiment_id], filter_string="tags.`tuneloop.stage` = 'train@support'"
     )[0]
     dom = chromium(
         f"{ui.base}/#/experiments/{ui.experiment_id}/runs/{child.info.run_id}",

@@ -26,7 +26,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from stages import pack, preflight
-from tests.helpers import ROOT, chat_messages, copy_project, write_params
+from tests.helpers import ROOT, chat_messages, copy_project, dvc_name, write_params
 from tuneloop.data.shards import shard_name
 from tuneloop.demo import domain, tiny
 from tuneloop.judge import suites
@@ -136,7 +136,9 @@ def test_packed_project_passes_and_the_report_reaches_mlflow(project: Path) -> N
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("tuneloop")
     assert experiment is not None
-    run = client.search_runs([experiment.experiment_id], "tags.`tuneloop.stage` = 'preflight'")[0]
+    run = client.search_runs(
+        [experiment.experiment_id], "tags.`tuneloop.stage` = 'preflight@support'"
+    )[0]
     assert run.data.tags["preflight.ranks_balanced"] == "pass"
     assert run.data.metrics["failed"] == 0
     logged = {a.path for a in client.list_artifacts(run.info.run_id, "preflight")}
@@ -316,15 +318,15 @@ def test_dvc_repro_stops_at_a_failed_preflight_and_never_trains(
         if stage not in ("init", "fixed_badcases"):
             (repo / "metrics" / f"{stage}.json").write_text("{}")
     drop_last_bin(repo / params.paths.packed, rank=1)
-    committed = dvc(repo, "commit", "--force", *upstream)
+    committed = dvc(repo, "commit", "--force", *(dvc_name(stage) for stage in upstream))
     assert committed.returncode == 0, committed.stderr
 
     result = dvc(repo, "repro", "train")
 
     assert result.returncode != 0
-    assert "Running stage 'preflight'" in result.stdout
-    assert "failed to reproduce 'preflight'" in result.stderr
-    assert "Running stage 'train'" not in result.stdout
+    assert "Running stage 'preflight@support'" in result.stdout
+    assert "failed to reproduce 'preflight@support'" in result.stderr
+    assert "Running stage 'train@support'" not in result.stdout
     assert not (repo / params.paths.adapter).exists()
     report = json.loads((repo / "reports/preflight.json").read_text())
     assert [c["name"] for c in report["checks"] if c["status"] == "fail"] == ["ranks_balanced"]

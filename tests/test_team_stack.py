@@ -43,6 +43,7 @@ from tests.helpers import (
     PASSING_TRAIN,
     ROOT,
     copy_project,
+    dvc_name,
     postgres_bin,
     seed_demo_month,
     wait_until,
@@ -67,7 +68,7 @@ PASSING = {
     "gate": {"primary_metric": "format_compliance", "min_gain": 0.05, "max_forgetting": 1.0},
 }
 # Trust on loopback: a throwaway cluster with no password to leak.
-STAGES = stage_order(ROOT)
+STAGES = [dvc_name(stage) for stage in stage_order(ROOT)]
 
 
 def tail(path: Path, lines: int = 60) -> str:
@@ -394,11 +395,11 @@ def test_runs_tags_and_artifacts_read_back_through_the_mlflow_server(
         assert run.data.tags["git.commit"] == commit
         assert run.data.tags["prefect.flow_run_id"] == retrained
         assert len(run.data.tags["params.hash"]) == 16
-    assert client.get_metric_history(children["train"].info.run_id, "loss")
+    assert client.get_metric_history(children[dvc_name("train")].info.run_id, "loss")
 
     # The evaluate stage's report: uploaded through the server into its artifact folder,
     # and downloaded back the same.
-    evaluate = children["evaluate"].info.run_id
+    evaluate = children[dvc_name("evaluate")].info.run_id
     assert {a.path for a in client.list_artifacts(evaluate)} >= {"eval.md", "decision.json"}
     local = Path(client.download_artifacts(evaluate, "decision.json", str(stack.root)))
     assert local.read_bytes() == (project / "metrics" / "decision.json").read_bytes()
