@@ -128,7 +128,7 @@ def test_merge_matches_the_adapter_model_and_saves_a_standard_folder(project: Pa
     tokenizer = load_tokenizer(merged)  # raises without a chat template
     assert tokenizer.padding_side == "right"  # the probes' left padding did not leak
     manifest = json.loads((merged / "manifest.json").read_text())
-    assert manifest["stage"] == "merge" and manifest["passed"] is True
+    assert manifest["stage"] == "merge@support" and manifest["passed"] is True
 
 
 def test_a_bf16_merge_is_checked_in_float32_and_saved_in_bf16(project: Path) -> None:
@@ -157,7 +157,7 @@ def test_a_full_fine_tune_is_copied_through(
     assert copied.keys() == original.keys()
     assert all(torch.equal(copied[k], original[k]) for k in original)
     manifest = json.loads((tmp_path / "models/merged/manifest.json").read_text())
-    assert manifest["stage"] == "merge" and manifest["skipped"] == "full fine-tune"
+    assert manifest["stage"] == "merge@support" and manifest["skipped"] == "full fine-tune"
 
 
 def test_export_writes_every_format_and_each_reloads(project: Path) -> None:
@@ -178,7 +178,7 @@ def test_export_writes_every_format_and_each_reloads(project: Path) -> None:
         assert figures["reload_forward_ok"] is True and figures["seconds"] > 0
         assert figures["quantized_tensors"] == 2 * 7  # every Linear of both layers
         manifest = json.loads((project / "models" / fmt / "manifest.json").read_text())
-        assert manifest["stage"] == "export" and manifest["format"] == fmt
+        assert manifest["stage"] == "export@support" and manifest["format"] == fmt
     # FP4 is smaller than FP8; only nvfp4 calibrates, on the task's clean chats.
     assert measured["formats"]["nvfp4"]["bytes"] < measured["formats"]["fp8"]["bytes"]
     assert measured["formats"]["nvfp4"]["calibration_samples"] == 24

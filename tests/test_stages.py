@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import BaseModel
 
-from tests.helpers import ROOT, flow_runs
+from tests.helpers import ROOT, dvc_name, flow_runs
 from tuneloop.cli.reference import metrics_models
 from tuneloop.data.metrics import CleanMetrics, IngestMetrics, PackMetrics, TaskNames
 from tuneloop.demo import domain
@@ -109,7 +109,7 @@ def test_train_changes_only_the_adapter(project: Path) -> None:
     assert m["global_steps"] == 30
     assert m["last_logged_loss"] < m["first_logged_loss"]
     manifest = json.loads((project / "models/adapter/manifest.json").read_text())
-    assert manifest["stage"] == "train" and manifest["params"]["train"]["max_steps"] == 30
+    assert manifest["stage"] == "train@support" and manifest["params"]["train"]["max_steps"] == 30
 
 
 def test_merge_is_equivalent_to_the_adapter(project: Path) -> None:
@@ -182,8 +182,10 @@ def test_every_metrics_file_reads_back_through_its_model(project: Path) -> None:
 
 def test_each_stage_logged_an_mlflow_run_with_lineage(project: Path) -> None:
     _, by_stage = flow_runs(project)
-    assert set(by_stage) == {s.__name__.split(".")[-1] for s in STAGES}
+    assert set(by_stage) == {dvc_name(s.__name__.split(".")[-1]) for s in STAGES}
     for run in by_stage.values():
         assert run.info.status == "FINISHED"
         assert {"git.commit", "git.dirty", "params.hash"} <= set(run.data.tags)
-    assert "loss" in by_stage["train"].data.metrics  # from the transformers MLflow callback
+    assert (
+        "loss" in by_stage[dvc_name("train")].data.metrics
+    )  # from the transformers MLflow callback
