@@ -187,7 +187,7 @@ def test_router_feedback_reached_the_pool_with_arm_and_model_version(
     pool = load_params(repo / "params.yaml").paths.pool
     records = [
         json.loads(line)
-        for path in sorted((repo / pool / "records").glob("*.jsonl"))
+        for path in sorted((repo / pool / "records" / "support").glob("*.jsonl"))
         for line in path.read_text(encoding="utf-8").splitlines()
     ]
     feedback = [r for r in records if r["meta"].get("source") == "router-feedback"]

@@ -178,8 +178,8 @@ def test_a_second_ingest_refuses_while_one_is_writing(project: Path) -> None:
 
 def test_a_commit_never_overwrites_a_pool_file(project: Path) -> None:
     data = project / "data/pool"
-    existing = next((data / "records").glob("*.jsonl"))
-    name = f"records/{existing.name}"
+    existing = next((data / "records" / "support").glob("*.jsonl"))
+    name = f"records/support/{existing.name}"
     with pytest.raises(FileExistsError, match="append-only"):
         pool.commit(data, "batch", {name: b"{}\n"})
     assert not (pool.staging_root(data) / "batch").exists()
