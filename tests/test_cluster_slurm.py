@@ -135,7 +135,7 @@ def train_run(folder: Path) -> Any:
     (run,) = [
         r
         for r in client.search_runs([experiment.experiment_id])
-        if r.data.tags.get("tuneloop.stage") == "train"
+        if r.data.tags.get("tuneloop.stage") == "train@support"
     ]
     return run
 

@@ -61,7 +61,7 @@ def train_runs(folder: Path) -> list[Any]:
     experiment = client.get_experiment_by_name("tuneloop")
     assert experiment is not None
     runs = client.search_runs([experiment.experiment_id])
-    return [r for r in runs if r.data.tags.get("tuneloop.stage") == "train"]
+    return [r for r in runs if r.data.tags.get("tuneloop.stage") == "train@support"]
 
 
 @pytest.fixture
