@@ -8,6 +8,7 @@ through ``python -m stages.train`` as ``dvc repro`` starts it on the login node.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from tests.helpers import free_port, write_params
 from tests.slurm_helpers import SlurmCluster, slurm_cluster  # noqa: F401
 from tests.train_helpers import FAST, data, make_project, run_stage, stage_env  # noqa: F401
 from tuneloop.cli.rollout import training_job_line
+from tuneloop.cluster.slurm import pairs
 from tuneloop.params import load_params
 
 # The whole suite (`make test`): a two-node Slurm cluster, training ranks on it
@@ -115,8 +117,8 @@ def stepped(heartbeat: Path, timeout: float = 120) -> int:
 def wait_requeued(cluster: SlurmCluster, job_id: str, timeout: float = 180) -> None:
     """Until the requeued job is PENDING and its last run has left both nodes.
 
-    Slurm holds a requeued job back a while (BeginTime); a test releases it at once, but a
-    run released while the last one still completes on a node fails ("credential revoked").
+    Slurm holds a requeued job back a while (BeginTime); a test then releases it
+    (``release``) rather than wait.
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -126,6 +128,20 @@ def wait_requeued(cluster: SlurmCluster, job_id: str, timeout: float = 180) -> N
             return
         time.sleep(0.5)
     raise AssertionError(f"job {job_id} was not requeued within {timeout} s")
+
+
+def release(cluster: SlurmCluster, job_id: str) -> None:
+    """Start the requeued job now rather than after Slurm's delay for a requeue, once the
+    second of the requeue has passed.
+
+    The requeue revoked the last run's credential on each node, stamped in whole seconds,
+    and a node refuses a credential from that same second ("Job credential revoked": the
+    job ends FAILED at once). The requeued job's SubmitTime is no earlier than that stamp.
+    """
+    fields = pairs(cluster.run("scontrol", "show", "job", "-o", job_id))
+    requeued = dt.datetime.fromisoformat(fields["SubmitTime"]).timestamp()
+    time.sleep(max(0.0, requeued + 1 - time.time()))
+    cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
 
 
 def train_run(folder: Path) -> Any:
@@ -283,7 +299,7 @@ def test_a_requeued_job_resumes_from_its_last_checkpoint_and_ends_at_the_planned
     assert checkpoints.newest_complete(phase) is not None, log.read_text()[-3000:]
     slurm_cluster.run("scontrol", "requeue", job_id)
     wait_requeued(slurm_cluster, job_id)
-    slurm_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+    release(slurm_cluster, job_id)
     err = finish(stage, log)
     assert stage.returncode == 0, err[-4000:]
     assert f"job {job_id} run 1 on node[1-2]" in err
@@ -317,7 +333,7 @@ def test_the_signal_before_the_time_limit_saves_that_step_then_the_job_requeues_
     step = json.loads(saved.read_text())["step"]
     assert before <= step < MAX_STEPS and step % 1000 != 0
     assert checkpoints.is_complete(folder / f"checkpoints/train/sft/checkpoint-{step}")
-    slurm_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+    release(slurm_cluster, job_id)
     err = finish(stage, log)
     assert stage.returncode == 0, err[-4000:]
     assert f"saving step {step} and stopping" in err
