@@ -100,18 +100,19 @@ def training_job(cluster: SlurmCluster, log: Path, timeout: float = 300) -> str:
     raise AssertionError(f"no training step within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
-def stepped(heartbeat: Path, timeout: float = 120) -> int:
-    """The step a rank's heartbeat names once it names one: the log's first figures can come
-    before the heartbeat's first step (a full run once read it with no step yet)."""
-    from tuneloop.telemetry.heartbeat import merge, read_heartbeats
-
+def started_job(cluster: SlurmCluster, log: Path, timeout: float = 300) -> str:
+    """The id of the stage's job once its srun step runs: the batch shell set its USR1 trap
+    before it started srun, and the ranks are only starting."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        beat = merge(read_heartbeats(heartbeat))
-        if beat is not None and beat.step is not None:
-            return beat.step
-        time.sleep(0.2)
-    raise AssertionError(f"{heartbeat} named no step within {timeout} s")
+        text = log.read_text()
+        if "submitted Slurm job " in text:
+            job_id = text.split("submitted Slurm job ", 1)[1].split(";", 1)[0]
+            steps = cluster.run("squeue", "-h", "-s", "-j", job_id, "-o", "%i").split()
+            if f"{job_id}.0" in steps:
+                return job_id
+        time.sleep(0.5)
+    raise AssertionError(f"no srun step within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
 def wait_requeued(cluster: SlurmCluster, job_id: str, timeout: float = 180) -> None:
@@ -317,21 +318,20 @@ def test_the_signal_before_the_time_limit_saves_that_step_then_the_job_requeues_
     slurm_cluster: SlurmCluster,
 ) -> None:
     """What Slurm does ``signal_before_end_s`` before the time limit (--signal=B:USR1), sent by
-    hand: the ranks save the step they are at, far from any ``save_steps`` multiple, stop, and
-    the batch shell requeues the job; the next run resumes from that step."""
+    hand as the ranks start, so that the run cannot end before it however fast they step: the
+    ranks save the step they are at, far from any ``save_steps`` multiple, stop, and the batch
+    shell requeues the job; the next run resumes from that step."""
     from tuneloop.training import checkpoints
 
     folder = cluster_project(data, tmp_path, max_steps=MAX_STEPS, save_steps=1000)
     stage, log = start_stage(folder, slurm_cluster)
-    job_id = training_job(slurm_cluster, log)
-    (job,) = (p.parent for p in (folder / "reports/watch").glob("*/job.json"))
-    before = stepped(job / "node1/heartbeat.json")
-    assert before < MAX_STEPS // 2
+    job_id = started_job(slurm_cluster, log)
     slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id)
     wait_requeued(slurm_cluster, job_id)
+    (job,) = (p.parent for p in (folder / "reports/watch").glob("*/job.json"))
     (saved,) = job.glob(f"save-request-{job_id}-0.saved")
     step = json.loads(saved.read_text())["step"]
-    assert before <= step < MAX_STEPS and step % 1000 != 0
+    assert 0 < step < MAX_STEPS and step % 1000 != 0
     assert checkpoints.is_complete(folder / f"checkpoints/train/sft/checkpoint-{step}")
     release(slurm_cluster, job_id)
     err = finish(stage, log)
