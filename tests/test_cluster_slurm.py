@@ -8,6 +8,7 @@ through ``python -m stages.train`` as ``dvc repro`` starts it on the login node.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from tests.helpers import free_port, write_params
 from tests.slurm_helpers import SlurmCluster, slurm_cluster  # noqa: F401
 from tests.train_helpers import FAST, data, make_project, run_stage, stage_env  # noqa: F401
 from tuneloop.cli.rollout import training_job_line
+from tuneloop.cluster.slurm import pairs
 from tuneloop.params import load_params
 
 # The whole suite (`make test`): a two-node Slurm cluster, training ranks on it
@@ -98,25 +100,26 @@ def training_job(cluster: SlurmCluster, log: Path, timeout: float = 300) -> str:
     raise AssertionError(f"no training step within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
-def stepped(heartbeat: Path, timeout: float = 120) -> int:
-    """The step a rank's heartbeat names once it names one: the log's first figures can come
-    before the heartbeat's first step (a full run once read it with no step yet)."""
-    from tuneloop.telemetry.heartbeat import merge, read_heartbeats
-
+def started_job(cluster: SlurmCluster, log: Path, timeout: float = 300) -> str:
+    """The id of the stage's job once its srun step runs: the batch shell set its USR1 trap
+    before it started srun, and the ranks are only starting."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        beat = merge(read_heartbeats(heartbeat))
-        if beat is not None and beat.step is not None:
-            return beat.step
-        time.sleep(0.2)
-    raise AssertionError(f"{heartbeat} named no step within {timeout} s")
+        text = log.read_text()
+        if "submitted Slurm job " in text:
+            job_id = text.split("submitted Slurm job ", 1)[1].split(";", 1)[0]
+            steps = cluster.run("squeue", "-h", "-s", "-j", job_id, "-o", "%i").split()
+            if f"{job_id}.0" in steps:
+                return job_id
+        time.sleep(0.5)
+    raise AssertionError(f"no srun step within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
 def wait_requeued(cluster: SlurmCluster, job_id: str, timeout: float = 180) -> None:
     """Until the requeued job is PENDING and its last run has left both nodes.
 
-    Slurm holds a requeued job back a while (BeginTime); a test releases it at once, but a
-    run released while the last one still completes on a node fails ("credential revoked").
+    Slurm holds a requeued job back a while (BeginTime); a test then releases it
+    (``release``) rather than wait.
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -126,6 +129,20 @@ def wait_requeued(cluster: SlurmCluster, job_id: str, timeout: float = 180) -> N
             return
         time.sleep(0.5)
     raise AssertionError(f"job {job_id} was not requeued within {timeout} s")
+
+
+def release(cluster: SlurmCluster, job_id: str) -> None:
+    """Start the requeued job now rather than after Slurm's delay for a requeue, once the
+    second of the requeue has passed.
+
+    The requeue revoked the last run's credential on each node, stamped in whole seconds,
+    and a node refuses a credential from that same second ("Job credential revoked": the
+    job ends FAILED at once). The requeued job's SubmitTime is no earlier than that stamp.
+    """
+    fields = pairs(cluster.run("scontrol", "show", "job", "-o", job_id))
+    requeued = dt.datetime.fromisoformat(fields["SubmitTime"]).timestamp()
+    time.sleep(max(0.0, requeued + 1 - time.time()))
+    cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
 
 
 def train_run(folder: Path) -> Any:
@@ -283,7 +300,7 @@ def test_a_requeued_job_resumes_from_its_last_checkpoint_and_ends_at_the_planned
     assert checkpoints.newest_complete(phase) is not None, log.read_text()[-3000:]
     slurm_cluster.run("scontrol", "requeue", job_id)
     wait_requeued(slurm_cluster, job_id)
-    slurm_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+    release(slurm_cluster, job_id)
     err = finish(stage, log)
     assert stage.returncode == 0, err[-4000:]
     assert f"job {job_id} run 1 on node[1-2]" in err
@@ -301,23 +318,22 @@ def test_the_signal_before_the_time_limit_saves_that_step_then_the_job_requeues_
     slurm_cluster: SlurmCluster,
 ) -> None:
     """What Slurm does ``signal_before_end_s`` before the time limit (--signal=B:USR1), sent by
-    hand: the ranks save the step they are at, far from any ``save_steps`` multiple, stop, and
-    the batch shell requeues the job; the next run resumes from that step."""
+    hand as the ranks start, so that the run cannot end before it however fast they step: the
+    ranks save the step they are at, far from any ``save_steps`` multiple, stop, and the batch
+    shell requeues the job; the next run resumes from that step."""
     from tuneloop.training import checkpoints
 
     folder = cluster_project(data, tmp_path, max_steps=MAX_STEPS, save_steps=1000)
     stage, log = start_stage(folder, slurm_cluster)
-    job_id = training_job(slurm_cluster, log)
-    (job,) = (p.parent for p in (folder / "reports/watch").glob("*/job.json"))
-    before = stepped(job / "node1/heartbeat.json")
-    assert before < MAX_STEPS // 2
+    job_id = started_job(slurm_cluster, log)
     slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id)
     wait_requeued(slurm_cluster, job_id)
+    (job,) = (p.parent for p in (folder / "reports/watch").glob("*/job.json"))
     (saved,) = job.glob(f"save-request-{job_id}-0.saved")
     step = json.loads(saved.read_text())["step"]
-    assert before <= step < MAX_STEPS and step % 1000 != 0
+    assert 0 < step < MAX_STEPS and step % 1000 != 0
     assert checkpoints.is_complete(folder / f"checkpoints/train/sft/checkpoint-{step}")
-    slurm_cluster.run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+    release(slurm_cluster, job_id)
     err = finish(stage, log)
     assert stage.returncode == 0, err[-4000:]
     assert f"saving step {step} and stopping" in err
