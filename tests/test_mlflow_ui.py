@@ -56,15 +56,16 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UI]:
         uri = runs.tracking_uri()
         # A stage run under plain `dvc repro` (no flow, so no parent) with its data dep as an
         # MLflow dataset input, logged the way every stage logs it.
-        with runs.stage_run("clean", params) as clean:
+        support = params.the_task()  # the stages of the project's one task: clean@support
+        with runs.stage_run("clean", support) as clean:
             md5s = lineage.StageMd5s(deps={DATASET: DIGEST}, outs={}, remote="s3://team/dvc")
             MlflowClient().log_inputs(
                 clean.info.run_id, datasets=runs.dataset_inputs("clean", md5s)
             )
         with mlflow.start_run(run_name="retrain-ui-test", experiment_id=experiment_id) as parent:
             mlflow.set_tags({"git.commit": "0123abcd", "prefect.flow_run_id": "flow-ui-test"})
-            for stage in ("ingest", "train"):
-                with runs.stage_run(stage, params):
+            for stage, view in (("ingest", params), ("train", support)):
+                with runs.stage_run(stage, view):
                     mlflow.log_metric("records", 42)
             # A registered version with the alias the flow sets (the real registration, with
             # its pyfunc wrapper around a merged model, is test_registry's; this page only

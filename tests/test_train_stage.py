@@ -167,9 +167,10 @@ def test_dpo_after_sft_refines_the_sft_adapter(
     m = metrics(folder)
     assert set(m["phases"]) == {"sft", "dpo"} and m["phases"]["dpo"]["global_steps"] == 3
     runs = {r.info.run_name: r for r in train_runs(folder)}
-    assert set(runs) == {"train", "train/dpo"}
-    assert runs["train/dpo"].data.tags["mlflow.parentRunId"] == runs["train"].info.run_id
-    assert "rewards/accuracies" in runs["train/dpo"].data.metrics
+    assert set(runs) == {"train@support", "train@support/dpo"}
+    dpo_run = runs["train@support/dpo"]
+    assert dpo_run.data.tags["mlflow.parentRunId"] == runs["train@support"].info.run_id
+    assert "rewards/accuracies" in dpo_run.data.metrics
 
 
 def test_early_stopping_and_the_best_checkpoint_follow_the_params(

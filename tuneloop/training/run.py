@@ -135,10 +135,11 @@ def phase_mlflow_run(phase: str, params: Params, rank: Rank) -> Iterator[None]:
     if not rank.is_main or phase == params.train.phases[0]:
         yield
         return
+    stage = lineage.dvc_stage(STAGE, params)  # train@support
     with mlflow.start_run(
-        run_name=f"{STAGE}/{phase}",
+        run_name=f"{stage}/{phase}",
         nested=True,
-        tags={runs.TAG_STAGE: STAGE, TAG_PHASE: phase},
+        tags={runs.TAG_STAGE: stage, TAG_PHASE: phase},
     ):
         yield
 
