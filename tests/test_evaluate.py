@@ -141,7 +141,7 @@ def test_the_trained_candidate_beats_the_base(project: Path) -> None:
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     [run] = client.search_runs(
         [e.experiment_id for e in client.search_experiments()],
-        "attributes.run_name = 'evaluate'",
+        "attributes.run_name = 'evaluate@support'",
         order_by=["attributes.start_time ASC"],
         max_results=1,
     )

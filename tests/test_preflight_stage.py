@@ -295,7 +295,7 @@ def test_dvc_repro_stops_at_a_failed_preflight_and_never_trains(
     for cache in (paths.clean_cache, paths.pack_cache):  # outs too; empty is a valid cache
         (repo / cache).mkdir(parents=True)
     shutil.copy(project / "mlflow.db", repo / "mlflow.db")
-    for folder in (params.paths.incoming, params.paths.pool):
+    for folder in (params.paths.incoming, params.paths.pool / "records" / "support"):
         (repo / folder).mkdir(parents=True)
         (repo / folder / "empty.jsonl").write_text("")
     (repo / "metrics").mkdir()

@@ -248,8 +248,8 @@ def test_status_shows_every_task_and_a_rollback_names_its_task(
         params = yaml.safe_load(path.read_text())
         params["release"]["routers"] = [str(client.base_url)]
         params["tasks"] = {
-            "support": {"registered_model": "tuneloop-support", "suites": ["support_demo"]},
-            "copy": {"registered_model": "tuneloop-copy", "suites": ["support_demo"]},
+            "support": {"folder": "tasks/support", "registered_model": "tuneloop-support"},
+            "copy": {"folder": "tasks/copy", "registered_model": "tuneloop-copy"},
         }
         path.write_text(yaml.safe_dump(params, sort_keys=False))
         monkeypatch.chdir(project)
