@@ -392,12 +392,11 @@ def register_candidate(
             registered=False, name=name, reasons=[f"gate {verdict}: nothing registered", *blocking]
         )
 
-    key = candidate_key(params.paths.merged)
+    key, evaluate = candidate_key(params.paths.merged), lineage.dvc_stage("evaluate", params)
     if decision.candidate_key != key:
         raise StaleDecision(
             f"{params.paths.metrics / 'decision.json'} judged another candidate than the one in "
-            f"{params.paths.merged}; run `dvc repro "
-            f"{lineage.dvc_stage('evaluate', params)}` before registering"
+            f"{params.paths.merged}; run `dvc repro {evaluate}` before registering"
         )
 
     experiment_id = runs.setup(params.tracking.experiment)
@@ -409,9 +408,8 @@ def register_candidate(
         raise ChampionChanged(
             f"the gate compared the candidate with champion "
             f"{compared or 'none'}, but {name}@{CHAMPION} is now "
-            f"{serving or 'none'}; run `dvc repro --force --single-item "
-            f"{lineage.dvc_stage('evaluate', params)}` so the gate compares with the model "
-            "that serves now, then register"
+            f"{serving or 'none'}; run `dvc repro --force --single-item {evaluate}` so the "
+            "gate compares with the model that serves now, then register"
         )
 
     found = _existing(client, name, key)
