@@ -27,6 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TASK = "support"
 
 
+def task_entry(name: str, suite: str = "support_demo") -> dict[str, Any]:
+    """A task of a project of several, as params.yaml lists it: its folder, model and suite."""
+    return {"folder": f"tasks/{name}", "registered_model": f"tuneloop-{name}", "suites": [suite]}
+
+
 def dvc_name(stage: str, task: str = TASK) -> str:
     """What DVC (and a stage's MLflow run) calls ``stage`` of ``task``: ``train@support``."""
     return stage if stage in SHARED_STAGES or "@" in stage else f"{stage}@{task}"

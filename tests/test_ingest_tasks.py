@@ -12,7 +12,7 @@ import yaml
 
 from stages import ingest as ingest_stage
 from stages import task_names
-from tests.helpers import write_params
+from tests.helpers import task_entry, write_params
 from tuneloop.data.records import pool_records
 from tuneloop.io import read_jsonl
 
@@ -21,18 +21,7 @@ pytestmark = pytest.mark.slow
 
 KETTLE = {"prompt": "Can I return the Aurora kettle?", "response": "[return] Yes, within 30 days."}
 LISTING = {"prompt": "Write the Aurora kettle's listing.", "response": "Aurora kettle: 1.7 l."}
-TASKS = {
-    "support": {
-        "folder": "tasks/support",
-        "registered_model": "tuneloop-support",
-        "suites": ["support_demo"],
-    },
-    "copy": {
-        "folder": "tasks/copy",
-        "registered_model": "tuneloop-copy",
-        "suites": ["support_demo"],
-    },
-}
+TASKS = {task: task_entry(task) for task in ("support", "copy")}
 
 
 def lines(*records: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.helpers import task_entry
 from tuneloop.cli import main
 from tuneloop.params import PER_TASK_PATHS, ParamsError, load_params, parse_params
 
@@ -15,15 +16,9 @@ from tuneloop.params import PER_TASK_PATHS, ParamsError, load_params, parse_para
 pytestmark = pytest.mark.fast
 
 TASKS = {
-    "support": {
-        "folder": "tasks/support",
-        "registered_model": "tuneloop-support",
-        "suites": ["support_demo"],
-    },
+    "support": task_entry("support"),
     "copy": {
-        "folder": "tasks/copy",
-        "registered_model": "tuneloop-copy",
-        "suites": ["copy_demo"],
+        **task_entry("copy", "copy_demo"),
         "public_model": "product-copy",
         "gate": {"min_gain": 0.1, "max_broken_fixes": 0},
         "train": {"lora_r": 8, "learning_rate": 2.0e-4},

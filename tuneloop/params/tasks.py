@@ -145,10 +145,9 @@ def check_tasks(
     registered_model: str,
     suites: tuple[str, ...],
 ) -> None:
-    """At least one task; names usable in URLs and folders; no folder, model or public name
-    twice; overrides valid; a task on every task's records judged on their suites."""
-    if not tasks:
-        raise ValueError(f"no tasks: {TASKS_SHAPE}")
+    """Names usable in URLs and folders; no folder, model or public name twice; overrides
+    valid; a task on every task's records judged on their suites. (At least one task:
+    ``Params._tasks_shape``.)"""
     for name, task in tasks.items():
         if not TASK_NAME.match(name):
             raise ValueError(
