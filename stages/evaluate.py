@@ -29,7 +29,9 @@ answered for each model is in the decision (``engines``), the report, the model 
 run's tags (``evaluate.engine.<model>``).
 
 The champion is scored here, on today's suites, from its registered merged
-folder: numbers stored when it was registered may come from an older suite.
+folder: numbers stored when it was registered may come from an older suite. The first
+champion, the base itself (``tuneloop register-base``), is scored once, as the base
+(``tuneloop/judge/evaluation.py``); the run's tag ``evaluate.champion_is_base`` says so.
 General suites are scored for the base, the champion and the candidate (not the
 exports: the forgetting budget judges what training did). A general suite that cannot
 run here (its data or package is missing) is named in the decision, not dropped.
@@ -41,55 +43,30 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from pathlib import Path
 
 import mlflow
 
-from tuneloop.io import atomic_dir, read_model, write_jsonl, write_text
+from tuneloop.io import atomic_dir, write_jsonl, write_text
 from tuneloop.judge import cards, scoring
-from tuneloop.judge.decision import Champion
-from tuneloop.judge.fixed_badcases import ITEMS_FOLDER_ENV, FixedBadcasesMetrics
+from tuneloop.judge.evaluation import fixed_suite, score_models
+from tuneloop.judge.fixed_badcases import ITEMS_FOLDER_ENV
 from tuneloop.judge.gate import (
     BASE,
     CANDIDATE,
     CHAMPION,
-    EXPORT_MODELS,
     Directions,
-    GateError,
     Items,
     Scores,
     decide,
 )
 from tuneloop.judge.gate_report import plot, report
-from tuneloop.models import base_model_ref
-from tuneloop.params import Params
-from tuneloop.quantization import FORMATS, folder_of
 from tuneloop.stage import setup_logging, stage_params, write_metrics
 from tuneloop.tracking import registry
 from tuneloop.tracking.runs import stage_run
 
 STAGE = "evaluate"
 log = logging.getLogger(__name__)
-
-
-def fixed_suite(params: Params, champion: Champion | None) -> str | None:
-    """The fixed-badcase suite's name when it has items to score, else None.
-
-    The suite holds the corrections the champion of its ``fixed_badcases`` run trained on;
-    scored against another champion it would count fixes that model never made.
-    """
-    folder = params.paths.fixed_badcases
-    built = read_model(params.paths.metrics / "fixed_badcases.json", FixedBadcasesMetrics)
-    if not built.items:
-        return None
-    version = None if champion is None else champion.version
-    if built.champion_version != version:
-        raise GateError(
-            f"{folder} was built for champion {built.champion_version}, but the champion "
-            f"is {version} now; run `dvc repro` so the suite follows the champion"
-        )
-    return folder.name
 
 
 def main() -> None:
@@ -105,39 +82,15 @@ def main() -> None:
         tasks = scoring.task_index(params.paths.eval_suites, wanted)
         could_not_run = scoring.unavailable(params.evaluate.general_suites, tasks)
         general = [s for s in params.evaluate.general_suites if s not in could_not_run]
-        scores: Scores = {}
-        scored_by: dict[str, scoring.Scored] = {}
-        items: Items = {}
+        scored_by = score_models(params, kind, tasks, general, fixed, champion)
+        scores: Scores = {name: scored.scores for name, scored in scored_by.items()}
+        items: Items = {name: scored.items for name, scored in scored_by.items()}
+        # model -> what answered, with its version
+        engines = {name: scored.engine for name, scored in scored_by.items()}
         directions: Directions = {}
-        engines: dict[str, str] = {}  # model -> what answered, with its version
-        # The champion's folder is fetched for this evaluation only, not kept as an output.
-        with tempfile.TemporaryDirectory(prefix="tuneloop-champion-") as tmp:
-            models: dict[str, str | Path] = {BASE: base_model_ref(params)}
-            if champion is not None:
-                models[CHAMPION] = registry.download_folder(champion, registry.MERGED, Path(tmp))
-            models[CANDIDATE] = params.paths.merged
-            exports = {EXPORT_MODELS[fmt]: fmt for fmt in params.export.formats}
-            models |= {EXPORT_MODELS[fmt]: folder_of(params, fmt) for fmt in params.export.formats}
-            for name, ref in models.items():
-                # The served models through the server that serves them; the references on hf;
-                # an export vLLM cannot run here on transformers' decompressed path.
-                engine = "hf" if name not in (CANDIDATE, *exports) else kind
-                if name in exports:
-                    engine = scoring.export_backend(kind, FORMATS[exports[name]], params.serve.venv)
-                log.info("evaluate: scoring %s (%s) with %s", name, ref, engine)
-                scored = scoring.score(
-                    ref,
-                    params,
-                    tasks,
-                    engine,
-                    () if name in exports else general,
-                    [fixed] if fixed and name in (CHAMPION, CANDIDATE) else [],
-                )
-                scores[name], items[name] = scored.scores, scored.items
-                scored_by[name] = scored
-                engines[name] = scored.engine
-                directions |= scored.directions
-                could_not_run |= scored.not_judged
+        for scored in scored_by.values():
+            directions |= scored.directions
+            could_not_run |= scored.not_judged
         # One folder for the run: no model's file is left over from an earlier evaluation.
         with atomic_dir(params.paths.metrics / "eval-items") as folder:
             for name, found in items.items():
@@ -189,6 +142,9 @@ def main() -> None:
         mlflow.set_tags({f"evaluate.engine.{name}": engine for name, engine in engines.items()})
         if champion is not None:
             mlflow.set_tag("gate.champion_version", str(champion.version))
+            mlflow.set_tag(
+                "evaluate.champion_is_base", str(scored_by[CHAMPION] is scored_by[BASE]).lower()
+            )
         log.info("evaluate:\n%s", text)
 
 

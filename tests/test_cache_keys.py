@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from mlflow.entities.model_registry import ModelVersion
+from mlflow.entities.model_registry import ModelVersion, ModelVersionTag
 
 from tests.gate_helpers import a_decision
 from tests.helpers import ROOT
@@ -103,7 +103,7 @@ def test_init_reruns_when_anything_it_writes_would_differ(
 
 
 def test_evaluate_uses_the_suite_only_for_its_champion(tmp_path: Path) -> None:
-    from stages.evaluate import fixed_suite
+    from tuneloop.judge.evaluation import fixed_suite
 
     params = project_params(tmp_path)
     params.paths.metrics.mkdir()
@@ -124,6 +124,44 @@ def test_evaluate_uses_the_suite_only_for_its_champion(tmp_path: Path) -> None:
     for other in (champion("4"), None):
         with pytest.raises(GateError, match="was built for champion 3"):
             fixed_suite(params, other)
+
+
+# --- the champion that is the base: scored once, as the base -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "reused"),
+    [
+        ("nothing", True),
+        ("the base rebuilt since", False),  # another md5 of models/base in dvc.lock
+        ("a trained champion", False),  # no base tag: a candidate registered by the gate
+        ("a fixed-badcase suite", False),  # the champion is scored on it, the base is not
+        ("no champion", False),
+        ("an unknown revision", False),
+    ],
+)
+def test_the_base_registered_as_champion_is_scored_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str, reused: bool
+) -> None:
+    from tuneloop.judge.evaluation import champion_is_base
+    from tuneloop.tracking import registry, runs
+
+    monkeypatch.chdir(tmp_path)
+    params = parse_params(yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8")))
+    built = "0" * 32 if change != "the base rebuilt since" else "1" * 32
+    lock = {"stages": {"base": {"outs": [{"path": "models/base", "md5": built + ".dir"}]}}}
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump(lock))
+    tags = {registry.TAG_BASE: params.model.base, runs.TAG_BASE_REVISION: "0" * 32 + ".dir"}
+    if change == "a trained champion":
+        tags = {}
+    elif change == "an unknown revision":
+        tags[runs.TAG_BASE_REVISION] = "unknown"
+    listed = [ModelVersionTag(key, value) for key, value in tags.items()]
+    version = ModelVersion("tuneloop-support", "1", creation_timestamp=0, tags=listed)
+    champion = None if change == "no champion" else version
+    fixed = "fixed_badcases" if change == "a fixed-badcase suite" else None
+    assert registry.base_identity(params)[1] == built + ".dir"
+    assert champion_is_base(params, champion, fixed) is reused
 
 
 def test_the_suites_dvc_key_holds_what_it_is_built_from() -> None:
