@@ -35,6 +35,7 @@ from tuneloop.orchestration.flow_results import PipelineRun
 from tuneloop.params import load_params
 from tuneloop.tracking import init_from, registry
 from tuneloop.tracking.registry import Registration
+from tuneloop.tracking.runs import TAG_STAGE
 
 # The whole suite (`make test`): months of the loop, transformers serve, Chromium
 pytestmark = pytest.mark.slow
@@ -60,6 +61,9 @@ LOOP = {
         "max_regression": 1.0,
         "fp8_max_drop": None,
     },
+    # The general suite's first 24 items of 163: with the forgetting budget open above, it is
+    # scored and reported, and decides nothing.
+    "evaluate": {"general_limit": 24},
 }
 # configs/demo.yaml, shorter: one 4 s analysis per step, every check on a handful of samples.
 OVERLAY = {
@@ -142,6 +146,24 @@ def test_each_month_registers_a_candidate_after_the_base(
     assert registry.TAG_BASE in found[1].tags  # the first champion: the base itself
     made = [registered(month).version for month in history]
     assert made == ["2", "3"]
+
+
+def test_month_one_scored_its_champion_the_base_once(
+    loop: tuple[Path, list[ProjectMonth]],
+) -> None:
+    repo, _ = loop
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("tuneloop")
+    assert experiment is not None
+    evaluations = client.search_runs(
+        [experiment.experiment_id],
+        f"tags.`{TAG_STAGE}` = 'evaluate@support'",
+        order_by=["attributes.start_time ASC"],
+    )
+    # Month 1's champion is the base (v1): its answers are the base's, not scored again.
+    # Month 2's is the model month 1 released: scored on its own.
+    found = [run.data.tags.get("evaluate.champion_is_base") for run in evaluations]
+    assert found == ["true", "false"], found
 
 
 def test_month_two_trained_from_the_champion_month_one_released(
