@@ -61,9 +61,6 @@ LOOP = {
         "max_regression": 1.0,
         "fp8_max_drop": None,
     },
-    # The general suite's first 24 items of 163: with the forgetting budget open above, it is
-    # scored and reported, and decides nothing.
-    "evaluate": {"general_limit": 24},
 }
 # configs/demo.yaml, shorter: one 4 s analysis per step, every check on a handful of samples.
 OVERLAY = {
