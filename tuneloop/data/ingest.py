@@ -44,6 +44,7 @@ from tuneloop.data.metrics import FolderCounts, IngestMetrics
 from tuneloop.data.records import (
     IDS_SUFFIX,
     META_FIELDS,
+    RECORDS,
     InvalidRecord,
     PlainRecord,
     content_hash,
@@ -52,6 +53,7 @@ from tuneloop.data.records import (
     parse_record,
     plain,
     pool_ids,
+    task_records,
 )
 from tuneloop.io import jsonl_text, read_jsonl, usable_cores
 
@@ -589,7 +591,7 @@ def add_batch(
 ) -> None:
     """Add the run's records and quarantined lines to the pool as one batch, all or nothing.
 
-    With ``tasks``, each task's records go to a folder of its own, ``records/<task>/``: the
+    With ``tasks``, each task's records go to a folder of its own (``task_records``): the
     task's stages depend on that folder alone (dvc.yaml), so a month that brings one task
     new records reruns that task's pipeline and no other. A task of ``everyone`` (``records:
     all``) gets every task's records in its folder too: a copy, so that its folder is still
@@ -597,7 +599,7 @@ def add_batch(
     """
     batch = now.strftime("%Y%m%dT%H%M%S%fZ")
     # DVC needs the out (and each task's folder, a dep) to exist even when a run adds nothing.
-    for folder in [pool / "records", *(pool / "records" / t for t in tasks)]:
+    for folder in [pool / RECORDS, *(task_records(pool, t) for t in tasks)]:
         folder.mkdir(mode=pool_writes.FOLDER_MODE, parents=True, exist_ok=True)
     by_task: dict[str, tuple[list[bytes], list[str]]] = {}
     for line, digest, task in zip(
@@ -609,7 +611,8 @@ def add_batch(
             ids.append(digest)
     files: dict[str, bytes | list[bytes]] = {}
     for task, (lines, ids) in sorted(by_task.items()):
-        name = f"records/{task}/{batch}_{task}" if task else f"records/{batch}"
+        folder = task_records(pool, task) if task else pool / RECORDS
+        name = (folder / (f"{batch}_{task}" if task else batch)).relative_to(pool).as_posix()
         files[f"{name}.jsonl"] = lines
         files[f"{name}{IDS_SUFFIX}"] = ids_index(lines, ids)
     if result.quarantined:
