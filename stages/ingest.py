@@ -74,9 +74,8 @@ def main() -> None:
     with pool_writes.locked(pool), logged_after(STAGE, params):
         pool_writes.recover(pool)
         listed = task_names(params)
-        names = listed.tasks
-        refuse_unsorted(pool, names)
-        tasks = names or None
+        tasks = listed.tasks
+        refuse_unsorted(pool, tasks)
         known, pooled = ingest.known_hashes(pool, tasks)
         now = dt.datetime.now(dt.UTC)
         try:
@@ -89,7 +88,7 @@ def main() -> None:
             )
         except ingest.LinkedFolder as error:
             raise SystemExit(f"ingest: {error}; the pool is unchanged") from None
-        metrics = ingest.metrics(result, pooled, tasks)
+        metrics = ingest.metrics(result, pooled)
         log.info(
             "ingest: %d lines -> %d accepted, %d quarantined, %d duplicates",
             result.lines,
@@ -109,7 +108,7 @@ def main() -> None:
                 f"ingest.max_reject_rate={limit:.1%}; the pool is unchanged. Each rejected "
                 f"line and its reason: {rejected}"
             )
-        ingest.add_batch(pool, now, result, names, everyone=listed.all_records)
+        ingest.add_batch(pool, now, result, tasks, everyone=listed.all_records)
         write_metrics(params, STAGE, metrics.model_dump())
 
 
