@@ -195,9 +195,10 @@ def compare_shot(base: str, months: list[Month], out: Path, browser: Browser) ->
     ids = ",".join(f'"{m.run_id}"' for m in months)
     compare = f'{base}/#/compare-runs?runs=[{ids}]&experiments=["{months[0].experiment_id}"]'
     # The page drawn (its title; placeholders before it), with both months' columns, each a
-    # link to its run.
+    # link to its run, and the parallel-coordinates plot (grey placeholders until it loads).
     columns = " && ".join(f"!!document.querySelector('a[href*=\"{m.run_id}\"]')" for m in months)
     drawn = f"document.body.innerText.includes('Comparing {len(months)} Runs') && {columns}"
+    drawn += " && !!document.querySelector('.js-plotly-plot .parcoords')"
     return browser.shoot(compare, drawn, out / "mlflow-compare.png")
 
 
