@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tuneloop.data.metrics import CleanMetrics, IngestMetrics  # noqa: E402
+from tuneloop.data.records import pool_batches  # noqa: E402
 from tuneloop.demo import domain  # noqa: E402
 from tuneloop.io import read_model, write_json  # noqa: E402
 from tuneloop.params import load_params  # noqa: E402
@@ -157,9 +158,7 @@ def start_from_champion(project: Path) -> None:
     """``init.json`` as the init stage writes it when last month's champion trained on every
     batch now in the pool (no weights: the data stages read only which batches it saw)."""
     params = load_params(project / "params.yaml")
-    seen = tuple(
-        batch.stem for batch in sorted((project / params.paths.pool).glob("records/*.jsonl"))
-    )
+    seen = tuple(batch.stem for batch in pool_batches(project / params.paths.pool))
     start = init_from.Start(
         "champion", "benchmark: last month's champion", model="benchmark", version="1", batches=seen
     )

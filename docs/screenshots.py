@@ -23,7 +23,6 @@ rerun after the next ``make demo`` gives the same pictures of the new runs.
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import json
 import os
@@ -32,7 +31,6 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -42,133 +40,14 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
+# Beside this script, which runs as `python docs/screenshots.py`: its folder is on sys.path.
+from devtools import Browser, poll, stop
+
 from tuneloop.net import free_port
 
 WINDOW = (1400, 900)
 START_TIMEOUT_S = 300  # servers on a busy 2-core machine
-RENDER_TIMEOUT_S = 90
 REVIEWER = "reviewer"  # the invited name on the copy's page
-
-
-class Browser:
-    """Headless Chromium over the DevTools protocol: open a page, poll it, shoot it."""
-
-    def __init__(self, profile: Path, window: tuple[int, int] = WINDOW) -> None:
-        from websockets.sync.client import connect
-
-        found = shutil.which("chromium") or shutil.which("chromium-browser")
-        if found is None:
-            raise RuntimeError("needs Debian's chromium: apt-get install chromium")
-        port = free_port()
-        self.process = subprocess.Popen(
-            [
-                found,
-                *("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"),
-                *("--disable-background-networking", "--disable-component-update"),
-                *("--disable-sync", "--hide-scrollbars", f"--user-data-dir={profile}"),
-                f"--remote-debugging-port={port}",
-                f"--window-size={window[0]},{window[1]}",
-                "about:blank",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        page = poll(lambda: _page_target(port), START_TIMEOUT_S, "chromium's DevTools port")
-        self.socket = connect(page, max_size=None, open_timeout=30)
-        self.calls = 0
-        self.send(
-            "Emulation.setDeviceMetricsOverride",
-            width=window[0],
-            height=window[1],
-            deviceScaleFactor=1,
-            mobile=False,
-        )
-
-    def send(self, method: str, **params: Any) -> dict[str, Any]:
-        self.calls += 1
-        self.socket.send(json.dumps({"id": self.calls, "method": method, "params": params}))
-        while True:
-            message = json.loads(self.socket.recv(timeout=120))
-            if message.get("id") == self.calls:
-                if "error" in message:
-                    raise RuntimeError(f"{method}: {message['error']}")
-                return message.get("result", {})
-
-    def evaluate(self, expression: str) -> Any:
-        found = self.send(
-            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
-        )
-        return found["result"].get("value")
-
-    def visit(self, url: str, ready: str) -> None:
-        """Open ``url`` and wait until the JavaScript ``ready`` is true there."""
-        # A blank page between two: a change of the hash alone would keep the last page's
-        # images, which could answer ``ready`` for the next one.
-        self.send("Page.navigate", url="about:blank")
-        self.send("Page.navigate", url=url)
-        self.wait(ready, url)
-
-    def wait(self, ready: str, where: str = "the page") -> None:
-        def rendered() -> bool:
-            with contextlib.suppress(RuntimeError):  # mid-navigation: nothing to evaluate in
-                return bool(self.evaluate(f"document.readyState === 'complete' && !!({ready})"))
-            return False
-
-        poll(rendered, RENDER_TIMEOUT_S, f"{where} to render ({ready})")
-
-    def capture(self, out: Path, clip: str | None = None) -> Path:
-        """The window (or the box of the element ``clip`` selects) as a PNG in ``out``."""
-        self.evaluate("document.fonts.ready.then(() => true)")  # no fallback font in the shot
-        params: dict[str, Any] = {"format": "png"}
-        if clip is not None:
-            box = self.evaluate(
-                f"(() => {{ const r = document.querySelector({json.dumps(clip)})"
-                ".getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; })()"
-            )
-            x, y, width, height = box
-            params["clip"] = {"x": x, "y": y, "width": width, "height": height, "scale": 1}
-        data = self.send("Page.captureScreenshot", **params)["data"]
-        out.write_bytes(base64.b64decode(data))
-        return out
-
-    def shoot(self, url: str, ready: str, out: Path) -> Path:
-        self.visit(url, ready)
-        return self.capture(out)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.socket.close()
-        stop(self.process)
-
-
-def _page_target(port: int) -> str | None:
-    with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=2) as answer:
-            targets = json.load(answer)
-        pages = [t["webSocketDebuggerUrl"] for t in targets if t.get("type") == "page"]
-        return pages[0] if pages else None
-    return None
-
-
-def poll(check: Any, timeout: float, what: str) -> Any:
-    """``check()``'s first true value, asked every 0.3 s; an error naming ``what`` after
-    ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise RuntimeError(f"gave up waiting {timeout:.0f} s for {what}")
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def _answers(url: str) -> bool:
@@ -316,9 +195,10 @@ def compare_shot(base: str, months: list[Month], out: Path, browser: Browser) ->
     ids = ",".join(f'"{m.run_id}"' for m in months)
     compare = f'{base}/#/compare-runs?runs=[{ids}]&experiments=["{months[0].experiment_id}"]'
     # The page drawn (its title; placeholders before it), with both months' columns, each a
-    # link to its run.
+    # link to its run, and the parallel-coordinates plot (grey placeholders until it loads).
     columns = " && ".join(f"!!document.querySelector('a[href*=\"{m.run_id}\"]')" for m in months)
     drawn = f"document.body.innerText.includes('Comparing {len(months)} Runs') && {columns}"
+    drawn += " && !!document.querySelector('.js-plotly-plot .parcoords')"
     return browser.shoot(compare, drawn, out / "mlflow-compare.png")
 
 
@@ -470,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tuneloop-shots-") as folder:
         work = Path(folder)
-        browser = Browser(work / "profile")
+        browser = Browser(work / "profile", WINDOW)
         try:
             written = mlflow_shots(project, args.out, browser, work)
             written.append(review_shot(project, args.out, browser, work))

@@ -29,6 +29,7 @@ import logging
 
 from tuneloop.data.chat import load_chat_tokenizer
 from tuneloop.data.clean_cache import clean_pool
+from tuneloop.data.records import task_records
 from tuneloop.io import atomic_dir, write_json
 from tuneloop.judge import suites
 from tuneloop.models import base_model_ref
@@ -72,7 +73,9 @@ def main() -> None:
                 out / "manifest.json",
                 # The task's records, its dep in dvc.yaml (ingest.add_batch's folder).
                 lineage.manifest(
-                    STAGE, params, inputs={"pool": params.paths.pool / "records" / str(params.task)}
+                    STAGE,
+                    params,
+                    inputs={"pool": task_records(params.paths.pool, str(params.task))},
                 ),
             )
         metrics = report.metrics(params.clean.replay_fraction)

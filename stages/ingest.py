@@ -30,6 +30,7 @@ from pathlib import Path
 from tuneloop.data import ingest
 from tuneloop.data import pool as pool_writes
 from tuneloop.data.metrics import TaskNames
+from tuneloop.data.records import RECORDS, task_records
 from tuneloop.io import read_model, write_jsonl
 from tuneloop.params import Params, load_params
 from tuneloop.stage import logged_after, metrics_path, setup_logging, write_metrics
@@ -53,14 +54,15 @@ def task_names(params: Params) -> TaskNames:
 def refuse_unsorted(pool: Path, tasks: tuple[str, ...]) -> None:
     """Stop on a pool written before every project listed its tasks: its batches lie in
     ``records/`` itself, where no task's stages read them."""
-    loose = sorted(p.name for p in (pool / "records").glob("*.jsonl"))
+    records = pool / RECORDS
+    loose = sorted(p.name for p in records.glob("*.jsonl"))
     if loose:
-        folder = pool / "records" / tasks[0]
+        folder = task_records(pool, tasks[0])
         raise SystemExit(
-            f"ingest: {pool / 'records'} holds {len(loose)} batch(es) from before tasks were "
+            f"ingest: {records} holds {len(loose)} batch(es) from before tasks were "
             f"listed ({loose[0]}, ...), which no task's stages read. They are the records of "
             f"the one task then: move them, with their .ids files, into {folder}/ "
-            f"(mkdir -p {folder} && mv {pool / 'records'}/*.jsonl {pool / 'records'}/*.ids "
+            f"(mkdir -p {folder} && mv {records}/*.jsonl {records}/*.ids "
             f"{folder}/), then run ingest again; the pool is unchanged"
         )
 
@@ -72,9 +74,8 @@ def main() -> None:
     with pool_writes.locked(pool), logged_after(STAGE, params):
         pool_writes.recover(pool)
         listed = task_names(params)
-        names = listed.tasks
-        refuse_unsorted(pool, names)
-        tasks = names or None
+        tasks = listed.tasks
+        refuse_unsorted(pool, tasks)
         known, pooled = ingest.known_hashes(pool, tasks)
         now = dt.datetime.now(dt.UTC)
         try:
@@ -87,7 +88,7 @@ def main() -> None:
             )
         except ingest.LinkedFolder as error:
             raise SystemExit(f"ingest: {error}; the pool is unchanged") from None
-        metrics = ingest.metrics(result, pooled, tasks)
+        metrics = ingest.metrics(result, pooled)
         log.info(
             "ingest: %d lines -> %d accepted, %d quarantined, %d duplicates",
             result.lines,
@@ -107,7 +108,7 @@ def main() -> None:
                 f"ingest.max_reject_rate={limit:.1%}; the pool is unchanged. Each rejected "
                 f"line and its reason: {rejected}"
             )
-        ingest.add_batch(pool, now, result, names, everyone=listed.all_records)
+        ingest.add_batch(pool, now, result, tasks, everyone=listed.all_records)
         write_metrics(params, STAGE, metrics.model_dump())
 
 

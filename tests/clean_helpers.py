@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tuneloop.data.records import Badcase, PoolRecord, content_hash, parse_record
+from tuneloop.data.records import Badcase, PoolRecord, content_hash, parse_record, task_records
 from tuneloop.io import write_jsonl
 from tuneloop.params import CleanParams
 
@@ -38,4 +38,4 @@ def pool_line(data: dict[str, Any]) -> dict[str, Any]:
 def write_pool(pool: Path, batches: list[list[dict[str, Any]]], task: str = "support") -> None:
     """The batches as ingest pools them for ``task`` (params.yaml's one task)."""
     for number, batch in enumerate(batches):
-        write_jsonl(pool / "records" / task / f"2026{number:02d}01T000000000000Z.jsonl", batch)
+        write_jsonl(task_records(pool, task) / f"2026{number:02d}01T000000000000Z.jsonl", batch)

@@ -19,6 +19,9 @@ from typing import Any, cast
 import httpx
 import yaml
 
+# CHROMIUM: Debian's headless Chromium, for the browser tests (each skips without it).
+from docs.devtools import CHROMIUM as CHROMIUM
+from docs.devtools import headless
 from tuneloop.net import free_port
 from tuneloop.pipeline import SHARED_STAGES
 
@@ -184,27 +187,9 @@ def chat_lines(seed: int, n: int) -> list[str]:
     ]
 
 
-# Debian's headless Chromium, which renders the MLflow UI in the browser tests.
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
 def chromium(url: str, profile: Path, *extra: str) -> str:
     """Load ``url`` in headless Chromium (``--dump-dom``, ``--screenshot=...`` in ``extra``)."""
-    assert CHROMIUM is not None
-    command = [
-        CHROMIUM,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={profile}",
-        "--virtual-time-budget=20000",
-        *extra,
-        url,
-    ]
+    command = [*headless(profile), "--virtual-time-budget=20000", *extra, url]
     return subprocess.run(command, capture_output=True, text=True, timeout=120).stdout
 
 

@@ -143,8 +143,9 @@ def test_tutorial_data_and_suite_steps_run_as_written(tmp_path: Path) -> None:
     lines = list(read_lines(tmp_path / "data" / "badcases" / "incoming"))
     own = [line for line in lines if line.file.startswith("2026-12/")]
     assert len(own) == 3 and len(lines) > 100, "the page's lines and the demo month"
+    tasks = load_params(tmp_path / "params.yaml").task_names()  # what stage task_names writes
     for line in own:
-        kind, *detail = sort_one(line, 1_000_000, "2026-12-01T00:00:00Z")
+        kind, *detail = sort_one(line, 1_000_000, "2026-12-01T00:00:00Z", tasks)
         assert kind == "record", (line.file, line.number, detail)
     suite = tmp_path / "eval" / "my_support"
     assert "task: my_support" in (suite / "my_support.yaml").read_text()

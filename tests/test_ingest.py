@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from stages import ingest as ingest_stage
 from stages import task_names
-from tests.helpers import write_params
+from tests.helpers import TASK, write_params
 from tuneloop.data import ingest, pii, records
 from tuneloop.data.records import (
     IDS_SUFFIX,
@@ -36,6 +36,8 @@ from tuneloop.io import read_jsonl
 pytestmark = pytest.mark.fast
 
 GOOD = {"prompt": "Can I return the Aurora kettle?", "response": "[return] Yes, within 30 days."}
+# The tasks of params.yaml's one task, as stage ingest passes them (``TaskNames.tasks``).
+ONE_TASK = (TASK,)
 
 
 def line(record: Any) -> bytes:
@@ -312,14 +314,20 @@ raw_line = st.one_of(
 @given(st.lists(raw_line, max_size=25))
 def test_property_conservation_and_idempotence(raw: list[bytes]) -> None:
     lines = [ingest.Line("f.jsonl", n, r) for n, r in enumerate(raw, start=1)]
-    first = ingest.ingest(iter(lines), set(), 1000, "t")
+    first = ingest.ingest(iter(lines), set(), 1000, "t", ONE_TASK)
     assert first.lines + first.blank == len(lines)
     assert first.lines == len(first.accepted) + len(first.quarantined) + first.duplicates
     records = [PoolRecord.model_validate_json(stored) for stored in first.accepted]
     for record in records:
         assert not any(pii.scrub(m.content)[1] for m in record.messages)
-    known = {r.id for r in records} | {q["sha256"] for q in first.quarantined}
-    second = ingest.ingest(iter(lines), known, 1000, "t")
+        assert record.meta["task"] == TASK
+    # What the pool then holds, as ``ingest.known_hashes`` reads it back.
+    quarantined = {
+        ingest.seen_key(q["sha256"].removeprefix("raw:"), q["folder_task"])
+        for q in first.quarantined
+    }
+    known = {r.id for r in records} | quarantined
+    second = ingest.ingest(iter(lines), known, 1000, "t", ONE_TASK)
     assert not second.accepted and not second.quarantined
     assert second.duplicates == second.lines == first.lines
 
@@ -342,12 +350,14 @@ def test_property_workers_give_what_one_process_gives(
     """Same lines in, same result out: lines sorted by workers a window at a time, with
     repeats inside a window and across windows, first lines of files and blank lines."""
     lines = _files(raw * repeat, names)
-    known = {"raw:" + hashlib.sha256(raw[0].rstrip(b"\r\n")).hexdigest()} if raw else set()
-    one = ingest.ingest(iter(lines), set(known), 1000, "t")
+    known: set[str] = set()
+    if raw:  # the first line's bytes, seen in an earlier run
+        known.add(ingest.seen_key(hashlib.sha256(raw[0].rstrip(b"\r\n")).hexdigest(), TASK))
+    one = ingest.ingest(iter(lines), set(known), 1000, "t", ONE_TASK)
     previous = ingest.WINDOW_LINES
     ingest.WINDOW_LINES = 7  # several windows even for a few lines
     try:
-        many = ingest.ingest(iter(lines), set(known), 1000, "t", workers=2)
+        many = ingest.ingest(iter(lines), set(known), 1000, "t", ONE_TASK, workers=2)
     finally:
         ingest.WINDOW_LINES = previous
     assert many == one
@@ -361,8 +371,8 @@ def test_workers_give_the_same_month_as_one_process() -> None:
     hostile, _ = hostile_file()
     raw = [*export, *feedback, *hostile.splitlines(keepends=True), *export[:50]]
     lines = _files(raw, 3)
-    one = ingest.ingest(iter(lines), set(), 1000, "t")
-    many = ingest.ingest(iter(lines), set(), 1000, "t", workers=2)
+    one = ingest.ingest(iter(lines), set(), 1000, "t", ONE_TASK)
+    many = ingest.ingest(iter(lines), set(), 1000, "t", ONE_TASK, workers=2)
     assert many == one
     assert one.accepted and one.quarantined and one.duplicates and sum(one.pii.values())
 
@@ -400,7 +410,7 @@ def test_fast_record_check_agrees_with_pydantic(data: Any) -> None:
 def test_fast_paths_give_the_same_pool_lines_as_pydantic() -> None:
     """Well-formed lines take the fast path; a pool line equals PoolRecord's dump of it."""
     raw = line({**GOOD, "source": "a@b.example.com", "tags": ["x", "13812345678"]})
-    result = ingest.ingest(iter([ingest.Line("f.jsonl", 1, raw)]), set(), 1000, "t")
+    result = ingest.ingest(iter([ingest.Line("f.jsonl", 1, raw)]), set(), 1000, "t", ONE_TASK)
     stored = PoolRecord.model_validate_json(result.accepted[0])
     assert json.loads(result.accepted[0]) == stored.model_dump(mode="json")
     assert (
@@ -412,7 +422,7 @@ def test_fast_paths_give_the_same_pool_lines_as_pydantic() -> None:
         "model_version": None,
         "arm": None,
         "created_at": None,
-        "task": None,
+        "task": TASK,
         "tags": ["x", "<PHONE>"],
     }
     assert result.pii == {"EMAIL": 1, "PHONE": 1}

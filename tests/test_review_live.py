@@ -10,7 +10,6 @@ installs both); each skips where its program is missing.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pwd
 import re
@@ -22,13 +21,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
+from docs.devtools import Browser
 from tests.helpers import CHROMIUM, INITDB, postgres_bin
 from tests.registry_helpers import register_versions
 from tests.review_helpers import CANDIDATE, CHAMPION, NAMES, review_items
@@ -46,6 +45,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium")
+WINDOW = (1280, 1000)
 
 
 @contextlib.contextmanager
@@ -122,98 +122,6 @@ def test_a_restarted_server_loses_nothing_and_resumes(tmp_path: Path) -> None:
     store.close()
 
 
-class Browser:
-    """Headless Chromium over the DevTools protocol: navigate, evaluate, click, type keys."""
-
-    def __init__(self, profile: Path) -> None:
-        from websockets.sync.client import connect
-
-        assert CHROMIUM is not None
-        port = free_port()
-        self.process = subprocess.Popen(
-            [
-                CHROMIUM,
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--no-first-run",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                f"--user-data-dir={profile}",
-                f"--remote-debugging-port={port}",
-                "--window-size=1280,1000",
-                "about:blank",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 90
-        while True:
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                targets = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=2).json()
-                pages = [t for t in targets if t.get("type") == "page"]
-                if pages:
-                    break
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("chromium did not open its DevTools port")
-            time.sleep(0.3)
-        self.socket = connect(pages[0]["webSocketDebuggerUrl"], max_size=None, open_timeout=30)
-        self.calls = 0
-
-    def send(self, method: str, **params: Any) -> dict[str, Any]:
-        self.calls += 1
-        self.socket.send(json.dumps({"id": self.calls, "method": method, "params": params}))
-        while True:
-            message = json.loads(self.socket.recv(timeout=60))
-            if message.get("id") == self.calls:
-                if "error" in message:
-                    raise RuntimeError(f"{method}: {message['error']}")
-                return message.get("result", {})  # type: ignore[no-any-return]
-
-    def evaluate(self, expression: str) -> Any:
-        found = self.send("Runtime.evaluate", expression=expression, returnByValue=True)
-        return found["result"].get("value")
-
-    def wait_for(self, expression: str, timeout: float = 60) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with contextlib.suppress(RuntimeError):  # mid-navigation: no context to evaluate in
-                value = self.evaluate(expression)
-                if value:
-                    return value
-            time.sleep(0.2)
-        raise AssertionError(f"still false after {timeout} s: {expression}")
-
-    def click(self, selector: str) -> None:
-        """A real mouse click (move, press, release) at the middle of the element."""
-        box = self.evaluate(
-            f"(() => {{ const e = document.querySelector({json.dumps(selector)});"
-            "e.scrollIntoView({block: 'center'}); const r = e.getBoundingClientRect();"
-            "return [r.x + r.width / 2, r.y + r.height / 2]; })()"
-        )
-        x, y = box
-        self.send("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
-        for kind in ("mousePressed", "mouseReleased"):
-            self.send("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
-
-    def press(self, key: str) -> None:
-        code = f"Digit{key}" if key.isdigit() else f"Key{key.upper()}"
-        keys = {"key": key, "code": code, "windowsVirtualKeyCode": ord(key.upper())}
-        self.send("Input.dispatchKeyEvent", type="keyDown", text=key, **keys)
-        self.send("Input.dispatchKeyEvent", type="keyUp", **keys)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.socket.close()
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ReviewStore, str]]:
     folder = tmp_path_factory.mktemp("review-served")
@@ -234,14 +142,14 @@ def browser(
 ) -> Iterator[Browser]:
     if CHROMIUM is None:
         pytest.skip("needs Debian's chromium")
-    found = Browser(tmp_path_factory.mktemp("chromium-profile"))
+    found = Browser(tmp_path_factory.mktemp("chromium-profile"), WINDOW)
     yield found
     found.close()
 
 
 def at_item(number: int, total: int) -> str:
     return (
-        "document.readyState === 'complete' && !!document.getElementById('progress') && "
+        "!!document.getElementById('progress') && "
         f"document.getElementById('progress').textContent === 'Item {number} of {total}'"
     )
 
@@ -252,13 +160,12 @@ def test_a_reviewer_votes_by_mouse_and_by_keyboard(
 ) -> None:
     store, base = served
     invite = create_invite(store, "lin", review="browser", base_url=base)
-    browser.send("Page.navigate", url=invite.link)
-    browser.wait_for(at_item(1, 5))
+    browser.visit(invite.link, at_item(1, 5))
     assert browser.evaluate("location.pathname") == "/review", "the token left the address bar"
     browser.click("#choice-a")
-    browser.wait_for(at_item(2, 5))
+    browser.wait(at_item(2, 5))
     browser.press("2")
-    browser.wait_for(at_item(3, 5))
+    browser.wait(at_item(3, 5))
     # Keys typed into the comment stay there; the mouse votes.
     browser.click("#comment")
     browser.send("Input.insertText", text="很好, clear")
@@ -266,11 +173,11 @@ def test_a_reviewer_votes_by_mouse_and_by_keyboard(
     assert browser.evaluate("document.getElementById('comment').value") == "很好, clear1"
     browser.evaluate("document.getElementById('comment').value = '很好, clear'")
     browser.click("#choice-tie")
-    browser.wait_for(at_item(4, 5))
+    browser.wait(at_item(4, 5))
     browser.press("w")
-    browser.wait_for(at_item(5, 5))
+    browser.wait(at_item(5, 5))
     browser.press("t")
-    browser.wait_for("!!document.getElementById('done')")
+    browser.wait("!!document.getElementById('done')")
     text = browser.evaluate("document.body.innerText")
     assert "All done: 5 of 5" in text
 
@@ -340,8 +247,7 @@ def test_a_hostile_answer_is_shown_and_never_run(
 ) -> None:
     store, base = served
     invite = create_invite(store, "mallory", review="hostile", base_url=base)
-    browser.send("Page.navigate", url=invite.link)
-    browser.wait_for(at_item(1, 2))
+    browser.visit(invite.link, at_item(1, 2))
     time.sleep(1.0)  # time for an <img onerror> to fire, had one been made
     assert browser.evaluate("document.title") == "Blind review: item 1 of 2"
     assert browser.evaluate("document.querySelectorAll('img, .answer b').length") == 0

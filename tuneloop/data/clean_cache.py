@@ -329,7 +329,7 @@ def clean_pool(
     are all trained on again (chat and pair), the items the fixed-badcase suite tests. Their
     validation chats all stay, so the validation loss also watches what earlier months taught.
 
-    ``task``: clean that task's records only (``records/<task>/``), with several tasks.
+    ``task``: clean that task's records only (its folder, ``records.task_records``).
     """
     cache.mkdir(parents=True, exist_ok=True)
     batches = pool_batches(pool, task)

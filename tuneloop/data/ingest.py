@@ -52,12 +52,12 @@ from tuneloop.data.records import (
     parse_record,
     plain,
     pool_ids,
+    task_records,
 )
 from tuneloop.io import jsonl_text, read_jsonl, usable_cores
 
-# The project's tasks (``params.tasks``), which ingest routes each record to; None: a project
-# without ``tasks:``, whose records name no task.
-Tasks = tuple[str, ...] | None
+# The project's tasks (``params.tasks``, at least one), which ingest routes each record to.
+Tasks = tuple[str, ...]
 
 # What a quarantine entry keeps of a bad line, after scrubbing: enough to see what is wrong.
 EXCERPT_CHARS = 200
@@ -81,7 +81,7 @@ class IngestResult:
     # Each accepted record as its pool line (bytes, not objects: a month can be a million).
     accepted: list[bytes] = field(default_factory=list)
     accepted_ids: list[str] = field(default_factory=list)  # their ids (content hashes)
-    accepted_tasks: list[str | None] = field(default_factory=list)  # their tasks (None: no tasks)
+    accepted_tasks: list[str] = field(default_factory=list)  # their tasks
     by_source: Counter[str] = field(default_factory=Counter)
     quarantined: list[dict[str, Any]] = field(default_factory=list)
     duplicates: int = 0
@@ -288,7 +288,7 @@ def quarantine_entry(
 
 
 # A line's own work (parse, PII scrub, content hash, its pool line): what the workers do.
-# ("record", digest, PII found, pool line, source) or ("invalid", kind, reason).
+# ("record", digest, PII found, pool line, source, task) or ("invalid", kind, reason).
 Sorted = tuple[Any, ...]
 # Over this much incoming data (about 20,000 lines) a run spreads its lines' own work over the
 # usable cores, a window of WINDOW_LINES at a time (one window's lines and results in memory,
@@ -300,9 +300,7 @@ WINDOW_LINES = 40_000
 @functools.lru_cache(maxsize=4096)
 def folder_task(file: str, tasks: Tasks) -> str | None:
     """The task a file's place gives its lines: ``<task>/...`` is that task's, and in a
-    project of one listed task every file is its; None: no task's folder (or no tasks)."""
-    if tasks is None:
-        return None
+    project of one task every file is its; None: no task's folder."""
     parts = Path(file).parts
     if len(parts) > 1 and parts[0] in tasks:
         return parts[0]
@@ -325,17 +323,9 @@ def route(record: PlainRecord, folder: str | None, tasks: Tasks) -> None:
 
     A file under ``<incoming>/<task>/`` (where the router of several tasks writes each
     task's flags) is that task's; a record may name its task itself, and must then agree
-    with its folder. A project of one listed task takes every record without a task.
+    with its folder. A project of one task takes every record without a task.
     """
     named = record.meta.get("task")
-    if tasks is None:
-        if named is not None:
-            raise InvalidRecord(
-                "unknown_task",
-                f"the record is for task {named!r}, but params.yaml lists no tasks: list it "
-                "under tasks:, or drop the record's 'task'",
-            )
-        return
     if named is not None and named not in tasks:
         raise InvalidRecord(
             "unknown_task", f"task {named!r} is none of params.yaml's tasks {list(tasks)}"
@@ -357,7 +347,7 @@ def route(record: PlainRecord, folder: str | None, tasks: Tasks) -> None:
     record.meta["task"] = task
 
 
-def sort_one(line: Line, max_line_bytes: int, now: str, tasks: Tasks = None) -> Sorted:
+def sort_one(line: Line, max_line_bytes: int, now: str, tasks: Tasks) -> Sorted:
     """What a line is on its own, before the run's deduplication decides whether it counts."""
     try:
         record = parse_line(line, max_line_bytes)
@@ -370,7 +360,7 @@ def sort_one(line: Line, max_line_bytes: int, now: str, tasks: Tasks = None) -> 
     provenance["ingested_at"] = now
     source = str(record.meta["source"] or "unknown")
     pooled = pool_line(record, digest, provenance)
-    return ("record", digest, tuple(found.items()), pooled, source, record.meta.get("task"))
+    return ("record", digest, tuple(found.items()), pooled, source, record.meta["task"])
 
 
 @functools.lru_cache(maxsize=1024)
@@ -387,8 +377,8 @@ def ingest(
     known: set[str],
     max_line_bytes: int,
     now: str,
+    tasks: Tasks,
     workers: int = 1,
-    tasks: Tasks = None,
 ) -> IngestResult:
     """Sort every line into accepted, quarantined or duplicate.
 
@@ -529,7 +519,7 @@ class _Run:
             self.decide(line, sending.keys[index], done.pop(index, None))
 
 
-def known_hashes(pool: Path, tasks: Tasks = None) -> tuple[set[str], int]:
+def known_hashes(pool: Path, tasks: Tasks) -> tuple[set[str], int]:
     """Content hashes of pooled records and the ``seen_key`` of each quarantined line; how
     many of them are pooled records.
 
@@ -546,22 +536,22 @@ def known_hashes(pool: Path, tasks: Tasks = None) -> tuple[set[str], int]:
 
 
 def ingest_folder(
-    incoming: Path, known: set[str], max_line_bytes: int, now: str, tasks: Tasks = None
+    incoming: Path, known: set[str], max_line_bytes: int, now: str, tasks: Tasks
 ) -> IngestResult:
     """``ingest`` every ``*.jsonl`` under ``incoming``, over the usable cores when it is large;
-    each record routed to one of ``tasks`` (None: a project without ``tasks:``)."""
+    each record routed to one of ``tasks``."""
     size = sum(path.stat().st_size for path in incoming_files(incoming))
     workers = usable_cores() if size > PARALLEL_MIN_BYTES else 1
-    return ingest(read_lines(incoming), known, max_line_bytes, now, workers=workers, tasks=tasks)
+    return ingest(read_lines(incoming), known, max_line_bytes, now, tasks, workers=workers)
 
 
-def metrics(result: IngestResult, pooled: int, tasks: Tasks = None) -> IngestMetrics:
+def metrics(result: IngestResult, pooled: int) -> IngestMetrics:
     """The run's numbers for ``metrics/ingest.json``; ``pooled`` records were in the pool before."""
     return IngestMetrics(
         lines=result.lines,
         accepted=len(result.accepted),
         accepted_by_source=dict(result.by_source),
-        accepted_by_task=dict(Counter(t for t in result.accepted_tasks if t is not None)),
+        accepted_by_task=dict(Counter(result.accepted_tasks)),
         quarantined=len(result.quarantined),
         duplicates=result.duplicates,
         blank_lines=result.blank,
@@ -575,7 +565,6 @@ def metrics(result: IngestResult, pooled: int, tasks: Tasks = None) -> IngestMet
                 **{outcome: counts.get(outcome, 0) for outcome in OUTCOMES},
             )
             for folder, counts in sorted(result.by_folder.items(), key=lambda i: i[0] or "")
-            if tasks
         },
     )
 
@@ -584,12 +573,12 @@ def add_batch(
     pool: Path,
     now: dt.datetime,
     result: IngestResult,
-    tasks: Sequence[str] = (),
+    tasks: Sequence[str],
     everyone: Sequence[str] = (),
 ) -> None:
     """Add the run's records and quarantined lines to the pool as one batch, all or nothing.
 
-    With ``tasks``, each task's records go to a folder of its own, ``records/<task>/``: the
+    Each of ``tasks`` gets its records in a folder of its own (``task_records``): the
     task's stages depend on that folder alone (dvc.yaml), so a month that brings one task
     new records reruns that task's pipeline and no other. A task of ``everyone`` (``records:
     all``) gets every task's records in its folder too: a copy, so that its folder is still
@@ -597,19 +586,19 @@ def add_batch(
     """
     batch = now.strftime("%Y%m%dT%H%M%S%fZ")
     # DVC needs the out (and each task's folder, a dep) to exist even when a run adds nothing.
-    for folder in [pool / "records", *(pool / "records" / t for t in tasks)]:
+    for folder in (task_records(pool, t) for t in tasks):
         folder.mkdir(mode=pool_writes.FOLDER_MODE, parents=True, exist_ok=True)
     by_task: dict[str, tuple[list[bytes], list[str]]] = {}
     for line, digest, task in zip(
         result.accepted, result.accepted_ids, result.accepted_tasks, strict=True
     ):
-        for owner in {task or "", *(e for e in everyone if e != task)}:
+        for owner in {task, *(e for e in everyone if e != task)}:
             lines, ids = by_task.setdefault(owner, ([], []))
             lines.append(line)
             ids.append(digest)
     files: dict[str, bytes | list[bytes]] = {}
     for task, (lines, ids) in sorted(by_task.items()):
-        name = f"records/{task}/{batch}_{task}" if task else f"records/{batch}"
+        name = (task_records(pool, task) / f"{batch}_{task}").relative_to(pool).as_posix()
         files[f"{name}.jsonl"] = lines
         files[f"{name}{IDS_SUFFIX}"] = ids_index(lines, ids)
     if result.quarantined:

@@ -44,8 +44,8 @@ class IngestMetrics(BaseModel):
         description="records in the pool after the run (before it, when the run was refused)"
     )
     by_task_folder: dict[str, FolderCounts] = Field(
-        description="by the task folder a line lay in ('elsewhere': no task's); empty in a "
-        "project of one task"
+        description="by the task folder a line lay in ('elsewhere': no task's); in a project "
+        "of one task, every line is that task's"
     )
 
 

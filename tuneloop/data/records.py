@@ -12,9 +12,10 @@ Each may carry ``source``, ``model_version``, ``arm``, ``created_at``, ``task`` 
 project's tasks it is for, ``tuneloop.params.tasks``) and ``tags``. Anything else is rejected
 with a reason a person can act on.
 
-The pool holds one batch file of records per ingest run (``records/<batch>.jsonl``), oldest
-first, and beside each the ids of its records (``records/<batch>.ids``, ``ids_index``),
-which the next ingest dedupes against without parsing the records.
+The pool holds, for each task, one batch file of records per ingest run
+(``records/<task>/<batch>_<task>.jsonl``, ``task_records``), oldest first, and beside each
+the ids of its records (``<batch>_<task>.ids``, ``ids_index``), which the next ingest
+dedupes against without parsing the records.
 """
 
 from __future__ import annotations
@@ -306,16 +307,25 @@ def content_hash(record: Chat | Badcase | PlainRecord) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+# The pool's folder of record batches: a folder per task in it (``task_records``).
+RECORDS = "records"
+
+
+def task_records(pool: Path, task: str) -> Path:
+    """The folder of ``task``'s record batches in ``pool`` (``ingest.add_batch`` writes it):
+    the one pool dep of the task's stages in dvc.yaml (``${paths.pool}/records/${key}``)."""
+    return pool / RECORDS / task
+
+
 def pool_batches(pool: Path, task: str | None = None) -> list[Path]:
     """The pool's record batch files, oldest first: the order records are cleaned in.
 
-    A project of several tasks keeps each task's batches in ``records/<task>/``
-    (``ingest.add_batch``): ``task`` names one, None reads every task's (a merged model's
-    data), a batch's tasks in name order.
+    Each task's batches lie in its own folder (``task_records``): ``task`` names one, None
+    reads every task's (a merged model's data), a batch's tasks in name order.
     """
-    records = pool / "records"
     if task is not None:
-        return sorted((records / task).glob("*.jsonl"))
+        return sorted(task_records(pool, task).glob("*.jsonl"))
+    records = pool / RECORDS
     # A task's batch is named <batch>_<task>: unique in the whole pool, in time order.
     return sorted([*records.glob("*.jsonl"), *records.glob("*/*.jsonl")], key=lambda p: p.name)
 
