@@ -55,9 +55,7 @@ from tuneloop.demo.report import (
     DemoMonth,
     DemoRelease,
     DemoReview,
-    ProjectMonth,
     TaskMonth,
-    TasksMonth,
     Traffic,
 )
 from tuneloop.net import free_port
@@ -436,7 +434,7 @@ def release_month(
 
     ``releasing``: in a project of tasks, the tasks whose challenger is released, all at once
     on one router of every task (``serve_tasks``), each task's customers asking all along.
-    What happened to each, by task ("" for a project of one task).
+    What happened to each, by task (a project of one task: its one, on the router's own arms).
     """
     from flows.release import release, release_outcome
 
@@ -489,7 +487,7 @@ def release_month(
     outcomes: dict[str, DemoRelease] = {}
     for task, state in states.items():
         run_id = str(state.state_details.flow_run_id)
-        outcomes[task or ""] = DemoRelease(
+        outcomes[task or params.task_names()[0]] = DemoRelease(
             **release_outcome(state).model_dump(),
             state=state.name,
             message=state.message,
@@ -618,9 +616,9 @@ def release_tasks(
     approval_wait_s: float,
     overrides_file: Path,
     started: float,
-) -> TasksMonth:
-    """A month of several tasks after the retrain: each task with a new challenger reviewed
-    (month 1) and released on one router of every task; the month's summary by task."""
+) -> DemoMonth:
+    """A month after the retrain: each task with a new challenger reviewed (month 1) and
+    released (several tasks: on one router of every task); the month's summary by task."""
     outcomes = retrained.tasks
     releasing = [task for task, outcome in outcomes.items() if _registered(outcome)]
     reviews: dict[str, DemoReview] = {}
@@ -640,7 +638,7 @@ def release_tasks(
         )
         for task, outcome in outcomes.items()
     }
-    return TasksMonth(
+    return DemoMonth(
         month=month,
         label=domain.month_label(month),
         seconds=round(time.monotonic() - started, 1),
@@ -656,7 +654,7 @@ def run(
 ) -> list[DemoMonth]:
     """``months`` cycles of the loop; the summary of each. ``overrides_file``: the release's
     (its ``release`` group), relative to ``repo``."""
-    from flows.retrain import retrain
+    from flows.retrain import TasksFailed, retrain
 
     repo = repo.resolve()
     params = load_params(repo / "params.yaml")
@@ -688,19 +686,16 @@ def run(
             label = domain.month_label(month)
             written = seed_month(params, month)
             print(f"\n=== month {month} ({label}): {len(written)} export file(s) seeded ===")
-            retrained = retrain(repo=repo, params=params)
-            if isinstance(retrained, TasksRun):
-                history.append(
-                    release_tasks(
-                        repo, params, month, retrained, approval_wait_s, overrides_file, started
-                    )
+            try:
+                retrained = retrain(repo=repo, params=params)
+            except TasksFailed as failed:  # the tasks that ran go on to their releases
+                print(f"retrain: {failed}", flush=True)
+                retrained = failed.result
+            history.append(
+                release_tasks(
+                    repo, params, month, retrained, approval_wait_s, overrides_file, started
                 )
-            else:
-                history.append(
-                    project_month(
-                        repo, params, month, retrained, approval_wait_s, overrides_file, started
-                    )
-                )
+            )
             (repo / "reports").mkdir(exist_ok=True)
             (repo / "reports" / "demo.json").write_text(
                 json.dumps(
@@ -708,29 +703,3 @@ def run(
                 )
             )
     return history
-
-
-def project_month(
-    repo: Path,
-    params: Params,
-    month: int,
-    retrained: PipelineRun,
-    approval_wait_s: float,
-    overrides_file: Path,
-    started: float,
-) -> ProjectMonth:
-    """A month of a project of one task after the retrain: review (month 1) and release."""
-    review = None
-    release: DemoRelease | ReleaseOutcome = not_released(retrained)
-    if _registered(retrained):
-        if month == REVIEWED_MONTH:
-            review = review_month(repo, params, repo / "logs")
-        release = release_month(repo, params, month, approval_wait_s, overrides_file)[""]
-    return ProjectMonth(
-        month=month,
-        label=domain.month_label(month),
-        seconds=round(time.monotonic() - started, 1),
-        retrain=retrained,
-        review=review,
-        release=release,
-    )

@@ -38,7 +38,6 @@ from tuneloop.orchestration.flow_results import (
     DataCounts,
     PipelineRun,
     ResultsCommit,
-    RetrainResult,
     TaskFailed,
     TaskOutcome,
     TasksRun,
@@ -68,6 +67,28 @@ LINEAGE_TAGS = ("dvc.dep.", "dvc.out.", runs.TAG_BASE_REVISION)
 
 class StageFailed(RuntimeError):
     pass
+
+
+class TasksFailed(RuntimeError):
+    """A retrain in which a task failed: the other tasks ran, the report was written and the
+    month's results committed; raised so that the flow run ends Failed. ``result``: the
+    month's, every task's outcome."""
+
+    def __init__(self, result: TasksRun) -> None:
+        said = [
+            f"task {task}: {outcome.error}"
+            for task, outcome in result.tasks.items()
+            if isinstance(outcome, TaskFailed)
+        ]
+        super().__init__(
+            f"{len(said)} of {len(result.tasks)} task(s) failed: {'; '.join(said)} "
+            f"(every task's outcome: {result.report})"
+        )
+        self.result = result
+
+    def __reduce__(self) -> tuple[type[TasksFailed], tuple[TasksRun]]:
+        # Prefect may pickle a failed flow run's exception: rebuilt from its result.
+        return (type(self), (self.result,))
 
 
 def failure_reason(tags: dict[str, str]) -> str | None:
@@ -199,15 +220,16 @@ def train_summary(params: Params) -> TrainSummary:
 @flow(name="retrain", log_prints=True)
 def retrain(
     repo: Path = Path(), params: Params | None = None, tasks: list[str] | None = None
-) -> RetrainResult:
-    """Run the whole pipeline, ingest to evaluate, and return data counts, losses and scores.
+) -> TasksRun:
+    """Run the whole pipeline, ingest to evaluate, and return each task's data counts, losses
+    and scores (``result.tasks["support"]``), whatever the number of tasks.
 
     ``params``: ``repo``'s params.yaml as the caller loaded it (the demo), else read here once.
     The stages read the file themselves, in their own processes.
     ``tasks``: of params.yaml's tasks, those to run (by hand: ``prefect deployment run
     retrain/retrain-monthly --param 'tasks=["orders"]'``); None runs every task.
-    A project of one task returns its pipeline's result (``PipelineRun``); of several, each
-    task's (``TasksRun``).
+    A task that fails does not stop the others; once they ran, ``TasksFailed`` (holding the
+    result) ends the flow run Failed.
     """
     repo = repo.resolve()
     params = params or load_params(repo / "params.yaml")
@@ -227,7 +249,7 @@ def retrain(
         os.chdir(previous)
 
 
-def _retrain(repo: Path, params: Params, tasks: list[str] | None = None) -> RetrainResult:
+def _retrain(repo: Path, params: Params, tasks: list[str] | None = None) -> TasksRun:
     """The flow's body, with the project as the working directory and its tracking store."""
     experiment_id = runs.setup(params.tracking.experiment)
     for said in recovery.close_killed_runs(experiment_id, "retrain", str(flow_run.id or "")):
@@ -243,22 +265,12 @@ def _retrain(repo: Path, params: Params, tasks: list[str] | None = None) -> Retr
             runs.TAG_PIPELINE: "retrain",
         },
     ) as parent:
-        if params.several_tasks:
-            chosen = tuple(t for t in params.task_names() if tasks is None or t in tasks)
-            return _retrain_tasks(
-                repo, params, chosen, parent.info.run_id, experiment_id, by_hand=tasks is not None
-            )
-        # One task: its stages after the shared ones, each a child of this run.
-        view = params.the_task()
-        _run_stages(SHARED_STAGES, repo, params, parent.info.run_id, experiment_id)
-        _run_stages(
-            task_stages(str(view.task), repo), repo, view, parent.info.run_id, experiment_id
+        chosen = tuple(t for t in params.task_names() if tasks is None or t in tasks)
+        result = _retrain_tasks(
+            repo, params, chosen, parent.info.run_id, experiment_id, by_hand=tasks is not None
         )
-        result = _verdict(view, parent.info.run_id, experiment_id)
-        if params.schedule.commit_results:
-            said = f"gate {'passed' if result.decision.passed else 'failed'}"
-            committed = _commit_results(repo, [params.paths.metrics], said)
-            result = result.model_copy(update={"results": committed})
+        if result.failed:
+            raise TasksFailed(result)  # the retrain's MLflow run ends FAILED too
         return result
 
 
@@ -338,11 +350,11 @@ def _retrain_tasks(
     *,
     by_hand: bool = False,
 ) -> TasksRun:
-    """Several tasks: the shared stages once, then each task's pipeline under a run of its
-    own. A task that fails (a preflight refusal, a stage error) is reported and the next
-    task runs; the summary names each task's outcome. On the schedule (not ``by_hand``), a
-    task with no records its champion did not train on keeps it and runs nothing
-    (``nothing_new``); run by hand, it runs whatever the data."""
+    """The shared stages once, then each task's pipeline under a run of its own (a project of
+    one task: its one). A task that fails (a preflight refusal, a stage error) is reported
+    and the next task runs; the summary names each task's outcome. On the schedule (not
+    ``by_hand``), a task with no records its champion did not train on keeps it and runs
+    nothing (``nothing_new``); run by hand, it runs whatever the data."""
     before = tasks_report.states(repo, params)
     _run_stages(SHARED_STAGES, repo, params, parent_run_id, experiment_id)
     outcomes: dict[str, TaskOutcome] = {}
@@ -363,6 +375,8 @@ def _retrain_tasks(
                 get_run_logger().error("task %s failed: %s", name, error)
                 mlflow.set_tag("task.failed", str(error)[:5000])
                 outcomes[name] = TaskFailed(error=str(error))
+        if outcomes[name].outcome == "failed":  # the error was caught: its run ended FINISHED
+            MlflowClient().set_terminated(run.info.run_id, status="FAILED")
     failed = sorted(t for t, o in outcomes.items() if o.outcome == "failed")
     mlflow.set_tag("tasks.failed", ",".join(failed))
     # Every task's adapter and champion before and after: the others did not move.
@@ -392,7 +406,9 @@ def _retrain_tasks(
     committed = None
     if params.schedule.commit_results:
         ran = sorted(t for t, o in outcomes.items() if o.outcome == "ran")
+        # A project of one task: the task's metrics folder is the project's.
         folders = [params.paths.metrics, *(params.for_task(t).paths.metrics for t in chosen)]
+        folders = list(dict.fromkeys(folders))
         committed = _commit_results(
             repo, [*folders, written], f"tasks ran: {', '.join(ran) or 'none'}"
         )

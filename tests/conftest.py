@@ -22,7 +22,7 @@ from tests.vllm_helpers import vllm_shared, vllm_tiny  # noqa: F401
 
 if TYPE_CHECKING:
     from tuneloop.data.chat import ChatTokenizer
-    from tuneloop.orchestration.flow_results import RetrainResult
+    from tuneloop.orchestration.flow_results import TasksRun
 
 # pytester: tests/test_tiers.py runs pytest on a project of two modules, one per tier.
 pytest_plugins = ("pytester",)
@@ -151,7 +151,7 @@ def prefect_harness() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def tiny_project(
     tmp_path_factory: pytest.TempPathFactory, prefect_harness: None
-) -> tuple[Path, RetrainResult]:
+) -> tuple[Path, TasksRun]:
     """The tiny project (``TINY_OVERRIDES``) after one run of the retrain flow, and its result.
 
     Built once for the session: every stage ran under the flow, as ``dvc repro --single-item``

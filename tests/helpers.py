@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 import yaml
@@ -24,6 +24,9 @@ from docs.devtools import CHROMIUM as CHROMIUM
 from docs.devtools import headless
 from tuneloop.net import free_port
 from tuneloop.pipeline import SHARED_STAGES
+
+if TYPE_CHECKING:
+    from tuneloop.orchestration.flow_results import PipelineRun, TasksRun
 
 ROOT = Path(__file__).resolve().parents[1]
 # params.yaml's one task, in the project's root.
@@ -123,6 +126,21 @@ def write_params(folder: Path, overrides: dict[str, dict[str, Any]] | None = Non
     return path
 
 
+def stage_runs(found: list[Any], retrain_run_id: str) -> dict[str, Any]:
+    """Of ``found`` (MLflow runs), the stage runs of retrain run ``retrain_run_id``, by stage:
+    the shared stages' are its children, each task's the children of the task's run in it."""
+    below = {retrain_run_id} | {
+        r.info.run_id
+        for r in found
+        if r.data.tags.get("mlflow.parentRunId") == retrain_run_id and "task" in r.data.tags
+    }
+    return {
+        r.data.tags["tuneloop.stage"]: r
+        for r in found
+        if r.data.tags.get("mlflow.parentRunId") in below and "tuneloop.stage" in r.data.tags
+    }
+
+
 def flow_runs(repo: Path) -> tuple[Any, dict[str, Any]]:
     """The first retrain run in ``repo``'s MLflow store and its stage runs, by stage."""
     from mlflow.tracking import MlflowClient
@@ -132,12 +150,16 @@ def flow_runs(repo: Path) -> tuple[Any, dict[str, Any]]:
     assert experiment is not None
     found = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
     parent = next(r for r in found if "mlflow.parentRunId" not in r.data.tags)
-    children = {
-        r.data.tags["tuneloop.stage"]: r
-        for r in found
-        if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
-    }
-    return parent, children
+    return parent, stage_runs(found, parent.info.run_id)
+
+
+def ran(result: TasksRun, task: str = TASK) -> PipelineRun:
+    """Task ``task``'s pipeline in a retrain's result: it ran (not skipped, not failed)."""
+    from tuneloop.orchestration.flow_results import PipelineRun
+
+    outcome = result.tasks[task]
+    assert isinstance(outcome, PipelineRun), outcome
+    return outcome
 
 
 def seed_demo_month(repo: Path) -> None:

@@ -17,9 +17,7 @@ from tests.helpers import ROOT
 from tuneloop.demo import customers, orders, workspace
 from tuneloop.demo.report import (
     DemoMonth,
-    ProjectMonth,
     TaskMonth,
-    TasksMonth,
     format_loop,
     losses,
     metric_figures,
@@ -144,7 +142,7 @@ def test_the_summary_shows_each_task_month_by_month(
     report = tmp_path / "reports" / "tasks.md"
     write_text(report, second)
     history: list[DemoMonth] = [
-        TasksMonth(
+        DemoMonth(
             month=1,
             label="2026-10",
             seconds=500,
@@ -158,7 +156,7 @@ def test_the_summary_shows_each_task_month_by_month(
                 ),
             },
         ),
-        TasksMonth(
+        DemoMonth(
             month=2,
             label="2026-11",
             seconds=200,
@@ -202,8 +200,20 @@ def test_the_summary_shows_each_task_month_by_month(
     held = Registration(registered=False, name="tuneloop-support", reasons=reasons)
     release = demo.not_released(retrained(0.1).model_copy(update={"registration": held}))
     assert release.reason == "gate fail: nothing registered; support_demo/accuracy: FAIL"
-    assert f"release  not released: {release.reason}" in format_loop(
-        [ProjectMonth(month=3, label="2026-12", seconds=1, retrain=retrained(0.1), release=release)]
+    # A project of one task: the same month, without task headings or the tasks' table.
+    held_month = DemoMonth(
+        month=3,
+        label="2026-12",
+        seconds=1,
+        report=str(report),
+        report_text=first,
+        failed=[],
+        tasks={"support": TaskMonth(retrain=retrained(0.1), release=release)},
+    )
+    one = format_loop([held_month])
+    assert f"release  not released: {release.reason}" in one
+    assert (
+        "--- task" not in one and "| orders |" not in one and "Models -> tuneloop-support:" in one
     )
     assert orders.FIELDS == ("product", "express")
 

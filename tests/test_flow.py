@@ -19,9 +19,9 @@ import yaml
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from tests.helpers import ROOT, dvc_name, flow_runs
-from tuneloop.orchestration.flow_results import PipelineRun, RetrainResult
-from tuneloop.pipeline import stage_order
+from tests.helpers import ROOT, TASK, dvc_name, flow_runs, ran
+from tuneloop.orchestration.flow_results import TasksRun
+from tuneloop.pipeline import SHARED_STAGES, stage_order
 
 # The whole suite (`make test`): the retrain flow under dvc (the tiny project)
 pytestmark = pytest.mark.slow
@@ -62,10 +62,10 @@ def dvc(repo: Path, *args: str, stderr: bool = False) -> str:
 
 
 @pytest.fixture(scope="module")
-def flow_result(tiny_project: tuple[Path, RetrainResult]) -> tuple[Path, PipelineRun]:
+def flow_result(tiny_project: tuple[Path, TasksRun]) -> tuple[Path, TasksRun]:
     """The session's tiny project, which the retrain flow built (``conftest.tiny_project``)."""
     repo, result = tiny_project
-    assert isinstance(result, PipelineRun), result
+    assert list(result.tasks) == [TASK] and result.failed == [], result
     return repo, result
 
 
@@ -81,21 +81,32 @@ def dvc_tags(run: Run) -> dict[str, str]:
     return {k: v for k, v in run.data.tags.items() if k.startswith(("dvc.dep.", "dvc.out."))}
 
 
-def test_flow_returns_counts_losses_and_scores(flow_result: tuple[Path, PipelineRun]) -> None:
-    _, result = flow_result
+def test_flow_returns_counts_losses_and_scores(flow_result: tuple[Path, TasksRun]) -> None:
+    _, done = flow_result
+    result = ran(done)
     assert result.data.accepted > 0 and result.data.train > 0
     assert result.train.steps == 30
     assert set(result.eval) == {"base", "candidate", "candidate-fp8"}
     assert isinstance(result.decision.passed, bool)
 
 
-def test_parent_run_has_one_child_per_stage_with_lineage(
-    flow_result: tuple[Path, PipelineRun],
+def test_retrain_run_holds_the_shared_stages_and_the_tasks_run_of_its_stages(
+    flow_result: tuple[Path, TasksRun],
 ) -> None:
     repo, result = flow_result
     parent, children = flow_runs(repo)
     assert parent.info.run_id == result.mlflow_run_id
     assert sorted(children) == sorted(STAGES)
+    # The one task's run, named after it, in the retrain run; its stages in it.
+    task_run = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}").get_run(ran(result).mlflow_run_id)
+    assert task_run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert (task_run.info.run_name, task_run.data.tags["task"]) == (TASK, TASK)
+    for stage, run in children.items():
+        below = parent if stage in SHARED_STAGES else task_run
+        assert run.data.tags["mlflow.parentRunId"] == below.info.run_id, stage
+    # The report of every task, for one task too, on the retrain run.
+    assert f"| {TASK} | ran |" in result.report_text
+    assert Path(result.report).read_text() == result.report_text
     commit = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -137,7 +148,7 @@ def test_dvc_is_up_to_date_after_the_flow(flow_result: tuple[Path, dict[str, Any
 
 
 def test_dvc_repro_after_the_flow_logs_to_the_store_without_its_server(
-    flow_result: tuple[Path, PipelineRun],
+    flow_result: tuple[Path, TasksRun],
 ) -> None:
     # The flow tracked through its own local MLflow server, now stopped. A plain `dvc repro`
     # afterwards (a changed param, no server) opens the same store directly: the experiment
@@ -173,11 +184,12 @@ def test_dvc_repro_after_the_flow_logs_to_the_store_without_its_server(
 
 
 def test_a_second_run_finds_every_stage_cached(
-    flow_result: tuple[Path, PipelineRun],
+    flow_result: tuple[Path, TasksRun],
 ) -> None:
     from flows.retrain import retrain
 
-    repo, first = flow_result
+    repo, done = flow_result
+    first = ran(done)
     # What a retrain killed with its worker leaves: its run RUNNING, its flow run gone.
     store = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     experiment = store.get_experiment_by_name("tuneloop")
@@ -186,8 +198,9 @@ def test_a_second_run_finds_every_stage_cached(
         experiment.experiment_id,
         tags={"tuneloop.pipeline": "retrain", "prefect.flow_run_id": str(uuid.uuid4())},
     ).info.run_id
-    second = retrain(repo=repo)
-    assert isinstance(second, PipelineRun)
+    # On the schedule too: the task's champion is none, so there is something to learn.
+    again = retrain(repo=repo)
+    second = ran(again)
     assert second.eval == first.eval
     assert store.get_run(orphan).info.status == "KILLED"
     assert "tuneloop.killed_reason" in store.get_run(orphan).data.tags
@@ -195,11 +208,13 @@ def test_a_second_run_finds_every_stage_cached(
     assert second.registration is not None and first.registration is not None
     assert second.registration.registered == first.registration.registered
     assert not second.registration.created
-    parent, _ = flow_runs(repo)
-    latest = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}").search_runs(
-        [parent.info.experiment_id],
-        filter_string=f"tags.mlflow.parentRunId = '{second.mlflow_run_id}'",
-    )
+    # Below the retrain run: the shared stages' runs and the task's, which holds its stages'.
+    below = {again.mlflow_run_id, second.mlflow_run_id}
+    latest = [
+        r
+        for r in store.search_runs([experiment.experiment_id], max_results=10_000)
+        if r.data.tags.get("mlflow.parentRunId") in below and r.info.run_id != second.mlflow_run_id
+    ]
     assert len(latest) == len(STAGES)
     # `init` always runs (DVC cannot see the registry's champion move), finds the start it
     # recorded and ends at its alias lookup, writing nothing and logging no run: the flow
@@ -217,7 +232,7 @@ def test_a_second_run_finds_every_stage_cached(
 
 
 def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
-    flow_result: tuple[Path, PipelineRun],
+    flow_result: tuple[Path, TasksRun],
 ) -> None:
     from flows.experiment import ExperimentFailed, experiment
 
@@ -293,7 +308,7 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
 
 
 def test_changing_the_learning_rate_reruns_train_and_after_only(
-    flow_result: tuple[Path, PipelineRun],
+    flow_result: tuple[Path, TasksRun],
 ) -> None:
     # What `dvc repro` would run, not a run: the sweep above ran the stages after train for real
     # in its experiments, and the session's project is shared, so params.yaml is put back.

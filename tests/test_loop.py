@@ -24,12 +24,13 @@ from mlflow.tracking import MlflowClient
 from tests.helpers import (
     CHROMIUM,
     PASSING_TRAIN,
+    TASK,
     chromium,
     copy_project,
     mlflow_server,
     write_params,
 )
-from tuneloop.demo.report import DemoRelease, ProjectMonth, format_loop
+from tuneloop.demo.report import DemoMonth, DemoRelease, TaskMonth, format_loop
 from tuneloop.judge.decision import Decision
 from tuneloop.orchestration.flow_results import PipelineRun
 from tuneloop.params import load_params
@@ -91,7 +92,7 @@ OVERLAY = {
 @pytest.fixture(scope="module")
 def loop(
     tmp_path_factory: pytest.TempPathFactory, prefect_harness: None
-) -> Iterator[tuple[Path, list[ProjectMonth]]]:
+) -> Iterator[tuple[Path, list[DemoMonth]]]:
     from prefect.settings import PREFECT_API_URL
 
     from flows import demo as demo_flow
@@ -105,19 +106,24 @@ def loop(
     before = dict(os.environ)
     os.environ["PREFECT_API_URL"] = str(PREFECT_API_URL.value())  # the session's server
     try:
-        found = demo_flow.run(repo, months=2, approval_wait_s=1.0)
-        history = [month for month in found if isinstance(month, ProjectMonth)]
-        assert history == found, "a project of one task: a month is a ProjectMonth"
+        history = demo_flow.run(repo, months=2, approval_wait_s=1.0)
     finally:
         os.environ.clear()
         os.environ.update(before)
     yield repo, history
 
 
-def registered(month: ProjectMonth) -> Registration:
-    assert isinstance(month.retrain, PipelineRun), month.retrain
-    assert month.retrain.registration is not None
-    return month.retrain.registration
+def support(month: DemoMonth) -> TaskMonth:
+    """The month of the project's one task."""
+    assert list(month.tasks) == [TASK], month.tasks
+    return month.tasks[TASK]
+
+
+def registered(month: DemoMonth) -> Registration:
+    retrain = support(month).retrain
+    assert isinstance(retrain, PipelineRun), retrain
+    assert retrain.registration is not None
+    return retrain.registration
 
 
 def versions(repo: Path) -> dict[int, ModelVersion]:
@@ -131,7 +137,7 @@ def alias(repo: Path, name: str) -> int:
 
 
 def test_each_month_registers_a_candidate_after_the_base(
-    loop: tuple[Path, list[ProjectMonth]],
+    loop: tuple[Path, list[DemoMonth]],
 ) -> None:
     repo, history = loop
     assert [month.month for month in history] == [1, 2]
@@ -164,10 +170,10 @@ def test_month_one_scored_its_champion_the_base_once(
 
 
 def test_month_two_trained_from_the_champion_month_one_released(
-    loop: tuple[Path, list[ProjectMonth]],
+    loop: tuple[Path, list[DemoMonth]],
 ) -> None:
     repo, history = loop
-    first = history[0].release
+    first = support(history[0]).release
     assert first.outcome == "promoted", first
     found = versions(repo)
     # Month 1 started from the first champion, which is the registered base (v1).
@@ -183,7 +189,7 @@ def test_month_two_trained_from_the_champion_month_one_released(
 
 
 def test_month_two_was_judged_against_the_champion_and_its_fixed_badcases(
-    loop: tuple[Path, list[ProjectMonth]],
+    loop: tuple[Path, list[DemoMonth]],
 ) -> None:
     repo, _ = loop
     decision = Decision.read(repo / "metrics" / "decision.json")
@@ -200,7 +206,7 @@ def test_month_two_was_judged_against_the_champion_and_its_fixed_badcases(
 
 
 def test_router_feedback_reached_the_pool_with_arm_and_model_version(
-    loop: tuple[Path, list[ProjectMonth]],
+    loop: tuple[Path, list[DemoMonth]],
 ) -> None:
     repo, history = loop
     pool = load_params(repo / "params.yaml").paths.pool
@@ -215,17 +221,17 @@ def test_router_feedback_reached_the_pool_with_arm_and_model_version(
     # Released in month 1 behind the router: the base (v1) and month 1's candidate (v2).
     assert {r["meta"]["model_version"] for r in feedback} <= {"1", "2"}
     assert all(r["corrected_response"] for r in feedback)
-    month_2 = history[1].retrain
+    month_2 = support(history[1]).retrain
     assert isinstance(month_2, PipelineRun) and month_2.data.by_source["router-feedback"] > 0
 
 
 def test_both_releases_ran_as_flows_with_their_approver_recorded(
-    loop: tuple[Path, list[ProjectMonth]],
+    loop: tuple[Path, list[DemoMonth]],
 ) -> None:
     repo, history = loop
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     for month, version in zip(history, ("2", "3"), strict=True):
-        release = month.release
+        release = support(month).release
         assert isinstance(release, DemoRelease), release
         assert release.outcome in {"promoted", "rolled_back"}, release
         assert release.demo_approvals, f"month {month.month}: nobody approved"
@@ -233,25 +239,26 @@ def test_both_releases_ran_as_flows_with_their_approver_recorded(
         recorded = [v for k, v in tags.items() if k.startswith("release.approval.")]
         assert recorded and all("demo-operator" in v for v in recorded), tags
     # The champion alias is where the second release left it.
-    if history[1].release.outcome == "promoted":
+    if support(history[1]).release.outcome == "promoted":
         assert (alias(repo, "champion"), alias(repo, "previous-champion")) == (3, 2)
     else:
         assert alias(repo, "champion") == 2
 
 
 def test_month_one_was_reviewed_blind_by_the_panel_and_its_release_showed_it(
-    loop: tuple[Path, list[ProjectMonth]], tmp_path: Path
+    loop: tuple[Path, list[DemoMonth]], tmp_path: Path
 ) -> None:
     repo, history = loop
-    review = history[0].review
-    assert review is not None and review.review == f"{MODEL}-v2" and history[1].review is None
+    review = support(history[0]).review
+    assert review is not None and review.review == f"{MODEL}-v2"
+    assert support(history[1]).review is None
     # Three reviewers, each through the page's HTTP API: every item, plus their controls.
     items = review.results.items
     assert set(review.votes_by_reviewer) == {"ana", "bo", "chen"}
     assert all(cast > items for cast in review.votes_by_reviewer.values()), review
     assert review.results.votes == 3 * items
     assert review.check is None  # gate.blind_review unset: reported, never blocking
-    form = history[0].release.approval_form
+    form = support(history[0]).release.approval_form
     assert f"Blind review: {review.summary}" in form and "| slice | votes |" in form
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     candidate = versions(repo)[2]
@@ -267,20 +274,23 @@ def test_month_one_was_reviewed_blind_by_the_panel_and_its_release_showed_it(
     assert f"{review.summary}." in card
     summary = format_loop(list(history))
     assert f"  review   {review.summary}" in summary
+    assert "--- task" not in summary  # one task: its month, no task headings
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium")
 def test_the_mlflow_ui_compares_the_two_months(
-    loop: tuple[Path, list[ProjectMonth]], tmp_path: Path
+    loop: tuple[Path, list[DemoMonth]], tmp_path: Path
 ) -> None:
-    """The compare view of the two retrain runs, rendered by a real browser (the manual's
-    picture of it comes from the demo: docs/screenshots.py)."""
+    """The compare view of the task's two monthly runs (each in its month's retrain run),
+    rendered by a real browser (the manual's picture of it comes from the demo:
+    docs/screenshots.py)."""
     repo, history = loop
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     runs = []
     for month in history:
-        assert isinstance(month.retrain, PipelineRun), month.retrain
-        runs.append(month.retrain.mlflow_run_id)
+        retrain = support(month).retrain
+        assert isinstance(retrain, PipelineRun), retrain
+        runs.append(retrain.mlflow_run_id)
     experiment = client.get_run(runs[0]).info.experiment_id
     ids = ",".join(f'"{run}"' for run in runs)
     with mlflow_server(f"sqlite:///{repo / 'mlflow.db'}") as base:

@@ -22,7 +22,7 @@ from tuneloop.io import read_model
 from tuneloop.judge.decision import Decision, read_scores
 from tuneloop.judge.fixed_badcases import FixedBadcasesMetrics
 from tuneloop.models import BaseMetrics
-from tuneloop.orchestration.flow_results import RetrainResult
+from tuneloop.orchestration.flow_results import TasksRun
 from tuneloop.pipeline import stage_order
 from tuneloop.preflight.run import PreflightMetrics
 from tuneloop.quantization import ExportMetrics
@@ -41,7 +41,7 @@ def metrics(folder: Path, stage: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def project(tiny_project: tuple[Path, RetrainResult]) -> Path:
+def project(tiny_project: tuple[Path, TasksRun]) -> Path:
     """The session's tiny project: every stage ran once, under the retrain flow."""
     return tiny_project[0]
 

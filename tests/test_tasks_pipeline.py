@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+from mlflow.tracking import MlflowClient
 
 from tests.helpers import copy_project, write_params
 from tuneloop.demo import domain
@@ -86,7 +87,7 @@ def changed_stages(repo: Path) -> set[str]:
 def two_tasks(
     tmp_path_factory: pytest.TempPathFactory, prefect_harness: None
 ) -> tuple[Path, TasksRun]:
-    from flows.retrain import retrain
+    from flows.retrain import TasksFailed, retrain
 
     repo = copy_project(tmp_path_factory.mktemp("two-tasks"))
     write_params(repo, {"tasks": TASKS, **SMALL})
@@ -98,9 +99,14 @@ def two_tasks(
     domain.seed_month(incoming / "orders", params.demo.model_copy(update={"seed": 7}))
     small = {"seed": 9, "n_support": 80, "n_badcases": 8}
     domain.seed_month(incoming / "broken", params.demo.model_copy(update=small))
-    result = retrain(repo=repo)
-    assert isinstance(result, TasksRun), result
-    return repo, result
+    state = retrain(repo=repo, return_state=True)
+    # The broken task fails: once the others ran, the flow run ends Failed, naming it.
+    assert state.is_failed(), state
+    failed = state.result(raise_on_failure=False)
+    assert isinstance(failed, TasksFailed), failed
+    assert "task broken: stage 'preflight@broken' failed" in str(failed), failed
+    assert failed.result.report in str(failed), failed
+    return repo, failed.result
 
 
 def test_each_task_runs_its_own_pipeline_and_registers_its_own_model(
@@ -112,6 +118,16 @@ def test_each_task_runs_its_own_pipeline_and_registers_its_own_model(
     broken = result.tasks["broken"]
     assert isinstance(broken, TaskFailed) and "preflight@broken" in broken.error
     assert not (repo / "tasks/broken/models/adapter").exists()
+    # In MLflow its run failed, and the retrain's with it; the other tasks' runs finished.
+    store = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    retrain_run = store.get_run(result.mlflow_run_id)
+    assert retrain_run.info.status == "FAILED"
+    found = store.search_runs(
+        [retrain_run.info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{result.mlflow_run_id}'",
+    )
+    status = {r.data.tags["task"]: r.info.status for r in found if "task" in r.data.tags}
+    assert status == dict.fromkeys(TASKS, "FINISHED") | {"broken": "FAILED"}, status
     for task in ("support", "orders"):
         outcome = result.tasks[task]
         assert isinstance(outcome, PipelineRun), outcome

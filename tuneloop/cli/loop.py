@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tuneloop.orchestration.flow_results import PipelineRun, RetrainResult
+    from tuneloop.orchestration.flow_results import PipelineRun, TasksRun
 
 
 def _seed_demo(args: argparse.Namespace) -> int:
@@ -31,8 +31,7 @@ def _seed_demo(args: argparse.Namespace) -> int:
 
 
 def _print_pipeline(result: PipelineRun) -> None:
-    """One pipeline's data, training, scores, gate and registration: the project's, or one
-    task's when params.yaml lists ``tasks:``."""
+    """One task's pipeline: its data, training, scores, gate and registration."""
     from tuneloop.demo.report import losses, metric_figures
 
     data, train, decision = result.data, result.train, result.decision
@@ -62,28 +61,24 @@ def _print_pipeline(result: PipelineRun) -> None:
             print(f"       {reason}")
 
 
-def _print_summary(result: RetrainResult) -> None:
-    from tuneloop.orchestration.flow_results import PipelineRun
-
+def _print_summary(result: TasksRun) -> None:
     print("\n=== tuneloop retrain: summary ===")
-    if isinstance(result, PipelineRun):
-        _print_pipeline(result)
-    else:
-        for said, outcome in (("task " + t, o) for t, o in result.tasks.items()):
-            print(f"\n--- {said}")
-            if outcome.outcome == "unchanged":
-                print(f"not run: {outcome.reason}; its champion stays")
-            elif outcome.outcome == "failed":
-                print(f"FAILED: {outcome.error}")
-            else:
-                _print_pipeline(outcome)
-        # Every task, what ran and what did not move (tasks_report).
-        print()
-        print(result.report_text)
+    for task, outcome in result.tasks.items():
+        print(f"\n--- task {task}")
+        if outcome.outcome == "unchanged":
+            print(f"not run: {outcome.reason}; its champion stays")
+        elif outcome.outcome == "failed":
+            print(f"FAILED: {outcome.error}")
+        else:
+            _print_pipeline(outcome)
+    # Every task, what ran and what did not move (tasks_report).
+    print()
+    print(result.report_text)
     print(
         "\nSee it:\n"
         "  MLflow  .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000"
-        "   -> http://127.0.0.1:5000 (experiment 'tuneloop': one parent run, a child per stage)\n"
+        "   -> http://127.0.0.1:5000 (experiment 'tuneloop': a run per retrain, in it the shared"
+        " stages' runs and a run per task, in that a run per stage)\n"
         "  Prefect .venv/bin/prefect server start"
         "   -> http://127.0.0.1:4200 (run with PREFECT_API_URL=http://127.0.0.1:4200/api"
         " to keep flow runs there)\n"
@@ -92,12 +87,19 @@ def _print_summary(result: RetrainResult) -> None:
 
 
 def _retrain(args: argparse.Namespace) -> int:
-    from flows.retrain import retrain
+    from flows.retrain import TasksFailed, retrain
 
-    result = retrain(repo=Path(args.repo), tasks=args.task)
+    failed = None
+    try:
+        result = retrain(repo=Path(args.repo), tasks=args.task)
+    except TasksFailed as error:  # the other tasks ran: their summary first
+        failed, result = error, error.result
     _print_summary(result)
     if args.json:
         print(result.model_dump_json(indent=2))
+    if failed is not None:
+        print(f"\ntuneloop retrain: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -29,10 +29,10 @@ from tuneloop.review.tally import ReviewResults
 WHERE_TO_LOOK = """
 Where to look:
   MLflow   {bin}/mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000
-           -> http://127.0.0.1:5000: experiment 'tuneloop', tick the two `retrain-...` runs and
-              press Compare (one month each); Models -> {model}: every version, its aliases
-              (champion, previous-champion) and the lineage tags (tuneloop.tracking.init_from: what
-              each month started from)
+           -> http://127.0.0.1:5000: experiment 'tuneloop', a `retrain-...` run a month, a run
+              per task in it: tick a task's runs of two months and press Compare.
+              Models -> {model}: every version, its aliases (champion, previous-champion)
+              and the lineage tags (tuneloop.tracking.init_from: what each month started from)
   DVC      {bin}/dvc metrics diff tuneloop/results~1 tuneloop/results: the last two months
            (schedule.commit_results commits each month's dvc.lock and metrics/ to that branch,
            with a tag per retrain; `git tag -l 'retrain-*'`)
@@ -81,7 +81,7 @@ class DemoReview(_Summary):
 
 
 class TaskMonth(_Summary):
-    """A month of one task (or of a project of one task): retrain, review, release."""
+    """A month of one task: retrain, review, release."""
 
     retrain: TaskOutcome
     review: DemoReview | None = None
@@ -89,14 +89,9 @@ class TaskMonth(_Summary):
     release: DemoRelease | ReleaseOutcome
 
 
-class ProjectMonth(TaskMonth):
-    month: int
-    label: str
-    seconds: float
-
-
-class TasksMonth(_Summary):
-    """A month of several tasks: each task's month and the interference report."""
+class DemoMonth(_Summary):
+    """A month of the demo: each task's month (a project of one task: its one) and the
+    retrain's report of every task."""
 
     month: int
     label: str
@@ -105,9 +100,6 @@ class TasksMonth(_Summary):
     report: str  # the report's path
     report_text: str  # the month's own text: the file holds the last month's only
     failed: list[str]
-
-
-DemoMonth = ProjectMonth | TasksMonth
 
 
 def losses(train: TrainSummary) -> str:
@@ -210,16 +202,18 @@ def _task_table(report: str) -> list[str]:
 
 
 def format_loop(history: list[DemoMonth], models: tuple[str, ...] = ("tuneloop-support",)) -> str:
-    """The summary of ``history`` (``flows.demo.run``'s); ``models``: the registered models."""
+    """The summary of ``history`` (``flows.demo.run``'s); ``models``: each task's registered
+    model. A project of one task reads without task headings or the report's table, which
+    sets tasks side by side: its month says it all."""
     out = ["", "=== tuneloop: the loop, month by month ==="]
+    several = len(models) > 1
     for month in history:
         out.append(f"\nmonth {month.month} ({month.label}), {month.seconds:.0f} s")
-        if isinstance(month, ProjectMonth):
-            out.extend(_month_lines(month))
-            continue
         for task, entry in month.tasks.items():
-            out.append(f"  --- task {task}")
+            out.extend([f"  --- task {task}"] if several else [])
             out.extend(_month_lines(entry))
+        if not several:
+            continue
         out.append(
             f"  tasks    {month.report}: each task's adapter and champion, before and after"
             " the retrain (the release follows it)"

@@ -1,4 +1,4 @@
-"""What a retrain of several tasks did to each one: the interference report.
+"""What a retrain did to each task: the interference report.
 
 Each task has its own adapter, so a month that retrains one task cannot move another's
 scores: the other's adapter is the same bytes and its champion the same version. This report

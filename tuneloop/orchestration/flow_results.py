@@ -88,7 +88,7 @@ class AdapterComparison(Comparison):
 
 
 class TasksRun(_Result):
-    """A retrain of several tasks: each task's outcome, and the report."""
+    """A retrain, of one task or several: each task's outcome, and the report."""
 
     tasks: dict[str, TaskOutcome]
     # Each task's adapter against a task's on every task's records (`records: all`).
@@ -98,9 +98,6 @@ class TasksRun(_Result):
     report_text: str  # the month's own text: the file is rewritten by the next retrain
     mlflow_run_id: str
     results: ResultsCommit | None = None
-
-
-RetrainResult = PipelineRun | TasksRun
 
 
 class ExperimentOutcome(_Result):
