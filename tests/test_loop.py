@@ -152,7 +152,7 @@ def test_each_month_registers_a_candidate_after_the_base(
 
 
 def test_month_one_scored_its_champion_the_base_once(
-    loop: tuple[Path, list[ProjectMonth]],
+    loop: tuple[Path, list[DemoMonth]],
 ) -> None:
     repo, _ = loop
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
