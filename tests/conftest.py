@@ -51,16 +51,21 @@ def _drop_tracking_env() -> None:
 TINY_PROJECT_MODULES = {"test_flow", "test_stages"}
 # Modules that share the session's one vLLM server (tests/vllm_helpers.py): 2-5 minutes to start.
 VLLM_MODULES = {"test_release_vllm", "test_vllm_serving"}
-# The longest groups (whole months of the loop, the team stack, the tiny project's flows)
-# start first, so no worker is left with one of them while the other has gone idle.
+# The longest groups start first, longest first, so no worker is left with one of them while
+# the others have gone idle; by their time in `make test` on 2 cores, 2026-12-05 (the first
+# four and the tutorial 4-5 minutes each; the shared vLLM server starts in 2-5).
 LONG_FIRST = (
+    "test_tasks_pipeline",
     "tiny-project",
+    "test_cluster_slurm",
     "test_loop",
+    "vllm",
+    "test_tutorial",
     "test_team_stack",
     "test_real_lora",
-    "test_tutorial",
-    "test_evaluate",
     "test_train_stage",
+    "test_evaluate",
+    "test_release_replicas",
 )
 
 
