@@ -175,8 +175,8 @@ def register(params: Params, run_id: str) -> registry.Registration:
     reasons = "\n".join(done.reasons)
     if done.created:
         get_run_logger().info("%s v%s (%s):\n%s", done.name, done.version, done.alias, reasons)
-        # The task names the release (prefect.yaml's trigger passes it on); "" for a project
-        # of one task.
+        # The task names the release (prefect.yaml's trigger passes it on): the task's view
+        # names it in a project of one task too.
         payload = done.model_dump() | {"task": params.task or ""}
         announce_challenger(done.name, str(done.version), payload)
     elif done.registered:  # announced when it was made: one release per registration
