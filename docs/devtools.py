@@ -186,11 +186,11 @@ def poll(check: Callable[[], Any], timeout: float, what: str) -> Any:
     raise RuntimeError(f"gave up waiting {timeout:.0f} s for {what}")
 
 
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """End ``process``: asked first, killed after 20 s."""
+def stop(process: subprocess.Popen[Any], grace: float = 20.0) -> None:
+    """End ``process``: asked first, killed after ``grace`` seconds."""
     process.terminate()
     try:
-        process.wait(timeout=20)
+        process.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()

@@ -27,7 +27,7 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-from docs.devtools import Browser
+from docs.devtools import Browser, stop
 from tests.helpers import CHROMIUM, INITDB, postgres_bin
 from tests.registry_helpers import register_versions
 from tests.review_helpers import CANDIDATE, CHAMPION, NAMES, review_items
@@ -73,12 +73,7 @@ def review_server(db: str) -> Iterator[str]:
             time.sleep(0.3)
         yield base
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop(server, grace=30)
 
 
 FORM_FIELD = re.compile(r'<input type="hidden" name="(item|nonce)" value="([^"]*)">')
