@@ -33,6 +33,7 @@ from tuneloop.io import read_json, read_model, write_text
 from tuneloop.judge import tasks_report
 from tuneloop.judge.decision import Decision, read_scores
 from tuneloop.judge.gate import GateError
+from tuneloop.orchestration import forkserver
 from tuneloop.orchestration.dvcrun import DvcLockTimeout, run_dvc
 from tuneloop.orchestration.flow_results import (
     DataCounts,
@@ -243,7 +244,7 @@ def retrain(
     previous = Path.cwd()
     os.chdir(repo)  # MLflow's default store and lineage reads are relative to the project
     try:
-        with server.local_server(repo, repo / "logs"):
+        with server.local_server(repo, repo / "logs"), forkserver.serving(repo, repo / "logs"):
             return _retrain(repo, params, tasks)
     finally:
         os.chdir(previous)

@@ -19,3 +19,11 @@ if _missing := [name for name in _NEEDED if importlib.util.find_spec(name) is No
         "the environment first (`source .venv/bin/activate`, then `dvc repro`), or put it "
         "first on PATH (`PATH=$PWD/.venv/bin:$PATH .venv/bin/dvc repro`)."
     )
+
+# Under the retrain flow, the stage runs in a fork of its warm interpreter, which has torch,
+# transformers and MLflow imported already (tuneloop/orchestration/forkserver.py); this
+# returns when there is none, or it cannot run the command exactly, and the stage runs here.
+if os.environ.get("TUNELOOP_FORKSERVER"):
+    from tuneloop.orchestration.forkserver import run_forked
+
+    run_forked()

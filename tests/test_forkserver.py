@@ -1,0 +1,182 @@
+"""A stage command served by the forkserver runs as it would have run on its own.
+
+A real server (``forkserver.serving``, its preload included) and real commands: ``python -m
+pkg.job`` in a scratch folder, whose package calls ``run_forked`` first as ``stages/``
+does. The job says whether torch was imported before it imported anything (preloaded: it
+ran in a fork), and what it was given; the command must end with its status or signal, pass
+its streams and signals, and run cold whenever a fork would not be exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import wait_until
+from tuneloop.orchestration import forkserver
+
+pytestmark = pytest.mark.fast
+
+INIT = "from tuneloop.orchestration.forkserver import run_forked\n\nrun_forked()\n"
+
+JOB = """
+import atexit, json, os, signal, sys, threading, time
+
+mode = sys.argv[1]
+print(json.dumps({
+    "preloaded": "torch" in sys.modules,
+    "argv": sys.argv[1:],
+    "cwd": os.getcwd(),
+    "var": os.environ.get("TUNELOOP_JOB_VAR"),
+    "served_again": "TUNELOOP_FORKSERVER" in os.environ,
+    "own_group": os.getpgid(0) == os.getpid(),
+    "line": sys.stdin.readline().strip(),
+}), flush=True)
+if mode == "exit":
+    sys.exit(3)
+if mode == "signal":
+    os.kill(os.getpid(), signal.SIGTERM)
+if mode == "raise":
+    raise RuntimeError("the job broke")
+if mode == "ending":
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread joined"))).start()
+    atexit.register(lambda: print("atexit ran"))
+if mode == "wait":
+    def said(name):
+        def handler(signum, frame):
+            with open(sys.argv[2], "w") as out:
+                out.write(name)
+            sys.exit(0)
+        return handler
+    signal.signal(signal.SIGTERM, said("TERM"))
+    signal.signal(signal.SIGHUP, said("HUP"))
+    open(sys.argv[2] + ".ready", "w").close()
+    time.sleep(60)
+"""
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, str]]]:
+    """The scratch folder and the environment that has its commands served."""
+    folder = tmp_path_factory.mktemp("forkserver")
+    (folder / "pkg").mkdir()
+    (folder / "pkg" / "__init__.py").write_text(INIT)
+    (folder / "pkg" / "job.py").write_text(JOB)
+    with forkserver.serving(folder, folder / "logs") as path:
+        env = dict(os.environ)
+        os.environ.pop(forkserver.ENV)  # this process's other tests run as they would
+        wait_until(path.exists, 180, "the forkserver's socket", step=0.2)
+        yield folder, env
+
+
+def job(
+    served: tuple[Path, dict[str, str]], *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], dict[str, object]]:
+    folder, served_env = served
+    done = subprocess.run(
+        [sys.executable, "-m", "pkg.job", *args],
+        cwd=folder,
+        env=(env or served_env) | {"TUNELOOP_JOB_VAR": "given"},
+        input="a line\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return done, json.loads(done.stdout.splitlines()[0])
+
+
+def test_a_served_command_gets_its_arguments_folder_streams_and_status(
+    served: tuple[Path, dict[str, str]],
+) -> None:
+    done, said = job(served, "exit", "second")
+    assert said["preloaded"], "the command ran cold"
+    assert said["argv"] == ["exit", "second"]
+    assert said["cwd"] == str(served[0])
+    assert said["var"] == "given"
+    assert said["line"] == "a line"
+    assert said["own_group"], "the stage shares a process group with the server"
+    assert not said["served_again"], "what the stage starts would ask to be served too"
+    assert done.returncode == 3
+
+
+def test_a_stage_ended_by_a_signal_ends_its_command_by_that_signal(
+    served: tuple[Path, dict[str, str]],
+) -> None:
+    done, said = job(served, "signal")
+    assert said["preloaded"]
+    assert done.returncode == -signal.SIGTERM
+
+
+def test_a_failing_stage_prints_its_traceback_and_exits_1(
+    served: tuple[Path, dict[str, str]],
+) -> None:
+    done, said = job(served, "raise")
+    assert said["preloaded"]
+    assert done.returncode == 1
+    assert "RuntimeError: the job broke" in done.stderr
+
+
+def test_the_stage_ends_as_an_interpreter_does(served: tuple[Path, dict[str, str]]) -> None:
+    done, said = job(served, "ending")
+    assert said["preloaded"]
+    assert done.returncode == 0
+    assert done.stdout.splitlines()[1:] == ["thread joined", "atexit ran"]
+
+
+def test_an_environment_a_preloaded_library_reads_runs_the_command_cold(
+    served: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    done, said = job(served, "exit", env=served[1] | {"HF_HOME": str(tmp_path)})
+    assert not said["preloaded"], "served with another HF_HOME than the server imported with"
+    assert done.returncode == 3
+
+
+def test_no_server_runs_the_command_cold(served: tuple[Path, dict[str, str]]) -> None:
+    gone = served[1] | {forkserver.ENV: str(served[0] / "no-such.sock")}
+    done, said = job(served, "exit", env=gone)
+    assert not said["preloaded"]
+    assert done.returncode == 3
+
+
+def start_waiting(served: tuple[Path, dict[str, str]], out: Path) -> subprocess.Popen[str]:
+    folder, env = served
+    command = subprocess.Popen(
+        [sys.executable, "-m", "pkg.job", "wait", str(out)],
+        cwd=folder,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    wait_until(Path(f"{out}.ready").exists, 60, "the stage to start", step=0.1)
+    return command
+
+
+def test_a_signal_to_the_command_reaches_the_stage(
+    served: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    command = start_waiting(served, tmp_path / "said")
+    command.send_signal(signal.SIGTERM)
+    assert command.wait(timeout=30) == 0
+    assert (tmp_path / "said").read_text() == "TERM"
+
+
+def test_a_command_killed_outright_hangs_up_on_its_stage(
+    served: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """As a stage whose parent died: the Slurm stage cancels its job on that SIGHUP."""
+    command = start_waiting(served, tmp_path / "said")
+    command.kill()
+    command.wait(timeout=30)
+    started = time.monotonic()
+    wait_until((tmp_path / "said").exists, 30, "the stage to be hung up on", step=0.1)
+    assert (tmp_path / "said").read_text() == "HUP"
+    assert time.monotonic() - started < forkserver.HANGUP_GRACE_S

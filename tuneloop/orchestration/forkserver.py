@@ -1,0 +1,410 @@
+"""A warm interpreter that the flow's stage commands fork from, instead of importing torch,
+transformers, PEFT and MLflow again in each of them.
+
+Each DVC stage is its own process (``python -m stages.<name>``, as dvc.yaml says), and a
+stage that touches a model spends 4-6 s importing the stack before its first line of work:
+on the tiny demo model that is most of the stage, and most of a retrain. The retrain flow
+therefore starts this server for its run (``serving``): it imports the stack once, then
+listens on a Unix socket. DVC still runs each stage's command as written; the command's
+first import (``stages/__init__.py``) calls ``run_forked``, which sends the command line,
+working directory, environment and standard streams to the server and waits. The server
+forks a copy of itself that becomes the stage: the same ``python -m`` module, arguments,
+environment, directory and file descriptors, in a process group of its own. Its exit status
+(or the signal that ended it) becomes the command's, so DVC sees what it would have seen.
+
+Written here, not taken from ``multiprocessing.forkserver``: that one starts Python
+functions from a parent that it spawned, and cannot stand in for a command that another
+program (DVC, through a shell) started.
+
+The command runs as it always did whenever the server cannot serve it exactly: no
+``TUNELOOP_FORKSERVER`` set (``dvc repro`` by hand), the server not up yet or gone, another
+interpreter, Python options before ``-m``, or an environment that differs from the
+server's in a variable that a preloaded library may read when it is imported (``HF_HOME``,
+``CUDA_VISIBLE_DEVICES``, ``PYTHONHASHSEED``: ``IMPORT_TIME``).
+
+Signals sent to the command (Ctrl-C, a cancelled flow's SIGTERM) are passed to the stage,
+and a command killed outright (SIGKILL) takes the stage's process group with it, as a
+stage killed outright would have gone. A fork copies only the thread that forks, so the
+server refuses to serve with a second Python thread; it never runs a torch operation (no
+OpenMP pool) and never starts CUDA.
+
+Only the preloaded third-party libraries are shared: the project's own modules (``tuneloop``,
+``stages``) are dropped from the fork and imported from the stage's directory, so a DVC
+experiment's workspace runs its own code.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import importlib
+import io
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, NoReturn
+
+ENV = "TUNELOOP_FORKSERVER"
+
+# What the stages import before their first line of work (measured with ``-X importtime``).
+PRELOAD = (
+    "numpy",
+    "torch",
+    "transformers",
+    "transformers.generation",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto",
+    "peft",
+    "safetensors.torch",
+    "compressed_tensors",
+    "mlflow",
+    "mlflow.tracking",
+    "sqlalchemy",
+    "pydantic",
+    "yaml",
+    "orjson",
+    "psutil",
+)
+
+# The variables a preloaded library (or the interpreter) may read when it starts or is
+# imported: the cache folders, thread pools, devices, locale, hash seed. A command whose
+# value differs from the server's runs cold; the others (MLflow's run, DVC's stage, PATH)
+# are read when used, and the fork takes the command's.
+IMPORT_TIME_PREFIXES = (
+    *("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "SAFETENSORS", "TOKENIZERS", "PEFT"),
+    *("TORCH", "PYTORCH", "CUDA", "NVIDIA", "NCCL", "OMP_", "MKL", "OPENBLAS", "KMP_"),
+    *("PYTHON", "LD_", "LC_", "XDG_", "USE_", "NUMPY", "PYDANTIC", "SQLALCHEMY"),
+)
+IMPORT_TIME = frozenset({"HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP"})
+
+# The project's modules, never shared: a fork imports them from its own directory.
+OWN_PACKAGES = ("tuneloop", "stages", "flows")
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+FORWARDED_TOO = (signal.SIGUSR1, signal.SIGUSR2)
+
+PARENT_POLL_S = 1.0
+# A hung-up stage's time to act (the Slurm stage cancels its job, up to 120 s).
+HANGUP_GRACE_S = 150.0
+_HEADER = struct.Struct("!I")
+
+
+def comparable_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of an environment that must match the server's for a fork to be exact."""
+    return {
+        key: value
+        for key, value in env.items()
+        if key in IMPORT_TIME or key.startswith(IMPORT_TIME_PREFIXES)
+    }
+
+
+def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = json.dumps(message).encode()
+    payload = _HEADER.pack(len(data)) + data
+    if fds:
+        socket.send_fds(sock, [payload], fds)
+    else:
+        sock.sendall(payload)
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    chunks = b""
+    while len(chunks) < size:
+        chunk = sock.recv(size - len(chunks))
+        if not chunk:
+            raise ConnectionError("the other end closed the connection")
+        chunks += chunk
+    return chunks
+
+
+def _recv(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any], list[int]]:
+    fds: list[int] = []
+    if max_fds:
+        head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, max_fds)
+        if len(head) < _HEADER.size:
+            head += _recv_exact(sock, _HEADER.size - len(head))
+    else:
+        head = _recv_exact(sock, _HEADER.size)
+    (size,) = _HEADER.unpack(head)
+    return json.loads(_recv_exact(sock, size)), fds
+
+
+# --- the command's side ----------------------------------------------------------------
+
+
+def _module_command() -> tuple[str, list[str]] | None:
+    """``(module, args)`` when this process is exactly ``python -m module args``, else None."""
+    argv = list(getattr(sys, "orig_argv", []))
+    if len(argv) < 3 or argv[1] != "-m":
+        return None  # other options before -m, or not started with -m
+    return argv[2], argv[3:]
+
+
+def run_forked() -> None:
+    """Run this ``python -m`` command in a fork of the server named by ``TUNELOOP_FORKSERVER``
+    and exit as it did; return (so that the command runs here) when the server cannot."""
+    path = os.environ.get(ENV)
+    command = _module_command()
+    if not path or command is None:
+        return
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        _send(sock, {"executable": sys.executable, "env": comparable_env(os.environ)})
+        answer, _ = _recv(sock)
+    except OSError:
+        return  # not up yet, or gone: run cold
+    if not answer.get("exact"):
+        sock.close()
+        return
+    module, args = command
+    request = {"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}
+    try:
+        _send(sock, request, [0, 1, 2])
+        started, _ = _recv(sock)
+    except OSError:
+        return  # the server went away before forking: nothing ran, run cold
+    _wait_for(sock, int(started["pid"]))
+
+
+def _wait_for(sock: socket.socket, pid: int) -> NoReturn:
+    """Pass our signals to the stage, then end as the stage ended. If our parent goes (DVC
+    killed), we go too: the server then hangs up on the stage, as a stage sees its parent go."""
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+    for signum in (*FORWARDED, *FORWARDED_TOO):
+        signal.signal(signum, forward)
+    parent = os.getppid()
+    while not select.select([sock], [], [], PARENT_POLL_S)[0]:
+        if os.getppid() != parent:
+            os._exit(128 + signal.SIGHUP)
+    try:
+        ended, _ = _recv(sock)
+    except (OSError, ValueError):
+        os._exit(1)  # the server died with the stage: nothing to report but failure
+    status = int(ended["status"])
+    if status < 0:  # ended by a signal: end by the same one, as the caller would have seen
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+        os._exit(128 - status)
+    os._exit(status)
+
+
+# --- the server's side -----------------------------------------------------------------
+
+
+def _say(message: str) -> None:
+    # print, not logging: a handler set up here would be the stages' (basicConfig is a no-op
+    # once the root logger has one).
+    print(f"{time.strftime('%H:%M:%S')} forkserver: {message}", file=sys.stderr, flush=True)
+
+
+def serve(path: Path) -> None:
+    """Preload, then fork a stage for each command that connects, until our parent ends."""
+    parent, started = os.getppid(), time.monotonic()
+    before = dict(os.environ)
+    mine = comparable_env(before)
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:  # an optional library: its stages import it themselves
+            _say(f"not preloaded: {error}")
+    # A fork copies only the thread that forks: a Python thread holding a lock would leave
+    # it held forever in the stage. (Native pools started at import, OpenBLAS's and
+    # jemalloc's, restart or stop at a fork by their own atfork handlers.)
+    if threading.active_count() != 1:
+        raise SystemExit(f"forkserver: Python threads after the imports: {threading.enumerate()}")
+    # What the imports set for themselves (setdefault: KMP_INIT_AT_FORK, ...): a fresh stage
+    # sets it when it imports them, so a fork does too.
+    imported_env = {key: value for key, value in os.environ.items() if key not in before}
+    gc.freeze()  # the preloaded objects: no collection in a fork walks (and copies) them
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(16)
+    listener.settimeout(PARENT_POLL_S)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    _say(f"preloaded in {time.monotonic() - started:.1f} s; serving on {path}")
+    while os.getppid() == parent:
+        _reap()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(None)
+        if os.fork() == 0:
+            listener.close()
+            _supervise(conn, mine, imported_env)
+        conn.close()
+
+
+def _reap() -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+def _supervise(conn: socket.socket, mine: dict[str, str], imported_env: dict[str, str]) -> NoReturn:
+    """In a fork of the server: check the command can be served exactly, fork the stage,
+    report its pid and then its status."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        hello, _ = _recv(conn)
+        exact = (
+            struct.unpack("3i", creds)[1] == os.getuid()
+            and hello["executable"] == sys.executable
+            and hello["env"] == mine
+        )
+        _send(conn, {"exact": exact})
+        if not exact:
+            os._exit(0)
+        request, fds = _recv(conn, max_fds=3)
+    except (OSError, ValueError, KeyError):
+        os._exit(0)
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        _become_stage(request, fds, imported_env)
+    for fd in fds:
+        os.close(fd)
+    with contextlib.suppress(OSError):  # the stage does it too: whichever runs first
+        os.setpgid(pid, pid)
+    with contextlib.suppress(OSError):
+        _send(conn, {"pid": pid})
+    status = _watch(conn, pid)
+    with contextlib.suppress(OSError):
+        _send(conn, {"status": status})
+    os._exit(0)
+
+
+def _watch(conn: socket.socket, pid: int) -> int:
+    """The stage's status (negative: the signal that ended it). If the command goes first
+    (killed, or its own parent gone), the stage is hung up on (SIGHUP, what a stage whose
+    parent died acts on), and its process group is killed if it is still there after
+    ``HANGUP_GRACE_S``."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        ready = select.select([pidfd, conn.fileno()], [], [])[0]
+        if conn.fileno() not in ready or conn.recv(1, socket.MSG_PEEK):
+            return _status(pid)  # ended (the command sends nothing more while it waits)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGHUP)
+        if not select.select([pidfd], [], [], HANGUP_GRACE_S)[0]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        return _status(pid)
+    finally:
+        os.close(pidfd)
+
+
+def _status(pid: int) -> int:
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _become_stage(
+    request: dict[str, Any], fds: list[int], imported_env: dict[str, str]
+) -> NoReturn:
+    """Turn this fork into ``python -m <module> <args>`` as the command would have run it,
+    and end as its interpreter would: the same status, threads joined, atexit handlers run,
+    streams flushed. Not through the interpreter's own exit, which would also tear down every
+    preloaded module: seconds, on a stage that ran in a fraction of one."""
+    os.setpgid(0, 0)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(imported_env | request["env"])
+    os.environ.pop(ENV, None)  # the stage is served: commands it starts run cold
+    for name in list(sys.modules):
+        if name.split(".")[0] in OWN_PACKAGES:
+            del sys.modules[name]
+    sys.path[0] = request["cwd"]
+    if isinstance(sys.stdout, io.TextIOWrapper):  # line by line to a terminal, as it starts
+        sys.stdout.reconfigure(line_buffering=os.isatty(1))
+    if "numpy" in sys.modules:  # a fresh process's global generator, not the server's copy
+        sys.modules["numpy"].random.seed()
+    sys.argv = [request["module"], *request["args"]]
+    os._exit(_run_main(request["module"]))
+
+
+def _run_main(module: str) -> int:
+    """Run ``module`` as ``__main__``; the exit status the interpreter would give it."""
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as done:
+        if done.code is None or isinstance(done.code, int):
+            code = done.code or 0
+        else:
+            print(done.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # MLflow's end of run, logging's flush, ...
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    return code
+
+
+@contextlib.contextmanager
+def serving(repo: Path, logs: Path) -> Iterator[Path]:
+    """A forkserver for the stage commands started inside the block (``TUNELOOP_FORKSERVER``
+    is set in this process's environment until it ends): its socket's path. The server
+    preloads while the first stages run cold, and ends with the block or with this process;
+    its output goes to ``logs``/forkserver.log."""
+    folder = Path(tempfile.mkdtemp(prefix="tuneloop-fork-"))  # 0700: ours alone
+    path = folder / "stages.sock"  # short: a socket's path is at most 107 bytes
+    logs.mkdir(parents=True, exist_ok=True)
+    with (logs / "forkserver.log").open("ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tuneloop.orchestration.forkserver", str(path)],
+            cwd=repo,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a terminal's Ctrl-C reaches the stages through DVC
+        )
+    previous = os.environ.get(ENV)
+    os.environ[ENV] = str(path)
+    try:
+        yield path
+    finally:
+        if previous is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = previous
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        path.unlink(missing_ok=True)
+        folder.rmdir()
+
+
+if __name__ == "__main__":
+    serve(Path(sys.argv[1]))
