@@ -244,7 +244,8 @@ def retrain(
     previous = Path.cwd()
     os.chdir(repo)  # MLflow's default store and lineage reads are relative to the project
     try:
-        with server.local_server(repo, repo / "logs"), forkserver.serving(repo, repo / "logs"):
+        # The forkserver first: it preloads while the tracking server starts.
+        with forkserver.serving(repo, repo / "logs"), server.local_server(repo, repo / "logs"):
             return _retrain(repo, params, tasks)
     finally:
         os.chdir(previous)

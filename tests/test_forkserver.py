@@ -39,6 +39,7 @@ print(json.dumps({
     "served_again": "TUNELOOP_FORKSERVER" in os.environ,
     "own_group": os.getpgid(0) == os.getpid(),
     "line": sys.stdin.readline().strip(),
+    "title": open("/proc/self/cmdline").read().replace("\\0", " ").strip(),
 }), flush=True)
 if mode == "exit":
     sys.exit(3)
@@ -104,6 +105,7 @@ def test_a_served_command_gets_its_arguments_folder_streams_and_status(
     assert said["line"] == "a line"
     assert said["own_group"], "the stage shares a process group with the server"
     assert not said["served_again"], "what the stage starts would ask to be served too"
+    assert said["title"] == f"{sys.executable} -m pkg.job exit second", "ps shows the server"
     assert done.returncode == 3
 
 
@@ -180,3 +182,13 @@ def test_a_command_killed_outright_hangs_up_on_its_stage(
     wait_until((tmp_path / "said").exists, 30, "the stage to be hung up on", step=0.1)
     assert (tmp_path / "said").read_text() == "HUP"
     assert time.monotonic() - started < forkserver.HANGUP_GRACE_S
+
+
+def test_off_starts_no_server_and_leaves_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(forkserver.ENV, forkserver.OFF)
+    with forkserver.serving(tmp_path, tmp_path / "logs") as path:
+        assert path is None
+        assert os.environ[forkserver.ENV] == forkserver.OFF
+    assert not (tmp_path / "logs").exists()

@@ -439,8 +439,10 @@ def test_two_tasks_release_at_once_on_one_vllm_base(
             RouterAdmin([f"{url}/tasks/support"], TOKEN) as support,
             RouterAdmin([f"{url}/tasks/copy"], TOKEN) as copy,
         ):
-            support.take_lease("release-support", 60)
-            copy.take_lease("release-copy", 60)
+            # Leases that outlast the test: 240 requests to vLLM on the CPU took over 60 s
+            # under load, and a lapsed lease sends its task back to its champion.
+            support.take_lease("release-support", 900)
+            copy.take_lease("release-copy", 900)
             support.set_weight(10, "canary")
             copy.set_weight(50, "ramp")
             assert served(client, "support") == expected("support", 10)

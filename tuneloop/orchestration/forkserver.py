@@ -17,10 +17,11 @@ functions from a parent that it spawned, and cannot stand in for a command that 
 program (DVC, through a shell) started.
 
 The command runs as it always did whenever the server cannot serve it exactly: no
-``TUNELOOP_FORKSERVER`` set (``dvc repro`` by hand), the server not up yet or gone, another
-interpreter, Python options before ``-m``, or an environment that differs from the
-server's in a variable that a preloaded library may read when it is imported (``HF_HOME``,
-``CUDA_VISIBLE_DEVICES``, ``PYTHONHASHSEED``: ``IMPORT_TIME``).
+``TUNELOOP_FORKSERVER`` set (``dvc repro`` by hand; ``off`` turns the server off), the
+server not up yet or gone, another interpreter, Python options before ``-m``, or an
+environment that differs from the server's in a variable that a preloaded library may read
+when it is imported (``HF_HOME``, ``CUDA_VISIBLE_DEVICES``, ``PYTHONHASHSEED``:
+``IMPORT_TIME``).
 
 Signals sent to the command (Ctrl-C, a cancelled flow's SIGTERM) are passed to the stage,
 and a command killed outright (SIGKILL) takes the stage's process group with it, as a
@@ -57,7 +58,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
+import setproctitle
+
 ENV = "TUNELOOP_FORKSERVER"
+OFF = "off"  # ENV's value that runs every stage cold
 
 # What the stages import before their first line of work (measured with ``-X importtime``).
 PRELOAD = (
@@ -163,7 +167,8 @@ def run_forked() -> None:
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(path)
-        _send(sock, {"executable": sys.executable, "env": comparable_env(os.environ)})
+        hello = {"command": [command[0], *command[1]], "executable": sys.executable}
+        _send(sock, hello | {"env": comparable_env(os.environ)})
         answer, _ = _recv(sock)
     except OSError:
         return  # not up yet, or gone: run cold
@@ -171,12 +176,23 @@ def run_forked() -> None:
         sock.close()
         return
     module, args = command
-    request = {"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}
+    request = {
+        "module": module,
+        "args": args,
+        "argv": list(sys.orig_argv),
+        "cwd": os.getcwd(),
+        "env": dict(os.environ),
+    }
     try:
         _send(sock, request, [0, 1, 2])
-        started, _ = _recv(sock)
     except OSError:
-        return  # the server went away before forking: nothing ran, run cold
+        return  # not sent (a closed stream, the server gone): nothing ran, run cold
+    try:
+        started, _ = _recv(sock)
+    except (OSError, ValueError) as error:
+        # The stage may have started: running it again here could run it twice.
+        print(f"{module}: the forkserver failed to start it ({error})", file=sys.stderr)
+        os._exit(1)
     _wait_for(sock, int(started["pid"]))
 
 
@@ -259,6 +275,18 @@ def _reap() -> None:
             pass
 
 
+def _mismatch(hello: dict[str, Any], uid: int, mine: dict[str, str]) -> str | None:
+    """Why a command cannot be served exactly (names only: values may be secrets), or None."""
+    if uid != os.getuid():
+        return f"another user (uid {uid})"
+    if hello["executable"] != sys.executable:
+        return f"another interpreter ({hello['executable']})"
+    theirs: dict[str, str] = hello["env"]
+    if differ := sorted(k for k in theirs.keys() | mine.keys() if theirs.get(k) != mine.get(k)):
+        return f"its environment differs in {', '.join(differ)}"
+    return None
+
+
 def _supervise(conn: socket.socket, mine: dict[str, str], imported_env: dict[str, str]) -> NoReturn:
     """In a fork of the server: check the command can be served exactly, fork the stage,
     report its pid and then its status."""
@@ -266,17 +294,16 @@ def _supervise(conn: socket.socket, mine: dict[str, str], imported_env: dict[str
     try:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         hello, _ = _recv(conn)
-        exact = (
-            struct.unpack("3i", creds)[1] == os.getuid()
-            and hello["executable"] == sys.executable
-            and hello["env"] == mine
-        )
-        _send(conn, {"exact": exact})
-        if not exact:
+        command = " ".join(hello["command"])
+        why = _mismatch(hello, struct.unpack("3i", creds)[1], mine)
+        _send(conn, {"exact": why is None})
+        if why is not None:
+            _say(f"{command}: runs cold: {why}")
             os._exit(0)
         request, fds = _recv(conn, max_fds=3)
     except (OSError, ValueError, KeyError):
         os._exit(0)
+    started = time.monotonic()
     pid = os.fork()
     if pid == 0:
         conn.close()
@@ -287,7 +314,10 @@ def _supervise(conn: socket.socket, mine: dict[str, str], imported_env: dict[str
         os.setpgid(pid, pid)
     with contextlib.suppress(OSError):
         _send(conn, {"pid": pid})
+    _say(f"{command}: pid {pid} in {request['cwd']}")
     status = _watch(conn, pid)
+    ended = f"signal {-status}" if status < 0 else f"exit {status}"
+    _say(f"{command}: pid {pid} ended ({ended}) after {time.monotonic() - started:.1f} s")
     with contextlib.suppress(OSError):
         _send(conn, {"status": status})
     os._exit(0)
@@ -326,6 +356,7 @@ def _become_stage(
     streams flushed. Not through the interpreter's own exit, which would also tear down every
     preloaded module: seconds, on a stage that ran in a fraction of one."""
     os.setpgid(0, 0)
+    setproctitle.setproctitle(" ".join(request["argv"]))  # `ps` shows the command's line
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -370,11 +401,15 @@ def _run_main(module: str) -> int:
 
 
 @contextlib.contextmanager
-def serving(repo: Path, logs: Path) -> Iterator[Path]:
+def serving(repo: Path, logs: Path) -> Iterator[Path | None]:
     """A forkserver for the stage commands started inside the block (``TUNELOOP_FORKSERVER``
     is set in this process's environment until it ends): its socket's path. The server
     preloads while the first stages run cold, and ends with the block or with this process;
-    its output goes to ``logs``/forkserver.log."""
+    its output goes to ``logs``/forkserver.log. With ``TUNELOOP_FORKSERVER=off`` none starts
+    (None): every stage runs cold."""
+    if os.environ.get(ENV) == OFF:
+        yield None
+        return
     folder = Path(tempfile.mkdtemp(prefix="tuneloop-fork-"))  # 0700: ours alone
     path = folder / "stages.sock"  # short: a socket's path is at most 107 bytes
     logs.mkdir(parents=True, exist_ok=True)
