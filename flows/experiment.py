@@ -45,6 +45,7 @@ from mlflow.tracking import MlflowClient
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 
+from tuneloop.orchestration import forkserver
 from tuneloop.orchestration.flow_results import ExperimentOutcome, ExperimentRun
 from tuneloop.params import Params, ParamsError, load_params, parse_params
 from tuneloop.tracking import lineage, recovery, runs, server
@@ -260,8 +261,14 @@ def experiment(
             f"experiment name(s) {sorted(taken)} exist already for this commit: pass another "
             f"prefix, or `dvc exp remove {' '.join(sorted(taken))}`"
         )
-    # The project's MLflow store, served for the stages as in the retrain flow.
-    with contextlib.chdir(repo), server.local_server(repo, repo / "logs"):
+    # The project's MLflow store, served for the stages, and the forkserver they start from,
+    # as in the retrain flow (queued experiments run in copies of the workspace: a fork
+    # imports the project's own modules from the copy it runs in).
+    with (
+        contextlib.chdir(repo),
+        forkserver.serving(repo, repo / "logs"),
+        server.local_server(repo, repo / "logs"),
+    ):
         experiment_id = runs.setup(params.tracking.experiment)
         for said in recovery.close_killed_runs(experiment_id, "experiment", str(flow_run.id or "")):
             logger.warning(said)
