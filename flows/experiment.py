@@ -239,6 +239,42 @@ def default_prefix() -> str:
     return dt.datetime.now(dt.UTC).strftime("exp-%Y%m%d-%H%M%S")
 
 
+def _child_run(
+    client: MlflowClient, experiment_id: str, parent_id: str, name: str, settings: dict[str, Any]
+) -> Outcome:
+    """The experiment's MLflow run under the sweep's, its settings as params."""
+    child = client.create_run(
+        experiment_id,
+        run_name=name,
+        tags={
+            runs.TAG_PARENT: parent_id,
+            runs.TAG_EXP_NAME: name,
+            runs.TAG_PIPELINE: "experiment",
+        },
+    )
+    for key, value in settings.items():
+        client.log_param(child.info.run_id, key, str(value))
+    return Outcome(name, settings, child.info.run_id)
+
+
+def _queue_all(repo: Path, params: Params, outcomes: list[Outcome], client: MlflowClient) -> None:
+    """Queue every experiment, or none: a failure unqueues those queued and fails their runs."""
+    copies = copy_paths(repo, params)
+    try:
+        for outcome in outcomes:
+            queue(repo, outcome.name, outcome.settings, copies)
+    except Exception:
+        # Leave nothing half-queued for the next `--run-all` to pick up by surprise.
+        subprocess.run(
+            [sys.executable, "-m", "dvc", "queue", "remove", *(o.name for o in outcomes)],
+            cwd=repo,
+            capture_output=True,
+        )
+        for outcome in outcomes:
+            client.set_terminated(outcome.run_id, status="FAILED")
+        raise
+
+
 @flow(name="experiment", log_prints=True)
 def experiment(
     sets: list[dict[str, Any]] | None = None,
@@ -284,35 +320,11 @@ def experiment(
                 runs.TAG_FLOW_RUN: str(flow_run.id or ""),
             },
         ) as parent:
-            outcomes = []
-            for name, settings in zip(names, chosen, strict=True):
-                child = client.create_run(
-                    experiment_id,
-                    run_name=name,
-                    tags={
-                        runs.TAG_PARENT: parent.info.run_id,
-                        runs.TAG_EXP_NAME: name,
-                        runs.TAG_PIPELINE: "experiment",
-                    },
-                )
-                for key, value in settings.items():
-                    client.log_param(child.info.run_id, key, str(value))
-                outcomes.append(Outcome(name, settings, child.info.run_id))
-
-            copies = copy_paths(repo, params)
-            try:
-                for outcome in outcomes:
-                    queue(repo, outcome.name, outcome.settings, copies)
-            except Exception:
-                # Leave nothing half-queued for the next `--run-all` to pick up by surprise.
-                subprocess.run(
-                    [sys.executable, "-m", "dvc", "queue", "remove", *names],
-                    cwd=repo,
-                    capture_output=True,
-                )
-                for outcome in outcomes:
-                    client.set_terminated(outcome.run_id, status="FAILED")
-                raise
+            outcomes = [
+                _child_run(client, experiment_id, parent.info.run_id, name, settings)
+                for name, settings in zip(names, chosen, strict=True)
+            ]
+            _queue_all(repo, params, outcomes, client)
             env = os.environ | {
                 # dvc.yaml's `python -m stages.x` must find this environment's python.
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",

@@ -163,7 +163,7 @@ OVER_THE_RULE: dict[str, tuple[int, int]] = {
     "tuneloop/review/web.py:create_review_app": (82, 0),
     "tuneloop/telemetry/watch.py:watch": (129, 8),
     "tuneloop/tracking/registry.py:register_candidate": (117, 8),
-    "flows/experiment.py:experiment": (116, 13),
+    "flows/experiment.py:experiment": (98, 13),
     "flows/release.py:release": (92, 9),
     "serving/proxy.py:forward": (85, 10),
     "stages/evaluate.py:main": (98, 6),
