@@ -59,6 +59,7 @@ from tuneloop.demo.report import (
     Traffic,
 )
 from tuneloop.net import free_port
+from tuneloop.orchestration import forkserver
 from tuneloop.orchestration.flow_results import (
     PipelineRun,
     ReleaseOutcome,
@@ -660,6 +661,8 @@ def run(
     params = load_params(repo / "params.yaml")
     history: list[DemoMonth] = []
     with (
+        # One forkserver for every month's stages; it preloads while Prefect's server starts.
+        forkserver.serving(repo, repo / "logs"),
         prefect_server(repo / "logs") as api,
         contextlib.chdir(repo),
         server.local_server(repo, repo / "logs") as tracking,

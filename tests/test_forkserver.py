@@ -192,3 +192,15 @@ def test_off_starts_no_server_and_leaves_the_variable(
         assert path is None
         assert os.environ[forkserver.ENV] == forkserver.OFF
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_block_inside_another_uses_its_server(
+    served: tuple[Path, dict[str, str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo holds one server for all its months; each month's retrain uses it."""
+    outer = served[1][forkserver.ENV]
+    monkeypatch.setenv(forkserver.ENV, outer)
+    with forkserver.serving(tmp_path, tmp_path / "logs") as path:
+        assert path == Path(outer)
+    assert os.environ[forkserver.ENV] == outer
+    assert not (tmp_path / "logs").exists(), "a second server was started"

@@ -400,15 +400,30 @@ def _run_main(module: str) -> int:
     return code
 
 
+def _answers(path: Path) -> bool:
+    """Whether a server listens at ``path`` (the fork that answers sees us hang up, and ends)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
 @contextlib.contextmanager
 def serving(repo: Path, logs: Path) -> Iterator[Path | None]:
     """A forkserver for the stage commands started inside the block (``TUNELOOP_FORKSERVER``
     is set in this process's environment until it ends): its socket's path. The server
     preloads while the first stages run cold, and ends with the block or with this process;
     its output goes to ``logs``/forkserver.log. With ``TUNELOOP_FORKSERVER=off`` none starts
-    (None): every stage runs cold."""
-    if os.environ.get(ENV) == OFF:
+    (None): every stage runs cold. Inside another block whose server answers, that one
+    serves (the demo holds one for all its months)."""
+    current = os.environ.get(ENV)
+    if current == OFF:
         yield None
+        return
+    if current and _answers(Path(current)):  # an enclosing block's (the demo's months)
+        yield Path(current)
         return
     folder = Path(tempfile.mkdtemp(prefix="tuneloop-fork-"))  # 0700: ours alone
     path = folder / "stages.sock"  # short: a socket's path is at most 107 bytes
