@@ -28,10 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import stage_overhead  # noqa: E402
 
 from tuneloop.demo import domain  # noqa: E402
 from tuneloop.params import load_params  # noqa: E402
@@ -48,25 +49,8 @@ def env(served: bool) -> dict[str, str]:
     return found if served else found | {"TUNELOOP_FORKSERVER": "off"}
 
 
-def git(folder: Path, *args: str) -> None:
-    command = ["git", "-c", "user.name=bench", "-c", "user.email=bench@example.com", *args]
-    subprocess.run(command, cwd=folder, check=True, capture_output=True)
-
-
 def make_project(folder: Path) -> Path:
-    folder.mkdir(parents=True)
-    for name in ("dvc.yaml", ".dvcignore", "pyproject.toml", ".gitignore"):
-        shutil.copy(ROOT / name, folder / name)
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["model"]["tiny"]["pretrain_steps"] = 10
-    (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    ignore = shutil.ignore_patterns("__pycache__")
-    for name in ("stages", "tuneloop", "flows", "eval"):
-        shutil.copytree(ROOT / name, folder / name, ignore=ignore)
-    shutil.copytree(ROOT / ".dvc", folder / ".dvc", ignore=shutil.ignore_patterns("cache", "tmp"))
-    git(folder, "init", "-q")
-    git(folder, "add", "-A")
-    git(folder, "commit", "-qm", "benchmark project")
+    stage_overhead.checkout(folder, pretrain_steps=10)
     loaded = load_params(folder / "params.yaml")
     domain.seed_month(folder / loaded.paths.incoming, loaded.demo)
     return folder

@@ -69,17 +69,14 @@ def git(folder: Path, *args: str) -> None:
     subprocess.run(command, cwd=folder, check=True, capture_output=True)
 
 
-def make_project(folder: Path) -> Path:
-    """A git + DVC checkout of this project's code and params, its base model built.
-
-    The base is built without its general-skill pre-training (``model.tiny.pretrain_steps:
-    0``, minutes on a busy machine): the data stages read only its tokenizer, which is the same.
-    """
+def checkout(folder: Path, pretrain_steps: int) -> Path:
+    """A git + DVC checkout of this project's code and params in ``folder``, the base's
+    general-skill pre-training cut to ``pretrain_steps``."""
     folder.mkdir(parents=True)
     for name in ("dvc.yaml", ".dvcignore", "pyproject.toml", ".gitignore"):
         shutil.copy(ROOT / name, folder / name)
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["model"]["tiny"]["pretrain_steps"] = 0
+    params["model"]["tiny"]["pretrain_steps"] = pretrain_steps
     (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     ignore = shutil.ignore_patterns("__pycache__")
     for name in ("stages", "tuneloop", "flows", "eval"):
@@ -88,6 +85,16 @@ def make_project(folder: Path) -> Path:
     git(folder, "init", "-q")
     git(folder, "add", "-A")
     git(folder, "commit", "-qm", "benchmark project")
+    return folder
+
+
+def make_project(folder: Path) -> Path:
+    """A checkout with its base model built.
+
+    The base is built without its general-skill pre-training (``model.tiny.pretrain_steps:
+    0``, minutes on a busy machine): the data stages read only its tokenizer, which is the same.
+    """
+    checkout(folder, pretrain_steps=0)
     run(folder, ["dvc", "repro", "--single-item", "base"], env())
     # The task names ingest reads (stage task_names): written once, untimed, as base.
     run(folder, ["dvc", "repro", "--single-item", "task_names"], env())
