@@ -35,18 +35,19 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import stage_overhead  # noqa: E402
 
 from tuneloop.demo import domain  # noqa: E402
+from tuneloop.orchestration import forkserver  # noqa: E402
 from tuneloop.params import load_params  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 
 
 def env(served: bool) -> dict[str, str]:
-    """An activated shell's environment; no Prefect or MLflow server of ours."""
-    found = os.environ | {"PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    for name in ("PYTHONPATH", "PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
+    """An activated shell's environment (stage_overhead's); no Prefect, MLflow or fork server
+    of ours, and ``TUNELOOP_FORKSERVER=off`` for the cold arm."""
+    found = stage_overhead.env()
+    for name in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", forkserver.ENV):
         found.pop(name, None)
-    found.pop("TUNELOOP_FORKSERVER", None)
-    return found if served else found | {"TUNELOOP_FORKSERVER": "off"}
+    return found if served else found | {forkserver.ENV: forkserver.OFF}
 
 
 def make_project(folder: Path) -> Path:

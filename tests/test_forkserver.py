@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -178,10 +177,8 @@ def test_a_command_killed_outright_hangs_up_on_its_stage(
     command = start_waiting(served, tmp_path / "said")
     command.kill()
     command.wait(timeout=30)
-    started = time.monotonic()
     wait_until((tmp_path / "said").exists, 30, "the stage to be hung up on", step=0.1)
     assert (tmp_path / "said").read_text() == "HUP"
-    assert time.monotonic() - started < forkserver.HANGUP_GRACE_S
 
 
 def test_off_starts_no_server_and_leaves_the_variable(

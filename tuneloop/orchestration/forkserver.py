@@ -437,15 +437,14 @@ def serving(repo: Path, logs: Path) -> Iterator[Path | None]:
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a terminal's Ctrl-C reaches the stages through DVC
         )
-    previous = os.environ.get(ENV)
     os.environ[ENV] = str(path)
     try:
         yield path
     finally:
-        if previous is None:
+        if current is None:
             os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = previous
+        else:  # a server that no longer answered: named again, as found
+            os.environ[ENV] = current
         process.terminate()
         try:
             process.wait(timeout=10)
