@@ -6,13 +6,12 @@ Writes: ``paths.merged`` (a standard Hugging Face folder with tokenizer and chat
         template, plus manifest.json); ``metrics/merge.json``.
 Params: ``merge``, ``model.base``, ``paths``.
 
-Equivalence gate: on ``merge.probes`` prompts spread over every eval suite, the
-merged model's logits must match the adapter model's within
-``merge.max_abs_logit_diff`` and its greedy generations must be identical; past
-that the stage fails and says by how much. The measured differences are in
-``metrics/merge.json`` (and MLflow) either way. Merge and check run in float32
-(host memory: 4 bytes a parameter); the result is saved in ``merge.dtype``.
-The merge and its check are ``tuneloop.training.merge``'s.
+Equivalence gate: on ``merge.probes`` prompts spread over every eval suite, the merged model's
+logits must match the adapter model's within ``merge.max_abs_logit_diff`` and it must choose
+the same token at every step of the adapter model's greedy answers; past that the stage fails
+and says by how much. The measured differences are in ``metrics/merge.json`` (and MLflow)
+either way. Merge and check run in float32 (host memory: 4 bytes a parameter); the result is
+saved in ``merge.dtype``. The merge and its check are ``tuneloop.training.merge``'s.
 
 A full fine-tune leaves a whole model in ``paths.adapter`` (config and weights,
 no ``adapter_config.json``): there is nothing to merge, so it is copied through

@@ -96,6 +96,27 @@ def greedy(folder: Path, dtype: str, question: str) -> str:
     return str(tokenizer.decode(out[0, batch["input_ids"].shape[1] :], skip_special_tokens=True))
 
 
+def test_one_pass_over_the_answers_chooses_what_generate_chose(project: Path) -> None:
+    """The check reads both models on the adapter model's greedy answers in one pass: on the
+    left-padded probes, the choices of that pass are generate's own, token for token, up to
+    each answer's end (a position counted from the padding would move them)."""
+    params = load_params(project / "params.yaml")
+    model, tokenizer = merge.load_adapter_model(params)
+    questions = merge.probe_questions(params.paths.eval_suites, params.merge.probes)
+    batch = merge.probe_batch(tokenizer, questions)
+    assert (batch["attention_mask"] == 0).any()  # the probes differ in length: padded
+    answers = merge.greedy_answers(model, batch, tokenizer.pad_token_id)
+    generated = answers.inputs["input_ids"][:, answers.prompt_length :]
+    read = merge.probed(model, answers)
+    assert [len(c) for c in read.choices] == answers.lengths
+    for row, chosen in enumerate(read.choices):
+        assert torch.equal(chosen, generated[row, : len(chosen)])
+    # One step that chooses otherwise is a probe that differs.
+    moved = merge.Probed(read.logits, [c.clone() for c in read.choices])
+    moved.choices[1][-1] += 1
+    assert merge.compare(read, moved)["identical_generations"] == 1 - 1 / len(read.choices)
+
+
 def test_a_perturbed_merge_fails_the_equivalence_gate(
     project: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

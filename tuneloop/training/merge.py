@@ -1,11 +1,11 @@
 """Merge: fold a LoRA adapter into the weights it was trained on, and prove nothing changed.
 
-The logic of stage ``merge`` (``stages/merge.py``). Equivalence gate: on probe prompts
-spread over every eval suite, the merged model's logits must match the adapter model's
-within ``merge.max_abs_logit_diff`` and its greedy generations must be identical
-(``check``). Merge and check run in float32 (host memory: 4 bytes a parameter); the result
-is cast to ``merge.dtype`` after the check. A full fine-tune has nothing to merge: its
-folder is copied through (``pass_through``).
+The logic of stage ``merge`` (``stages/merge.py``). Equivalence gate: on probe prompts spread
+over every eval suite, the merged model's logits must match the adapter model's within
+``merge.max_abs_logit_diff``, on the prompts and on the adapter model's greedy answers, and at
+every step of those answers it must choose the same token (``check``). Merge and check run in
+float32 (host memory: 4 bytes a parameter); the result is cast to ``merge.dtype`` after the
+check. A full fine-tune has nothing to merge: its folder is copied through (``pass_through``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,6 @@ WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 FULL_FINE_TUNE = "full fine-tune"
 log = logging.getLogger(__name__)
 
-Outputs = tuple[torch.Tensor, torch.Tensor]  # (logits on attended probe tokens, greedy tokens)
-
 
 class MergeMetrics(BaseModel):
     """``metrics/merge.json`` after a merge: how far the merged model's outputs are from the
@@ -50,7 +49,9 @@ class MergeMetrics(BaseModel):
         description="max_abs_logit_diff / max_abs_logit: reads the same on models of any size"
     )
     max_abs_logit: float = Field(description="the adapter model's largest logit magnitude")
-    identical_generations: float = Field(description="share of probes with the same greedy text")
+    identical_generations: float = Field(
+        description="share of probes whose greedy answer the merged model chooses at every step"
+    )
     probes: int = Field(description="probe prompts, spread over every eval suite")
     saved_dtype: str = Field(description="merge.dtype: what the merged model is saved in")
     tolerance: float = Field(description="merge.max_abs_logit_diff: the most allowed")
@@ -115,32 +116,85 @@ def probe_batch(tokenizer: PreTrainedTokenizerBase, questions: list[str]) -> dic
     return dict(batch)
 
 
+@dataclass(frozen=True)
+class Answers:
+    """The adapter model's greedy answers to the probes, as both models are read on them."""
+
+    inputs: dict[str, torch.Tensor]
+    prompt_length: int
+    lengths: list[int]
+    """each answer's tokens, up to and including its end-of-sequence token"""
+
+
+@dataclass(frozen=True)
+class Probed:
+    """A model's outputs on the probes followed by the adapter model's greedy answers."""
+
+    logits: torch.Tensor
+    """float32 logits on the attended tokens: the prompt, then the answer up to its end"""
+    choices: list[torch.Tensor]
+    """per probe, the model's greedy choice at each step of the answer"""
+
+
 @torch.no_grad()
-def outputs(model: Any, batch: dict[str, Any], pad_token_id: int | None) -> Outputs:
-    """Logits on the probes (where attended) and greedy continuations."""
-    logits = model(**batch).logits.float()
-    logits = logits[batch["attention_mask"].bool()]
-    generated = model.generate(
+def greedy_answers(model: Any, batch: dict[str, Any], pad_token_id: int | None) -> Answers:
+    """The adapter model's greedy answers to the probes, ready for both models to read."""
+    sequences = model.generate(
         **batch, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, pad_token_id=pad_token_id
     )
-    return logits, generated[:, batch["input_ids"].shape[1] :]
+    prompt_length = batch["input_ids"].shape[1]
+    answers = sequences[:, prompt_length:]
+    eos = model.generation_config.eos_token_id
+    ends = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+    lengths = []
+    for row in answers:
+        stops = torch.isin(row, ends).nonzero()
+        lengths.append(int(stops[0]) + 1 if len(stops) else len(row))
+    # What generate wrote after an answer ended is padding: masked, as the prompts' is.
+    steps = torch.arange(answers.shape[1]).expand_as(answers)
+    answered = (steps < torch.tensor(lengths).unsqueeze(1)).to(batch["attention_mask"].dtype)
+    mask = torch.cat([batch["attention_mask"], answered], dim=1)
+    # Positions as generate counts them: from each row's first token, not from its padding.
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    inputs = {"input_ids": sequences, "attention_mask": mask, "position_ids": positions}
+    return Answers(inputs, prompt_length, lengths)
 
 
-def compare(reference: Outputs, merged: Outputs) -> dict[str, float]:
+@torch.no_grad()
+def probed(model: Any, answers: Answers) -> Probed:
+    """One forward pass over the probes and their answers (teacher forcing): the logits, and
+    the token the model chooses at each step of each answer.
+
+    The same check as generating again, for one pass instead of one a token: a model that
+    chooses the adapter model's token at every step of its greedy answer generates that
+    answer. On a large model, in float32 on the host, that is most of the merge's time.
+    """
+    logits = model(**answers.inputs).logits.float()
+    # Step k of an answer is chosen on the logits of the token before it.
+    start = answers.prompt_length - 1
+    choices = [
+        logits[row, start : start + length].argmax(dim=-1)
+        for row, length in enumerate(answers.lengths)
+    ]
+    return Probed(logits[answers.inputs["attention_mask"].bool()], choices)
+
+
+def compare(reference: Probed, merged: Probed) -> dict[str, float]:
     """How far the merged model's outputs are from the adapter model's.
 
     ``max_rel_logit_diff`` is the largest difference over the largest logit magnitude: float32
     rounding grows with the logits' scale, so it reads the same on models of any size.
     """
-    diff = (reference[0] - merged[0]).abs()
-    same = (reference[1] == merged[1]).all(dim=1)
-    largest = float(reference[0].abs().max())
+    diff = (reference.logits - merged.logits).abs()
+    pairs = zip(reference.choices, merged.choices, strict=True)
+    same = [bool(torch.equal(ours, theirs)) for ours, theirs in pairs]
+    largest = float(reference.logits.abs().max())
     return {
         "max_abs_logit_diff": float(diff.max()),
         "mean_abs_logit_diff": float(diff.mean()),
         "max_rel_logit_diff": float(diff.max()) / largest if largest > 0 else 0.0,
         "max_abs_logit": largest,
-        "identical_generations": float(same.float().mean()),
+        "identical_generations": sum(same) / len(same),
     }
 
 
@@ -162,9 +216,10 @@ def merge(params: Params) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Mer
     questions = probe_questions(params.paths.eval_suites, params.merge.probes)
     batch = probe_batch(tokenizer, questions)
     # Before merging: merge_and_unload changes the base weights in place.
-    reference = outputs(model, batch, tokenizer.pad_token_id)
+    answers = greedy_answers(model, batch, tokenizer.pad_token_id)
+    reference = probed(model, answers)
     merged = model.merge_and_unload()
-    compared = compare(reference, outputs(merged, batch, tokenizer.pad_token_id))
+    compared = compare(reference, probed(merged, answers))
     tolerance = params.merge.max_abs_logit_diff
     metrics = MergeMetrics(
         **compared,
