@@ -24,6 +24,31 @@ from tuneloop.orchestration import forkserver
 
 pytestmark = pytest.mark.fast
 
+INNER = """
+import json, os, signal, sys
+
+how, held = sys.argv[1], int(sys.argv[2])
+try:
+    os.fstat(held)
+    inherited = True
+except OSError:
+    inherited = False
+print(json.dumps({
+    "preloaded": "torch" in sys.modules,
+    "own_session": os.getsid(0) == os.getpid(),
+    "parent": os.getppid(),
+    "inherited": inherited,
+    "var": os.environ.get("TUNELOOP_INNER_VAR"),
+    "fresh_handlers": signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    "title": open("/proc/self/cmdline").read().replace("\\0", " ").strip(),
+    "argv": sys.argv[1:],
+}), flush=True)
+if how == "signal":
+    os.kill(os.getpid(), signal.SIGTERM)
+sys.exit(5)
+"""
+
 INIT = "from tuneloop.orchestration.forkserver import run_forked\n\nrun_forked()\n"
 
 JOB = """
@@ -49,11 +74,26 @@ if mode == "raise":
 if mode == "ending":
     threading.Thread(target=lambda: (time.sleep(0.3), print("thread joined"))).start()
     atexit.register(lambda: print("atexit ran"))
+if mode == "warm":  # a served stage starting its own job, as the train stage's watcher does
+    from tuneloop.orchestration import forkserver
+
+    held = os.open(sys.argv[2] + ".held", os.O_CREAT | os.O_WRONLY)  # not for the job
+    before = sys.argv[2] + ".before"
+    ended = {}
+    for how in ("exit", "signal"):
+        started = forkserver.start_warm(
+            [sys.executable, "-m", "pkg.inner", how, str(held)],
+            dict(os.environ, TUNELOOP_INNER_VAR="inner"),
+            before=lambda: open(before, "w").close(),
+        )
+        ended[how] = started and started.wait(60)
+    print(json.dumps({"stage": os.getpid(), "ended": ended}), flush=True)
 if mode == "wait":
     def said(name):
         def handler(signum, frame):
-            with open(sys.argv[2], "w") as out:
+            with open(sys.argv[2] + ".part", "w") as out:  # whole when it appears
                 out.write(name)
+            os.replace(sys.argv[2] + ".part", sys.argv[2])
             sys.exit(0)
         return handler
     signal.signal(signal.SIGTERM, said("TERM"))
@@ -70,6 +110,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dic
     (folder / "pkg").mkdir()
     (folder / "pkg" / "__init__.py").write_text(INIT)
     (folder / "pkg" / "job.py").write_text(JOB)
+    (folder / "pkg" / "inner.py").write_text(INNER)
     with forkserver.serving(folder, folder / "logs") as path:
         env = dict(os.environ)
         os.environ.pop(forkserver.ENV)  # this process's other tests run as they would
@@ -106,6 +147,28 @@ def test_a_served_command_gets_its_arguments_folder_streams_and_status(
     assert not said["served_again"], "what the stage starts would ask to be served too"
     assert said["title"] == f"{sys.executable} -m pkg.job exit second", "ps shows the server"
     assert done.returncode == 3
+
+
+def test_a_served_stage_starts_its_own_job_as_a_fork_of_itself(
+    served: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """The train stage's watcher starts its job so (``start_warm``): warm, and otherwise as
+    ``Popen(start_new_session=True, preexec_fn=...)`` would have started it."""
+    done, said = job(served, "warm", str(tmp_path / "mark"))
+    assert said["preloaded"] and done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()[1:]]
+    inner, stage = lines[:2], lines[2]
+    assert stage["ended"] == {"exit": 5, "signal": -signal.SIGTERM}
+    for each in inner:
+        assert each["preloaded"], "the job imported the stack again"
+        assert each["own_session"] and each["parent"] == stage["stage"]
+        assert not each["inherited"], "the job holds the stage's files"
+        assert each["var"] == "inner" and each["fresh_handlers"]
+        assert each["title"] == " ".join([sys.executable, "-m", "pkg.inner", *each["argv"]])
+    assert [each["argv"][0] for each in inner] == ["exit", "signal"]
+    assert (tmp_path / "mark.before").exists()
+    # Not a served stage (this test's process): the caller starts a process.
+    assert forkserver.start_warm([sys.executable, "-m", "pkg.inner"], dict(os.environ)) is None
 
 
 def test_a_stage_ended_by_a_signal_ends_its_command_by_that_signal(

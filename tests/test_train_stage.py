@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -25,7 +26,14 @@ from safetensors.torch import load_file
 
 from stages import train
 from tests.helpers import write_params
-from tests.train_helpers import FAST, data, make_project, run_stage, stage_env  # noqa: F401
+from tests.train_helpers import (  # noqa: F401
+    FAST,
+    data,
+    make_project,
+    run_stage,
+    served,
+    stage_env,
+)
 from tuneloop.params import load_params
 from tuneloop.telemetry.trace import TraceError, read_trace
 from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE
@@ -242,13 +250,15 @@ def test_loss_spike_on_a_planted_bad_batch_stops_marks_and_alerts(
 
 
 def test_a_hung_rank_is_ended_then_a_rerun_trains_on_two_shards_and_keeps_the_evidence(
-    data: Path, tmp_path: Path
+    data: Path, tmp_path: Path, served: Path
 ) -> None:
     """Rank 1 one micro-batch short, a whole epoch: rank 0's extra step waits forever.
 
     gloo would wait 30 minutes; the watchdog the stage started beside itself ends it. The
     rerun (shards fixed, other params: it starts afresh and clears its checkpoints) trains
     two gloo processes each on its own shard, and leaves the hung run's evidence as it was.
+    Both runs are served, as under the retrain flow: the job the watcher starts is a fork of
+    it, which then runs torchrun.
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -274,6 +284,7 @@ def test_a_hung_rank_is_ended_then_a_rerun_trains_on_two_shards_and_keeps_the_ev
     done = run_stage(folder)
     elapsed = time.monotonic() - started
     assert done.returncode == WATCHDOG_EXIT_CODE, done.stderr[-3000:]
+    assert "job started warm" in done.stderr
     (verdict,) = (folder / paths.watch).glob("*/watch.json")
     hung = verdict.parent
     watched = json.loads(verdict.read_text())
@@ -306,7 +317,10 @@ def test_a_hung_rank_is_ended_then_a_rerun_trains_on_two_shards_and_keeps_the_ev
     )
     done = run_stage(folder)  # no launcher around it: the stage re-execs under torchrun
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "starting afresh" in done.stderr
+    assert "starting afresh" in done.stderr and "job started warm" in done.stderr
+    served_log = served.read_text()
+    assert "runs cold" not in served_log
+    assert len(re.findall(r"stages\.train: pid \d+ in ", served_log)) == 2, served_log
     m = metrics(folder)
     assert m["world_size"] == 2 and m["global_steps"] == 6
     shard_rows = pq.read_metadata(folder / "data/packed/rank-00001.parquet").num_rows

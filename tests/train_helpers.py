@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from stages import base, clean, ingest, pack, task_names
-from tests.helpers import ROOT, write_params
+from tests.helpers import ROOT, wait_until, write_params
 from tuneloop.demo import domain
+from tuneloop.orchestration import forkserver
 from tuneloop.params import load_params
 
 # A few steps each; checkpoints (and validation) every 3 so resume and best-model paths run.
@@ -74,12 +75,27 @@ def make_project(
 
 
 def stage_env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    others = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    path = os.pathsep.join([str(ROOT), *(p for p in others if p and p != str(ROOT))])
     return os.environ | {
         "PYTHONPATH": path,
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "HF_HUB_OFFLINE": "1",
     }
+
+
+@pytest.fixture
+def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The test's stage commands served by a forkserver, as under the retrain flow: its log.
+    The server has the stages' environment (``stage_env``), or it would run them cold."""
+    for key, value in stage_env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv(forkserver.ENV, raising=False)  # `off` outside: this test serves
+    logs = tmp_path / "forkserver"
+    with forkserver.serving(ROOT, logs) as path:
+        assert path is not None
+        wait_until(path.exists, 180, "the forkserver's socket", step=0.2)
+        yield logs / "forkserver.log"
 
 
 def run_stage(folder: Path) -> subprocess.CompletedProcess[str]:

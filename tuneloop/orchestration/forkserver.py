@@ -29,6 +29,10 @@ stage killed outright would have gone. A fork copies only the thread that forks,
 server refuses to serve with a second Python thread; it never runs a torch operation (no
 OpenMP pool) and never starts CUDA.
 
+A served stage may start its own ``python -m`` job as a fork of itself (``start_warm``): the
+train stage's watcher does, so the job it watches starts warm too, still its child, in a
+session of its own.
+
 Only the preloaded third-party libraries are shared: the project's own modules (``tuneloop``,
 ``stages``) are dropped from the fork and imported from the stage's directory, so a DVC
 experiment's workspace runs its own code.
@@ -54,7 +58,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -368,6 +372,9 @@ def _become_stage(
         if name.split(".")[0] in OWN_PACKAGES:
             del sys.modules[name]
     sys.path[0] = request["cwd"]
+    # ... but the job it starts itself may be a fork of it (``start_warm``): said in this
+    # module as the stage's directory has it, the one the stage imports.
+    importlib.import_module("tuneloop.orchestration.forkserver").mark_served()
     if isinstance(sys.stdout, io.TextIOWrapper):  # line by line to a terminal, as it starts
         sys.stdout.reconfigure(line_buffering=os.isatty(1))
     if "numpy" in sys.modules:  # a fresh process's global generator, not the server's copy
@@ -398,6 +405,98 @@ def _run_main(module: str) -> int:
         with contextlib.suppress(Exception):
             stream.flush()
     return code
+
+
+# --- a served stage's own job ----------------------------------------------------------
+
+# Set in a stage the server forked: its interpreter holds the preloaded stack.
+_served = False
+
+
+def mark_served() -> None:
+    """Say that this process is a stage the server forked (``_become_stage`` calls it)."""
+    global _served
+    _served = True
+
+
+class Forked:
+    """A command started by ``start_warm``: the part of ``subprocess.Popen`` a caller that
+    waits for its child uses (``pid``, ``poll``, ``wait``, ``returncode``: negative for the
+    signal that ended it)."""
+
+    def __init__(self, pid: int, args: Sequence[str]) -> None:
+        self.pid = pid
+        self.args = list(args)
+        self.returncode: int | None = None
+        self._pidfd = os.pidfd_open(pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                os.close(self._pidfd)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and not select.select([self._pidfd], [], [], timeout)[0]:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        pid, status = os.waitpid(self.pid, 0) if self.returncode is None else (0, 0)
+        if pid:
+            self.returncode = os.waitstatus_to_exitcode(status)
+            os.close(self._pidfd)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def start_warm(
+    command: Sequence[str], env: Mapping[str, str], before: Callable[[], None] | None = None
+) -> Forked | None:
+    """Start ``command``, a ``python -m module args`` of this interpreter, as a fork of this
+    process in a session of its own (``start_new_session``), with ``env`` and no file
+    descriptor but the standard streams (``close_fds``); ``before`` runs in it first
+    (``preexec_fn``). None when that would not be exact, and the caller starts a process:
+    this process is not a stage the server forked (so it has not imported the stack the
+    command needs), it runs a second Python thread, or ``env`` differs from this process's
+    in a variable read at import (``IMPORT_TIME``).
+
+    The train stage's watcher starts its job so: the job, the process that trains, then
+    skips the 5-10 s of imports a process of its own spends. It is still the watcher's child,
+    in its own session, and ends like a process (its status, or the signal that ended it).
+    """
+    if not _served or list(command[:2]) != [sys.executable, "-m"] or len(command) < 3:
+        return None
+    if threading.active_count() != 1 or comparable_env(env) != comparable_env(os.environ):
+        return None
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
+        stream.flush()
+    pid = os.fork()
+    if pid:
+        return Forked(pid, command)
+    try:
+        os.setsid()
+        for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+            if fd > 2:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        for signum in (*FORWARDED, *FORWARDED_TOO):  # a fresh interpreter's handlers
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if before is not None:
+            before()
+        setproctitle.setproctitle(" ".join(command))
+        os.environ.clear()
+        os.environ.update(env)
+        for name in list(sys.modules):  # the job imports the project's code afresh
+            if name.split(".")[0] in OWN_PACKAGES:
+                del sys.modules[name]
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        sys.argv = [command[2], *command[3:]]
+    except BaseException:
+        traceback.print_exc()
+        os._exit(127)
+    os._exit(_run_main(command[2]))
 
 
 def _answers(path: Path) -> bool:

@@ -44,6 +44,7 @@ from types import FrameType
 from typing import Any
 
 from tuneloop.io import write_json
+from tuneloop.orchestration import forkserver
 from tuneloop.telemetry.actions import (
     AlertHook,
     dump_stacks,
@@ -73,6 +74,9 @@ WATCHDOG_EXIT_CODE = 86
 RUN_ID_ENV = "MLFLOW_RUN_ID"
 ALERT_WEBHOOK_ENV = "TUNELOOP_ALERT_WEBHOOK"
 ALERT_COMMAND_ENV = "TUNELOOP_ALERT_COMMAND"
+
+# The job the watcher started: a process of its own, or a fork of a served stage.
+Job = subprocess.Popen[bytes] | forkserver.Forked
 
 
 class WatchError(RuntimeError):
@@ -182,6 +186,17 @@ def _die_with_watcher() -> Callable[[], None] | None:
     return set_parent_death_signal
 
 
+def _start_job(command: list[str], env: dict[str, str]) -> Job:
+    """The job, in a session of its own, ended by the watcher's death. Where the watcher is
+    a stage the flow's forkserver served, a ``python -m`` job starts as a fork of it, with
+    the stack imported already (``forkserver.start_warm``); otherwise as a process."""
+    dies_with_us = _die_with_watcher()
+    if warm := forkserver.start_warm(command, env, before=dies_with_us):
+        log.info("job started warm (pid %d): a fork of this stage's interpreter", warm.pid)
+        return warm
+    return subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=dies_with_us)
+
+
 def _run_action(actions: dict[str, str], name: str, action: Any) -> None:
     # One failing action (MLflow down, webhook unreachable) must not stop the others:
     # the job still has to end and the humans still have to hear. Each outcome is
@@ -237,9 +252,7 @@ def watch(options: WatchOptions) -> WatchOutcome:
         JOB_TOKENS_ENV: job_tokens(token, os.environ),
     }
     try:
-        proc = subprocess.Popen(
-            list(options.command), env=env, start_new_session=True, preexec_fn=_die_with_watcher()
-        )
+        proc = _start_job(list(options.command), env)
     except OSError as err:
         writer.close()
         sampler.close()
@@ -285,7 +298,7 @@ def watch(options: WatchOptions) -> WatchOutcome:
 
     ended = now()
     watchdog.finish(ended)
-    command_code = _exit_code(proc.returncode)
+    command_code = _exit_code(proc.wait())  # ended: its status
     exit_code = WATCHDOG_EXIT_CODE if alarm is not None else command_code
     bands = calibration_source(watchdog.calibrations.values())
     accounting = watchdog.accounting.to_dict()
@@ -405,7 +418,7 @@ def _await_peers(peers: Peers, grace_s: float) -> str:
 
 def _respond(
     alarm: Alarm,
-    proc: subprocess.Popen[bytes],
+    proc: Job,
     job: JobProcesses,
     records: Sequence[HeartbeatRecord],
     watchdog: Watchdog,
