@@ -2,9 +2,9 @@
 
 The rules themselves are tested on hand-made per-item scores in tests/test_gate.py. Here
 the base gets its general skill (the default pre-training) and the candidate is trained
-just long enough to learn the reply format (format_compliance 0 -> 1; exact answers need
-the full demo), so the project's gate judges on ``format_compliance``. Trained that hard
-on so little data, the candidate forgets the base's skill, and the gate says so.
+just long enough to learn the reply format (format_compliance 0 -> 0.9 or more; exact
+answers need the full demo), so the project's gate judges on ``format_compliance``. Trained
+that hard on so little data, the candidate forgets the base's skill, and the gate says so.
 """
 
 from __future__ import annotations
@@ -69,7 +69,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "model": {"tiny": {"pretrain_steps": PRETRAIN_STEPS}},  # the default: a real general skill
     # A pre-trained base takes longer to pick up the format than a random one: four bins a step.
     "batch": {"micro_batch_size": 4, "effective_batch": 4},
-    "train": {"max_steps": 100, "learning_rate": 1.0e-2, "logging_steps": 10},
+    # 150 steps: the format learned on every CPU tried (an AMD EPYC reached 0.67 after 100 steps,
+    # where a Xeon had reached 1.0), far enough above a broken export's 0 to judge it.
+    "train": {"max_steps": 150, "learning_rate": 1.0e-2, "logging_steps": 10},
     "evaluate": {"limit": 12, "batch_size": 12, "general_limit": None},
     "gate": {"primary_metric": "format_compliance", "min_gain": 0.05},
 }
@@ -268,11 +270,15 @@ def plant_fp4_exports(params: Params) -> None:
         quantization.export_format(quantization.FORMATS[fmt], source, folder, 1, 1)
 
 
-def test_a_team_that_accepts_the_loss_registers_the_candidate_and_its_fp4_formats(
-    project: Path, tmp_path: Path
-) -> None:
-    # A larger forgetting budget is a decision a person makes in params.yaml, and it is
-    # recorded in the decision like every other threshold.
+@pytest.fixture(scope="module")
+def accepted(project: Path) -> registry.Registration:
+    """The candidate judged with a forgetting budget a team accepts, and registered as v1.
+
+    A larger forgetting budget is a decision a person makes in params.yaml, and it is
+    recorded in the decision like every other threshold. Every test that needs v1 asks for
+    this, so each passes when run alone; the decision is kept aside, since later tests
+    rewrite ``metrics/decision.json``.
+    """
     formats = ["fp8", "nvfp4", "nvfp4a16"]
     # fp4_max_drop 0.5: on 12 items one flipped answer is 0.08; the planted export loses them all.
     set_params(gate={"max_forgetting": 1.0, "fp4_max_drop": 0.5}, export={"formats": formats})
@@ -282,7 +288,15 @@ def test_a_team_that_accepts_the_loss_registers_the_candidate_and_its_fp4_format
         evaluate.main()
     finally:
         set_params(export={"formats": ["fp8"]})  # the later tests score FP8 only
-    decision = Decision.read(project / "metrics" / "decision.json")
+    shutil.copy(project / "metrics" / "decision.json", project / "accepted-decision.json")
+    return registry.register_candidate(params, flow_run_id="flow-1")
+
+
+def test_a_team_that_accepts_the_loss_registers_the_candidate_and_its_fp4_formats(
+    project: Path, accepted: registry.Registration, tmp_path: Path
+) -> None:
+    params = load_params()
+    decision = Decision.read(project / "accepted-decision.json")
     assert decision.verdict == "pass", decision.reasons[:3]
     assert decision.thresholds.max_forgetting == 1.0
     # Each export scored against the candidate, item by item; FP4 by transformers (bf16).
@@ -295,7 +309,7 @@ def test_a_team_that_accepts_the_loss_registers_the_candidate_and_its_fp4_format
     exports = decision.exports
     assert exports["nvfp4"].refused and exports["nvfp4"].status == "fail"
     assert not exports["nvfp4a16"].refused and exports["nvfp4a16"].status == "pass"
-    done = registry.register_candidate(params, flow_run_id="flow-1")
+    done = accepted
     assert done.registered and done.version == "1" and done.alias == registry.CHALLENGER
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     version = client.get_model_version_by_alias(params.tracking.registered_model, "challenger")
@@ -337,8 +351,9 @@ def test_a_planted_fp8_drop_fails_the_gate_on_the_real_path(project: Path) -> No
         kept.rename(project / "models/fp8")
 
 
+@pytest.mark.usefixtures("accepted")
 def test_a_candidate_worse_than_the_champion_is_not_registered(project: Path) -> None:
-    # Last in this module: it retrains the project far too short.
+    # Last in this module: it retrains the project far too short. v1 is the champion.
     params = load_params()
     name = params.tracking.registered_model
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
