@@ -17,7 +17,7 @@ from tests.helpers import (  # noqa: F401
     seed_demo_month,
     write_params,
 )
-from tests.tiers import fast_by_default, untiered
+from tests.tiers import fast_by_default, spread_a_bare_run, untiered
 from tests.vllm_helpers import vllm_shared, vllm_tiny  # noqa: F401
 
 if TYPE_CHECKING:
@@ -76,6 +76,11 @@ def group_of(nodeid: str) -> str:
     if module in VLLM_MODULES:
         return "vllm"
     return "tiny-project" if module in TINY_PROJECT_MODULES else module
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    spread_a_bare_run(config)
 
 
 @pytest.hookimpl(optionalhook=True)
