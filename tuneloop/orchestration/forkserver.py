@@ -365,22 +365,30 @@ def _become_stage(
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(imported_env | request["env"])
-    os.environ.pop(ENV, None)  # the stage is served: commands it starts run cold
-    for name in list(sys.modules):
-        if name.split(".")[0] in OWN_PACKAGES:
-            del sys.modules[name]
+    env = imported_env | request["env"]
+    env.pop(ENV, None)  # the stage is served: commands it starts run cold
+    _fresh(env, [request["module"], *request["args"]])
     sys.path[0] = request["cwd"]
     # ... but the job it starts itself may be a fork of it (``start_warm``): said in this
     # module as the stage's directory has it, the one the stage imports.
     importlib.import_module("tuneloop.orchestration.forkserver").mark_served()
     if isinstance(sys.stdout, io.TextIOWrapper):  # line by line to a terminal, as it starts
         sys.stdout.reconfigure(line_buffering=os.isatty(1))
-    if "numpy" in sys.modules:  # a fresh process's global generator, not the server's copy
-        sys.modules["numpy"].random.seed()
-    sys.argv = [request["module"], *request["args"]]
     os._exit(_run_main(request["module"]))
+
+
+def _fresh(env: Mapping[str, str], argv: list[str]) -> None:
+    """What a fork shares with its server but a fresh ``python -m`` would not have: the
+    environment, the project's own modules (imported afresh), numpy's global generator (a
+    fresh process's, not the server's copy), and ``sys.argv``."""
+    os.environ.clear()
+    os.environ.update(env)
+    for name in list(sys.modules):
+        if name.split(".")[0] in OWN_PACKAGES:
+            del sys.modules[name]
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    sys.argv = argv
 
 
 def _run_main(module: str) -> int:
@@ -485,14 +493,7 @@ def start_warm(
         if before is not None:
             before()
         setproctitle.setproctitle(" ".join(command))
-        os.environ.clear()
-        os.environ.update(env)
-        for name in list(sys.modules):  # the job imports the project's code afresh
-            if name.split(".")[0] in OWN_PACKAGES:
-                del sys.modules[name]
-        if "numpy" in sys.modules:
-            sys.modules["numpy"].random.seed()
-        sys.argv = [command[2], *command[3:]]
+        _fresh(env, [command[2], *command[3:]])
     except BaseException:
         traceback.print_exc()
         os._exit(127)
