@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOK = Path(__file__).resolve().parent / "suite_cpu_hook"
@@ -63,6 +64,7 @@ def kind_of(argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-min", type=float, default=8.0)
+    parser.add_argument("--keep", type=Path, help="copy the processes' records (JSON lines) here")
     parser.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments")
     options = parser.parse_args(argv)
     cores = os.cpu_count() or 1
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load average after:  {os.getloadavg()}")
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         lines = log.read_text().splitlines() if log.exists() else []
+        if options.keep:
+            options.keep.write_text("\n".join(lines) + "\n")
     records = [json.loads(line) for line in lines]
 
     total = usage.ru_utime + usage.ru_stime
@@ -105,12 +109,27 @@ def main(argv: list[str] | None = None) -> int:
     for name, (n, cpu, imports) in sorted(by_kind.items(), key=lambda kv: -kv[1][1]):
         if cpu >= 1.0:
             print(f"| {n:.0f} | {name} | {cpu:.1f} | {imports:.1f} ({100 * imports / cpu:.0f} %) |")
+    print_by_module(records)
     budget = options.budget_min * 60 * cores
     print(
         f"\n{options.budget_min:g} minutes on {cores} cores is {budget:.0f} CPU s with every core"
         f" busy throughout; this run used {total:.0f}, {total - import_cpu:.0f} without imports."
     )
     return done.returncode
+
+
+def print_by_module(records: list[dict[str, Any]]) -> None:
+    """The test modules whose processes (not the workers) used the most CPU: a child inherits
+    ``PYTEST_CURRENT_TEST`` from the test, or the fixture, that started it."""
+    by_module: dict[str, float] = defaultdict(float)
+    for record in records:
+        test = record.get("test") or ""
+        if test and "pytest-xdist worker" not in kind_of(record["argv"]):
+            by_module[test.split("::")[0]] += record["cpu"]
+    print("\n| test module | CPU of the processes it started (s) |")
+    print("|---|---:|")
+    for module, cpu in sorted(by_module.items(), key=lambda kv: -kv[1])[:25]:
+        print(f"| {module} | {cpu:.1f} |")
 
 
 if __name__ == "__main__":

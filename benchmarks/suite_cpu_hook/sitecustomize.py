@@ -42,6 +42,8 @@ def _record(how: str = "exit") -> None:
         "argv": [arg[:120] for arg in sys.orig_argv[:4]],
         "cpu": round(times.user + times.system, 3),
         "import_cpu": round(_imports["cpu"], 3),
+        # pytest sets it in its worker's environment for each test: the children inherit it
+        "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
     }
     try:
         with open(os.environ["SUITE_CPU_LOG"], "a") as log:
