@@ -8,6 +8,7 @@ compared with an uncached run of the same pool and params.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -281,15 +282,24 @@ def test_removed_batches_leave_the_cache(filled: tuple[Path, Run], tokenizer_fol
 
 
 def test_features_on_worker_processes_equal_inline(
-    tmp_path: Path, tokenizer_folder: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    tokenizer_folder: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     write_pool(tmp_path / "pool", [demo_lines(3, 300)])
     tokenizer = ChatTokenizer.from_folder(tokenizer_folder)
+    caplog.set_level(logging.INFO, logger=clean_cache.log.name)
+    monkeypatch.setattr(clean_cache, "usable_cores", lambda: 2)
+    # Segments of 37 lines: nine chunks, as many as 36,000 lines would make, but too few
+    # lines to start a worker for.
+    monkeypatch.setattr(clean_cache, "SEGMENT_LINES", 37)
     inline = uncached(tmp_path, tokenizer)
+    assert "processes" not in caplog.text
     monkeypatch.setattr(clean_cache, "CHUNK_LINES", 50)
     monkeypatch.setattr(clean_cache, "PARALLEL_MIN_RECORDS", 100)
-    monkeypatch.setattr(clean_cache, "usable_cores", lambda: 2)
     parallel = uncached(tmp_path, tokenizer)
+    assert "on 2 processes" in caplog.text
     assert parallel.files == inline.files
     assert parallel.report.records_in == inline.report.records_in > 300
 

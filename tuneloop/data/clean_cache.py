@@ -195,16 +195,17 @@ def _worker_features(batch: Path, start: int, end: int) -> Features:
     return _features_of(batch, start, end, *_WORKER)
 
 
-def _chunks(segment: Segment) -> list[tuple[Path, int, int]]:
-    """Byte ranges of about CHUNK_LINES lines each, cut at line ends."""
+def _chunks(segment: Segment) -> tuple[list[tuple[Path, int, int]], int]:
+    """Byte ranges of about CHUNK_LINES lines each, cut at line ends; and the lines in all."""
     data = np.fromfile(
         segment.batch, dtype=np.uint8, count=segment.end - segment.start, offset=segment.start
     )
-    ends = (np.flatnonzero(data == ord("\n")) + 1 + segment.start)[CHUNK_LINES - 1 :: CHUNK_LINES]
-    bounds = [segment.start, *ends.tolist()]
+    line_ends = np.flatnonzero(data == ord("\n")) + 1 + segment.start
+    bounds = [segment.start, *line_ends[CHUNK_LINES - 1 :: CHUNK_LINES].tolist()]
     if bounds[-1] != segment.end:
         bounds.append(segment.end)
-    return [(segment.batch, a, b) for a, b in pairwise(bounds)]
+    lines = len(line_ends) + int(bool(data.size) and data[-1] != ord("\n"))
+    return [(segment.batch, a, b) for a, b in pairwise(bounds)], lines
 
 
 def _compute_features(
@@ -220,10 +221,13 @@ def _compute_features(
     thread pool is forked mid-use) each load the tokenizer once and read their own byte
     ranges of the pool, so no line passes through this process.
     """
-    chunks = {segment: _chunks(segment) for segment in missing}
-    n_chunks = sum(map(len, chunks.values()))
-    workers = min(usable_cores(), n_chunks)
-    if n_chunks * CHUNK_LINES < PARALLEL_MIN_RECORDS or workers < 2 or tokenizer.folder is None:
+    cut = {segment: _chunks(segment) for segment in missing}
+    chunks = {segment: ranges for segment, (ranges, _) in cut.items()}
+    # The lines themselves: a month of small batch files is several short segments, which
+    # counted as whole chunks would start worker processes for a few hundred lines.
+    lines = sum(n for _, n in cut.values())
+    workers = min(usable_cores(), sum(map(len, chunks.values())))
+    if lines < PARALLEL_MIN_RECORDS or workers < 2 or tokenizer.folder is None:
         total = 0
         for segment in missing:
             f = _features_of(segment.batch, segment.start, segment.end, params, tokenizer)
