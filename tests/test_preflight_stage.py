@@ -33,6 +33,7 @@ from tuneloop.judge import suites
 from tuneloop.params import load_params
 from tuneloop.pipeline import stage_order
 from tuneloop.preflight import run as pf_run
+from tuneloop.telemetry.actions import find_py_spy
 
 # The whole suite (`make test`): torchrun ranks, dvc repro
 pytestmark = pytest.mark.slow
@@ -218,6 +219,24 @@ class Torchrun:
             time.sleep(0.1)
         return False
 
+    def stacks(self) -> str:
+        """Each process of the job still there, its state and its stack (``py-spy dump``)."""
+        try:
+            launcher = psutil.Process(self.process.pid)
+            processes = [launcher, *launcher.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return "torchrun has ended"
+        py_spy = find_py_spy()
+        shown = []
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                shown.append(f"--- pid {process.pid} {process.status()}: {process.cmdline()[:4]}")
+                if py_spy and process.status() != psutil.STATUS_ZOMBIE:
+                    dump = [py_spy, "dump", "--native", "--pid", str(process.pid)]
+                    done = subprocess.run(dump, capture_output=True, text=True, timeout=60)
+                    shown.append(done.stdout + done.stderr)
+        return "\n".join(shown)
+
     def kill(self) -> list[psutil.Process]:
         """End torchrun and every rank; returns the processes that were running."""
         processes = []
@@ -262,7 +281,10 @@ def test_balanced_shards_from_pack_finish_ddp(project: Path) -> None:
             code = job.process.wait(FINISH_WITHIN_S)
         except subprocess.TimeoutExpired:
             # What the ranks said is the evidence (rendezvous, epoch, barrier): keep it.
-            pytest.fail(f"balanced DDP still running after {FINISH_WITHIN_S:g} s:\n{job.output}")
+            pytest.fail(
+                f"balanced DDP still running after {FINISH_WITHIN_S:g} s:\n{job.output}\n"
+                f"{job.stacks()}"
+            )
         assert code == 0, job.output
     finally:
         job.kill()
