@@ -33,7 +33,7 @@ from tuneloop.judge import suites
 from tuneloop.params import load_params
 from tuneloop.pipeline import stage_order
 from tuneloop.preflight import run as pf_run
-from tuneloop.telemetry.actions import find_py_spy
+from tuneloop.telemetry.actions import find_py_spy, py_spy_dump
 
 # The whole suite (`make test`): torchrun ranks, dvc repro
 pytestmark = pytest.mark.slow
@@ -232,9 +232,8 @@ class Torchrun:
             with contextlib.suppress(psutil.NoSuchProcess):
                 shown.append(f"--- pid {process.pid} {process.status()}: {process.cmdline()[:4]}")
                 if py_spy and process.status() != psutil.STATUS_ZOMBIE:
-                    dump = [py_spy, "dump", "--native", "--pid", str(process.pid)]
-                    done = subprocess.run(dump, capture_output=True, text=True, timeout=60)
-                    shown.append(done.stdout + done.stderr)
+                    # Native frames too: a deadlock at exit sits in C++ destructors.
+                    shown.append(py_spy_dump(py_spy, process.pid, native=True))
         return "\n".join(shown)
 
     def kill(self) -> list[psutil.Process]:

@@ -43,10 +43,11 @@ def find_py_spy() -> str | None:
     return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
 
 
-def _py_spy_dump(py_spy: str, pid: int) -> str:
+def py_spy_dump(py_spy: str, pid: int, native: bool = False) -> str:
+    """One process's stacks, or why py-spy gave none; ``native`` adds C/C++ frames."""
     try:
         done = subprocess.run(
-            [py_spy, "dump", "--pid", str(pid)],
+            [py_spy, "dump", "--pid", str(pid), *(["--native"] if native else [])],
             capture_output=True,
             text=True,
             timeout=PY_SPY_TIMEOUT_S,
@@ -83,7 +84,7 @@ def dump_stacks(
     if py_spy is not None:
         pythons = [p for p in processes if _is_python(p)]
         with ThreadPoolExecutor(max_workers=max(1, min(8, len(pythons)))) as pool:
-            dumps = list(pool.map(lambda p: _py_spy_dump(py_spy, p.pid), pythons))
+            dumps = list(pool.map(lambda p: py_spy_dump(py_spy, p.pid), pythons))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("".join(dumps), encoding="utf-8")
         return f"py-spy dump of {len(pythons)} Python process(es) written to {out}"
