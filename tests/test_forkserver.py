@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -64,6 +65,9 @@ print(json.dumps({
     "own_group": os.getpgid(0) == os.getpid(),
     "line": sys.stdin.readline().strip(),
     "title": open("/proc/self/cmdline").read().replace("\\0", " ").strip(),
+    "fresh_handlers": signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    "ignores_hup": signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,
 }), flush=True)
 if mode == "exit":
     sys.exit(3)
@@ -119,7 +123,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dic
 
 
 def job(
-    served: tuple[Path, dict[str, str]], *args: str, env: dict[str, str] | None = None
+    served: tuple[Path, dict[str, str]],
+    *args: str,
+    env: dict[str, str] | None = None,
+    ignoring: signal.Signals | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, object]]:
     folder, served_env = served
     done = subprocess.run(
@@ -130,6 +137,7 @@ def job(
         capture_output=True,
         text=True,
         timeout=60,
+        preexec_fn=ignoring and (lambda: signal.signal(ignoring, signal.SIG_IGN)),
     )
     return done, json.loads(done.stdout.splitlines()[0])
 
@@ -146,6 +154,16 @@ def test_a_served_command_gets_its_arguments_folder_streams_and_status(
     assert said["own_group"], "the stage shares a process group with the server"
     assert not said["served_again"], "what the stage starts would ask to be served too"
     assert said["title"] == f"{sys.executable} -m pkg.job exit second", "ps shows the server"
+    assert said["fresh_handlers"] and not said["ignores_hup"], "the server's signal handlers"
+    assert done.returncode == 3
+
+
+def test_a_signal_the_command_ignores_the_stage_ignores(
+    served: tuple[Path, dict[str, str]],
+) -> None:
+    """As under ``nohup``: a command started so would have ignored its terminal's hangup."""
+    done, said = job(served, "exit", ignoring=signal.SIGHUP)
+    assert said["preloaded"] and said["ignores_hup"]
     assert done.returncode == 3
 
 
@@ -231,6 +249,71 @@ def test_a_signal_to_the_command_reaches_the_stage(
     command.send_signal(signal.SIGTERM)
     assert command.wait(timeout=30) == 0
     assert (tmp_path / "said").read_text() == "TERM"
+
+
+def test_a_signal_sent_before_the_stages_pid_is_known_reaches_it(
+    served: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """The stage may run (and the flow be cancelled) before its pid reaches the command: the
+    command holds the signal until then. This test answers as the server, to send the signal
+    in that moment."""
+    folder, env = served
+    path = tmp_path / "server.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen(1)
+        listener.settimeout(60)
+        command = subprocess.Popen(
+            [sys.executable, "-m", "pkg.job", "wait", str(tmp_path / "said")],
+            cwd=folder,
+            env=env | {forkserver.ENV: str(path)},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        conn, _ = listener.accept()
+    with conn:
+        forkserver._recv(conn)
+        forkserver._send(conn, {"exact": True})
+        _, fds = forkserver._recv(conn, max_fds=3)
+        for fd in fds:
+            os.close(fd)
+        command.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            command.wait(timeout=1)  # held, not the command's end
+        stage = subprocess.Popen(["sleep", "60"])
+        forkserver._send(conn, {"pid": stage.pid})
+        assert stage.wait(timeout=30) == -signal.SIGTERM
+        forkserver._send(conn, {"status": -signal.SIGTERM})
+    assert command.wait(timeout=30) == -signal.SIGTERM
+
+
+def test_a_server_gone_before_the_request_leaves_the_command_as_it_started(
+    served: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """Nothing ran, so the command runs cold, with the signal handlers it started with."""
+    folder, env = served
+    path = tmp_path / "server.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen(1)
+        listener.settimeout(60)
+        command = subprocess.Popen(
+            [sys.executable, "-m", "pkg.job", "exit"],
+            cwd=folder,
+            env=env | {forkserver.ENV: str(path)},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        conn, _ = listener.accept()
+    with conn:
+        forkserver._recv(conn)
+        conn.shutdown(socket.SHUT_RD)  # the request is refused
+        forkserver._send(conn, {"exact": True})
+        out, _ = command.communicate(timeout=60)
+    said = json.loads(out.splitlines()[0])
+    assert not said["preloaded"] and said["fresh_handlers"]
+    assert command.returncode == 3
 
 
 def test_a_command_killed_outright_hangs_up_on_its_stage(

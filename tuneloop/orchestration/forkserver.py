@@ -24,10 +24,11 @@ when it is imported (``HF_HOME``, ``CUDA_VISIBLE_DEVICES``, ``PYTHONHASHSEED``:
 ``IMPORT_TIME``).
 
 Signals sent to the command (Ctrl-C, a cancelled flow's SIGTERM) are passed to the stage,
-and a command killed outright (SIGKILL) takes the stage's process group with it, as a
-stage killed outright would have gone. A fork copies only the thread that forks, so the
-server refuses to serve with a second Python thread; it never runs a torch operation (no
-OpenMP pool) and never starts CUDA.
+even one sent as it starts; a signal the command ignores (``nohup``'s SIGHUP) the stage
+starts ignoring too; and a command killed outright (SIGKILL) takes the stage's process group
+with it, as a stage killed outright would have gone. A fork copies only the thread that
+forks, so the server refuses to serve with a second Python thread; it never runs a torch
+operation (no OpenMP pool) and never starts CUDA.
 
 A served stage may start its own ``python -m`` job as a fork of itself (``start_warm``): the
 train stage's watcher does, so the job it watches starts warm too, still its child, in a
@@ -186,10 +187,15 @@ def run_forked() -> None:
         "argv": list(sys.orig_argv),
         "cwd": os.getcwd(),
         "env": dict(os.environ),
+        "ignored": _ignored(),
     }
+    # Armed before the stage can exist: a signal sent once it runs (a flow cancelled as the
+    # stage starts) is never lost to the moment before we know its pid.
+    forward = _Forwarder()
     try:
         _send(sock, request, [0, 1, 2])
     except OSError:
+        forward.disarm()
         return  # not sent (a closed stream, the server gone): nothing ran, run cold
     try:
         started, _ = _recv(sock)
@@ -197,19 +203,48 @@ def run_forked() -> None:
         # The stage may have started: running it again here could run it twice.
         print(f"{module}: the forkserver failed to start it ({error})", file=sys.stderr)
         os._exit(1)
-    _wait_for(sock, int(started["pid"]))
+    forward.to(int(started["pid"]))
+    _wait_for(sock)
 
 
-def _wait_for(sock: socket.socket, pid: int) -> NoReturn:
-    """Pass our signals to the stage, then end as the stage ended. If our parent goes (DVC
-    killed), we go too: the server then hangs up on the stage, as a stage sees its parent go."""
+def _ignored() -> list[int]:
+    """The passed signals this process ignores (``nohup``'s SIGHUP): a command started so
+    would have ignored them, and the stage does too."""
+    return [s for s in (*FORWARDED, *FORWARDED_TOO) if signal.getsignal(s) == signal.SIG_IGN]
 
-    def forward(signum: int, _frame: object) -> None:
+
+class _Forwarder:
+    """Our signals, passed to the stage; those that come before its pid are held, and passed
+    once it is known."""
+
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.held: list[int] = []
+        self.before = {s: signal.signal(s, self) for s in (*FORWARDED, *FORWARDED_TOO)}
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        if self.pid is None:
+            self.held.append(signum)
+            return
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
+            os.kill(self.pid, signum)
 
-    for signum in (*FORWARDED, *FORWARDED_TOO):
-        signal.signal(signum, forward)
+    def to(self, pid: int) -> None:
+        self.pid = pid
+        for signum in self.held:
+            self(signum, None)
+
+    def disarm(self) -> None:
+        """Nothing was started: the handlers we found, and the held signals sent to us."""
+        for each, handler in self.before.items():
+            signal.signal(each, handler)
+        for signum in self.held:
+            os.kill(os.getpid(), signum)
+
+
+def _wait_for(sock: socket.socket) -> NoReturn:
+    """End as the stage ended. If our parent goes (DVC killed), we go too: the server then
+    hangs up on the stage, as a stage sees its parent go."""
     parent = os.getppid()
     while not select.select([sock], [], [], PARENT_POLL_S)[0]:
         if os.getppid() != parent:
@@ -360,6 +395,7 @@ def _become_stage(
     streams flushed. Not through the interpreter's own exit, which would also tear down every
     preloaded module: seconds, on a stage that ran in a fraction of one."""
     os.setpgid(0, 0)
+    _fresh_handlers(request.get("ignored", ()))
     setproctitle.setproctitle(" ".join(request["argv"]))  # `ps` shows the command's line
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -375,6 +411,15 @@ def _become_stage(
     if isinstance(sys.stdout, io.TextIOWrapper):  # line by line to a terminal, as it starts
         sys.stdout.reconfigure(line_buffering=os.isatty(1))
     os._exit(_run_main(request["module"]))
+
+
+def _fresh_handlers(ignored: Sequence[int]) -> None:
+    """A fresh interpreter's signal handlers, started with ``ignored`` ignored (as a process
+    inherits them)."""
+    for signum in (*FORWARDED, *FORWARDED_TOO):
+        signal.signal(signum, signal.SIG_IGN if signum in ignored else signal.SIG_DFL)
+    if signal.SIGINT not in ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _fresh(env: Mapping[str, str], argv: list[str]) -> None:
@@ -478,6 +523,7 @@ def start_warm(
         return None
     for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
         stream.flush()
+    ignored = _ignored()  # as a process started here inherits them
     pid = os.fork()
     if pid:
         return Forked(pid, command)
@@ -487,9 +533,7 @@ def start_warm(
             if fd > 2:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        for signum in (*FORWARDED, *FORWARDED_TOO):  # a fresh interpreter's handlers
-            signal.signal(signum, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _fresh_handlers(ignored)
         if before is not None:
             before()
         setproctitle.setproctitle(" ".join(command))
