@@ -5,6 +5,7 @@ No training here; every test runs in well under a second.
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import time
@@ -179,7 +180,8 @@ def test_target_modules_must_name_layers_of_the_model() -> None:
     assert methods.lora_config(every_linear).target_modules == "all-linear"
 
 
-def test_trainer_arguments_follow_the_params() -> None:
+def test_trainer_arguments_follow_the_params(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
     planned = resolve_plan(params(), CPU)
     args = methods.sft_args(params(), planned, Path("/tmp/tuneloop-args"), has_val=True)
     assert args.lr_scheduler_type == "cosine" and args.warmup_steps == 0.03
@@ -189,6 +191,27 @@ def test_trainer_arguments_follow_the_params() -> None:
     assert args.report_to == ["mlflow"]
     dpo = methods.dpo_args(params(), planned, Path("/tmp/tuneloop-args"))
     assert dpo.beta == 0.1 and dpo.learning_rate == 3.0e-4
+
+
+def test_only_rank_0_reports_to_mlflow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The other ranks log nothing, and so never import MLflow (nor does the module)."""
+    monkeypatch.setenv("RANK", "1")
+    planned = resolve_plan(params(), CPU)
+    assert methods.sft_args(params(), planned, Path("/tmp/tuneloop-args"), True).report_to == []
+    assert methods.dpo_args(params(), planned, Path("/tmp/tuneloop-args")).report_to == []
+    every_rank = ast.parse(Path(methods.__file__).with_name("run.py").read_text())
+    at_the_top = {
+        name
+        for node in every_rank.body
+        for name in (
+            [alias.name for alias in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
+    }
+    assert not {name for name in at_the_top if name.split(".")[0] == "mlflow"}
 
 
 # --- shipped configs --------------------------------------------------------------------------

@@ -18,11 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlflow
 import torch
 import torch.distributed as dist
-from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
 from transformers import EarlyStoppingCallback, TrainerCallback, TrainingArguments
 
 from tuneloop.io import atomic_dir, write_json
@@ -135,6 +132,8 @@ def phase_mlflow_run(phase: str, params: Params, rank: Rank) -> Iterator[None]:
     if not rank.is_main or phase == params.train.phases[0]:
         yield
         return
+    import mlflow  # rank 0's alone, as every use of it here
+
     stage = lineage.dvc_stage(STAGE, params)  # train@support
     with mlflow.start_run(
         run_name=f"{stage}/{phase}",
@@ -329,6 +328,9 @@ def continue_mlflow_run(prep: checkpoints.Preparation, params_hash: str, experim
         return
     if "MLFLOW_RUN_ID" in os.environ or previous.params_hash != params_hash:
         return
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
     runs.setup(experiment)
     try:
         status = MlflowClient().get_run(previous.mlflow_run_id).info.status
@@ -343,6 +345,8 @@ def name_continued_run(prep: checkpoints.Preparation | None, run_id: str) -> Non
     """Tag a run that resumed another run's checkpoints with that run's id."""
     previous = prep.previous if prep is not None and prep.resumed else None
     if previous is not None and previous.mlflow_run_id not in (None, run_id):
+        import mlflow
+
         mlflow.set_tag(runs.TAG_RESUMES, previous.mlflow_run_id)
 
 
@@ -353,6 +357,8 @@ def report_stop(
 
     The run then ends FAILED as the stage exits with the stop's message.
     """
+    import mlflow
+
     event = stopped.event
     run = mlflow.active_run()
     mlflow.set_tags({runs.TAG_STOP_RULE: event.rule, runs.TAG_STOP_REASON: str(stopped)[:5000]})
@@ -422,6 +428,8 @@ def train(params: Params, plan: TrainPlan, started_at: float) -> None:
     run_context = runs.stage_run(STAGE, params) if rank.is_main else contextlib.nullcontext()
     with run_context as run:
         if run is not None:
+            import mlflow
+
             name_continued_run(prep, run.info.run_id)
             checkpoints.write_record(
                 params.paths.checkpoints,
@@ -443,6 +451,8 @@ def train(params: Params, plan: TrainPlan, started_at: float) -> None:
         except preemption.SaveRequested as saved:
             request = preemption.request_file()
             if rank.is_main and request is not None:
+                import mlflow
+
                 preemption.report_saved(request, saved)
                 # Not FAILED: the requeued job logs into this run again (MLFLOW_RUN_ID).
                 mlflow.end_run("KILLED")
