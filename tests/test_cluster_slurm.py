@@ -235,7 +235,7 @@ def test_a_job_cancelled_from_outside_fails_the_stage_naming_cancelled(
 ) -> None:
     folder = cluster_project(data, tmp_path, max_steps=2000, save_steps=1000)
     stage, log = start_stage(folder, slurm_cluster)
-    job_id = training_job(slurm_cluster, log)
+    job_id = started_job(slurm_cluster, log)  # running: how far the ranks got does not matter
     with pytest.MonkeyPatch.context() as patch:  # what `tuneloop status` prints first
         patch.chdir(folder)
         patch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])
@@ -264,7 +264,7 @@ def test_cancelling_the_flow_run_ends_the_stage_and_its_job(
     stage, log = start_stage(
         folder, slurm_cluster, "bash", "-c", '"$@"; exit $?', "parent", session=True
     )
-    job_id = training_job(slurm_cluster, log)
+    job_id = started_job(slurm_cluster, log)
     os.killpg(stage.pid, signal.SIGTERM)
     stage.wait()
     grace = time.monotonic() + PREFECT_KILL_GRACE_S
