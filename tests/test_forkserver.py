@@ -27,6 +27,7 @@ pytestmark = pytest.mark.fast
 
 INNER = """
 import json, os, signal, sys
+from pkg.handlers import handlers
 
 how, held = sys.argv[1], int(sys.argv[2])
 try:
@@ -40,8 +41,7 @@ print(json.dumps({
     "parent": os.getppid(),
     "inherited": inherited,
     "var": os.environ.get("TUNELOOP_INNER_VAR"),
-    "fresh_handlers": signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    "handlers": handlers(),
     "title": open("/proc/self/cmdline").read().replace("\\0", " ").strip(),
     "argv": sys.argv[1:],
 }), flush=True)
@@ -52,8 +52,37 @@ sys.exit(5)
 
 INIT = "from tuneloop.orchestration.forkserver import run_forked\n\nrun_forked()\n"
 
+# What a process's signal handlers are: a fresh interpreter's, ignored, or another's.
+FRESH = {"INT": signal.default_int_handler, "TERM": signal.SIG_DFL, "HUP": signal.SIG_DFL}
+HANDLERS = """
+import signal
+
+FRESH = {"INT": signal.default_int_handler, "TERM": signal.SIG_DFL, "HUP": signal.SIG_DFL}
+
+
+def handlers():
+    found = {name: signal.getsignal(getattr(signal, "SIG" + name)) for name in FRESH}
+    return {
+        name: "ignored" if h == signal.SIG_IGN else "fresh" if h == FRESH[name] else repr(h)
+        for name, h in found.items()
+    }
+"""
+
+
+def started_here(ignoring: signal.Signals | None = None) -> dict[str, str]:
+    """The handlers of a Python this process starts: fresh, but for what this process
+    ignores (a shell's background job ignores SIGINT), which it inherits."""
+    ignored = {
+        name for name in FRESH if signal.getsignal(getattr(signal, f"SIG{name}")) == signal.SIG_IGN
+    }
+    if ignoring is not None:
+        ignored.add(ignoring.name.removeprefix("SIG"))
+    return {name: "ignored" if name in ignored else "fresh" for name in FRESH}
+
+
 JOB = """
 import atexit, json, os, signal, sys, threading, time
+from pkg.handlers import handlers
 
 mode = sys.argv[1]
 print(json.dumps({
@@ -65,9 +94,7 @@ print(json.dumps({
     "own_group": os.getpgid(0) == os.getpid(),
     "line": sys.stdin.readline().strip(),
     "title": open("/proc/self/cmdline").read().replace("\\0", " ").strip(),
-    "fresh_handlers": signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
-    "ignores_hup": signal.getsignal(signal.SIGHUP) == signal.SIG_IGN,
+    "handlers": handlers(),
 }), flush=True)
 if mode == "exit":
     sys.exit(3)
@@ -115,6 +142,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dic
     (folder / "pkg" / "__init__.py").write_text(INIT)
     (folder / "pkg" / "job.py").write_text(JOB)
     (folder / "pkg" / "inner.py").write_text(INNER)
+    (folder / "pkg" / "handlers.py").write_text(HANDLERS)
     with forkserver.serving(folder, folder / "logs") as path:
         env = dict(os.environ)
         os.environ.pop(forkserver.ENV)  # this process's other tests run as they would
@@ -154,7 +182,7 @@ def test_a_served_command_gets_its_arguments_folder_streams_and_status(
     assert said["own_group"], "the stage shares a process group with the server"
     assert not said["served_again"], "what the stage starts would ask to be served too"
     assert said["title"] == f"{sys.executable} -m pkg.job exit second", "ps shows the server"
-    assert said["fresh_handlers"] and not said["ignores_hup"], "the server's signal handlers"
+    assert said["handlers"] == started_here(), "not the handlers the command started with"
     assert done.returncode == 3
 
 
@@ -163,7 +191,8 @@ def test_a_signal_the_command_ignores_the_stage_ignores(
 ) -> None:
     """As under ``nohup``: a command started so would have ignored its terminal's hangup."""
     done, said = job(served, "exit", ignoring=signal.SIGHUP)
-    assert said["preloaded"] and said["ignores_hup"]
+    assert said["preloaded"]
+    assert said["handlers"] == started_here(ignoring=signal.SIGHUP)
     assert done.returncode == 3
 
 
@@ -181,7 +210,7 @@ def test_a_served_stage_starts_its_own_job_as_a_fork_of_itself(
         assert each["preloaded"], "the job imported the stack again"
         assert each["own_session"] and each["parent"] == stage["stage"]
         assert not each["inherited"], "the job holds the stage's files"
-        assert each["var"] == "inner" and each["fresh_handlers"]
+        assert each["var"] == "inner" and each["handlers"] == started_here()
         assert each["title"] == " ".join([sys.executable, "-m", "pkg.inner", *each["argv"]])
     assert [each["argv"][0] for each in inner] == ["exit", "signal"]
     assert (tmp_path / "mark.before").exists()
@@ -312,7 +341,7 @@ def test_a_server_gone_before_the_request_leaves_the_command_as_it_started(
         forkserver._send(conn, {"exact": True})
         out, _ = command.communicate(timeout=60)
     said = json.loads(out.splitlines()[0])
-    assert not said["preloaded"] and said["fresh_handlers"]
+    assert not said["preloaded"] and said["handlers"] == started_here()
     assert command.returncode == 3
 
 
