@@ -74,6 +74,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "train": {"max_steps": 150, "learning_rate": 1.0e-2, "logging_steps": 10},
     "evaluate": {"limit": 12, "batch_size": 12, "general_limit": None},
     "gate": {"primary_metric": "format_compliance", "min_gain": 0.05},
+    # The train stage trains in this process, which has imported the stack: under its watcher
+    # (tests/test_train_stage.py) the job would import it again, cold, for each training.
+    "watchdog": {"enabled": False},
 }
 
 
