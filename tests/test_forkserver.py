@@ -69,15 +69,25 @@ def handlers():
 """
 
 
-def started_here(ignoring: signal.Signals | None = None) -> dict[str, str]:
-    """The handlers of a Python this process starts: fresh, but for what this process
-    ignores (a shell's background job ignores SIGINT), which it inherits."""
-    ignored = {
-        name for name in FRESH if signal.getsignal(getattr(signal, f"SIG{name}")) == signal.SIG_IGN
+# A stage's, and its warm job's: whatever the server, the stage or this test runner ignore.
+FRESH_HANDLERS = dict.fromkeys(FRESH, "fresh")
+
+
+def started_here() -> dict[str, str]:
+    """The handlers of a Python this process starts cold: fresh, but for what this process
+    ignores, which it inherits (a shell starts its background jobs ignoring SIGINT)."""
+    return {
+        name: "ignored"
+        if signal.getsignal(getattr(signal, f"SIG{name}")) == signal.SIG_IGN
+        else "fresh"
+        for name in FRESH
     }
-    if ignoring is not None:
-        ignored.add(ignoring.name.removeprefix("SIG"))
-    return {name: "ignored" if name in ignored else "fresh" for name in FRESH}
+
+
+def default_signals() -> None:
+    """``preexec_fn`` of a process the test signals: SIGTERM ends it, whatever this test
+    runner ignores."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 JOB = """
@@ -151,10 +161,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dic
 
 
 def job(
-    served: tuple[Path, dict[str, str]],
-    *args: str,
-    env: dict[str, str] | None = None,
-    ignoring: signal.Signals | None = None,
+    served: tuple[Path, dict[str, str]], *args: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, object]]:
     folder, served_env = served
     done = subprocess.run(
@@ -165,7 +172,6 @@ def job(
         capture_output=True,
         text=True,
         timeout=60,
-        preexec_fn=ignoring and (lambda: signal.signal(ignoring, signal.SIG_IGN)),
     )
     return done, json.loads(done.stdout.splitlines()[0])
 
@@ -182,17 +188,7 @@ def test_a_served_command_gets_its_arguments_folder_streams_and_status(
     assert said["own_group"], "the stage shares a process group with the server"
     assert not said["served_again"], "what the stage starts would ask to be served too"
     assert said["title"] == f"{sys.executable} -m pkg.job exit second", "ps shows the server"
-    assert said["handlers"] == started_here(), "not the handlers the command started with"
-    assert done.returncode == 3
-
-
-def test_a_signal_the_command_ignores_the_stage_ignores(
-    served: tuple[Path, dict[str, str]],
-) -> None:
-    """As under ``nohup``: a command started so would have ignored its terminal's hangup."""
-    done, said = job(served, "exit", ignoring=signal.SIGHUP)
-    assert said["preloaded"]
-    assert said["handlers"] == started_here(ignoring=signal.SIGHUP)
+    assert said["handlers"] == FRESH_HANDLERS, "the server's signal handlers"
     assert done.returncode == 3
 
 
@@ -210,7 +206,7 @@ def test_a_served_stage_starts_its_own_job_as_a_fork_of_itself(
         assert each["preloaded"], "the job imported the stack again"
         assert each["own_session"] and each["parent"] == stage["stage"]
         assert not each["inherited"], "the job holds the stage's files"
-        assert each["var"] == "inner" and each["handlers"] == started_here()
+        assert each["var"] == "inner" and each["handlers"] == FRESH_HANDLERS
         assert each["title"] == " ".join([sys.executable, "-m", "pkg.inner", *each["argv"]])
     assert [each["argv"][0] for each in inner] == ["exit", "signal"]
     assert (tmp_path / "mark.before").exists()
@@ -309,7 +305,7 @@ def test_a_signal_sent_before_the_stages_pid_is_known_reaches_it(
         command.send_signal(signal.SIGTERM)
         with pytest.raises(subprocess.TimeoutExpired):
             command.wait(timeout=1)  # held, not the command's end
-        stage = subprocess.Popen(["sleep", "60"])
+        stage = subprocess.Popen(["sleep", "60"], preexec_fn=default_signals)
         forkserver._send(conn, {"pid": stage.pid})
         assert stage.wait(timeout=30) == -signal.SIGTERM
         forkserver._send(conn, {"status": -signal.SIGTERM})

@@ -24,11 +24,11 @@ when it is imported (``HF_HOME``, ``CUDA_VISIBLE_DEVICES``, ``PYTHONHASHSEED``:
 ``IMPORT_TIME``).
 
 Signals sent to the command (Ctrl-C, a cancelled flow's SIGTERM) are passed to the stage,
-even one sent as it starts; a signal the command ignores (``nohup``'s SIGHUP) the stage
-starts ignoring too; and a command killed outright (SIGKILL) takes the stage's process group
-with it, as a stage killed outright would have gone. A fork copies only the thread that
-forks, so the server refuses to serve with a second Python thread; it never runs a torch
-operation (no OpenMP pool) and never starts CUDA.
+even one sent as it starts, and the stage starts with a fresh interpreter's handlers for
+them; a command killed outright (SIGKILL) takes the stage's process group with it, as a
+stage killed outright would have gone. A fork copies only the thread that forks, so the
+server refuses to serve with a second Python thread; it never runs a torch operation (no
+OpenMP pool) and never starts CUDA.
 
 A served stage may start its own ``python -m`` job as a fork of itself (``start_warm``): the
 train stage's watcher does, so the job it watches starts warm too, still its child, in a
@@ -187,7 +187,6 @@ def run_forked() -> None:
         "argv": list(sys.orig_argv),
         "cwd": os.getcwd(),
         "env": dict(os.environ),
-        "ignored": _ignored(),
     }
     # Armed before the stage can exist: a signal sent once it runs (a flow cancelled as the
     # stage starts) is never lost to the moment before we know its pid.
@@ -205,12 +204,6 @@ def run_forked() -> None:
         os._exit(1)
     forward.to(int(started["pid"]))
     _wait_for(sock)
-
-
-def _ignored() -> list[int]:
-    """The passed signals this process ignores (``nohup``'s SIGHUP): a command started so
-    would have ignored them, and the stage does too."""
-    return [s for s in (*FORWARDED, *FORWARDED_TOO) if signal.getsignal(s) == signal.SIG_IGN]
 
 
 class _Forwarder:
@@ -395,7 +388,7 @@ def _become_stage(
     streams flushed. Not through the interpreter's own exit, which would also tear down every
     preloaded module: seconds, on a stage that ran in a fraction of one."""
     os.setpgid(0, 0)
-    _fresh_handlers(request.get("ignored", ()))
+    _fresh_handlers()
     setproctitle.setproctitle(" ".join(request["argv"]))  # `ps` shows the command's line
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -413,13 +406,13 @@ def _become_stage(
     os._exit(_run_main(request["module"]))
 
 
-def _fresh_handlers(ignored: Sequence[int]) -> None:
-    """A fresh interpreter's signal handlers, started with ``ignored`` ignored (as a process
-    inherits them)."""
+def _fresh_handlers() -> None:
+    """A fresh interpreter's handlers for the signals a command passes on. Not those of the
+    server or of the stage that forks: a Python handler of theirs would run in the fork, and
+    what they ignore the command may not (it passes every one of them on)."""
     for signum in (*FORWARDED, *FORWARDED_TOO):
-        signal.signal(signum, signal.SIG_IGN if signum in ignored else signal.SIG_DFL)
-    if signal.SIGINT not in ignored:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _fresh(env: Mapping[str, str], argv: list[str]) -> None:
@@ -523,7 +516,6 @@ def start_warm(
         return None
     for stream in (sys.stdout, sys.stderr):  # nothing buffered here is written twice
         stream.flush()
-    ignored = _ignored()  # as a process started here inherits them
     pid = os.fork()
     if pid:
         return Forked(pid, command)
@@ -533,7 +525,7 @@ def start_warm(
             if fd > 2:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        _fresh_handlers(ignored)
+        _fresh_handlers()
         if before is not None:
             before()
         setproctitle.setproctitle(" ".join(command))
