@@ -52,8 +52,8 @@ sys.exit(5)
 
 INIT = "from tuneloop.orchestration.forkserver import run_forked\n\nrun_forked()\n"
 
-# What a process's signal handlers are: a fresh interpreter's, ignored, or another's.
-FRESH = {"INT": signal.default_int_handler, "TERM": signal.SIG_DFL, "HUP": signal.SIG_DFL}
+# What a process's handlers for these signals are: a fresh interpreter's, ignored, or another's.
+SIGNALS = ("INT", "TERM", "HUP")
 HANDLERS = """
 import signal
 
@@ -70,7 +70,7 @@ def handlers():
 
 
 # A stage's, and its warm job's: whatever the server, the stage or this test runner ignore.
-FRESH_HANDLERS = dict.fromkeys(FRESH, "fresh")
+FRESH_HANDLERS = dict.fromkeys(SIGNALS, "fresh")
 
 
 def started_here() -> dict[str, str]:
@@ -80,7 +80,7 @@ def started_here() -> dict[str, str]:
         name: "ignored"
         if signal.getsignal(getattr(signal, f"SIG{name}")) == signal.SIG_IGN
         else "fresh"
-        for name in FRESH
+        for name in SIGNALS
     }
 
 
@@ -276,12 +276,12 @@ def test_a_signal_to_the_command_reaches_the_stage(
     assert (tmp_path / "said").read_text() == "TERM"
 
 
-def test_a_signal_sent_before_the_stages_pid_is_known_reaches_it(
-    served: tuple[Path, dict[str, str]], tmp_path: Path
-) -> None:
-    """The stage may run (and the flow be cancelled) before its pid reaches the command: the
-    command holds the signal until then. This test answers as the server, to send the signal
-    in that moment."""
+def served_by_this_test(
+    served: tuple[Path, dict[str, str]], tmp_path: Path, *args: str
+) -> tuple[subprocess.Popen[str], socket.socket]:
+    """``python -m pkg.job args`` sent to a server this test plays, to act at a moment the
+    real one passes in microseconds; and the connection the command opened (its output is
+    piped)."""
     folder, env = served
     path = tmp_path / "server.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
@@ -289,13 +289,24 @@ def test_a_signal_sent_before_the_stages_pid_is_known_reaches_it(
         listener.listen(1)
         listener.settimeout(60)
         command = subprocess.Popen(
-            [sys.executable, "-m", "pkg.job", "wait", str(tmp_path / "said")],
+            [sys.executable, "-m", "pkg.job", *args],
             cwd=folder,
             env=env | {forkserver.ENV: str(path)},
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         conn, _ = listener.accept()
+    return command, conn
+
+
+def test_a_signal_sent_before_the_stages_pid_is_known_reaches_it(
+    served: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    """The stage may run (and the flow be cancelled) before its pid reaches the command: the
+    command holds the signal until then. This test answers as the server, to send the signal
+    in that moment."""
+    command, conn = served_by_this_test(served, tmp_path, "wait", str(tmp_path / "said"))
     with conn:
         forkserver._recv(conn)
         forkserver._send(conn, {"exact": True})
@@ -316,21 +327,7 @@ def test_a_server_gone_before_the_request_leaves_the_command_as_it_started(
     served: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
     """Nothing ran, so the command runs cold, with the signal handlers it started with."""
-    folder, env = served
-    path = tmp_path / "server.sock"
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
-        listener.bind(str(path))
-        listener.listen(1)
-        listener.settimeout(60)
-        command = subprocess.Popen(
-            [sys.executable, "-m", "pkg.job", "exit"],
-            cwd=folder,
-            env=env | {forkserver.ENV: str(path)},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        conn, _ = listener.accept()
+    command, conn = served_by_this_test(served, tmp_path, "exit")
     with conn:
         forkserver._recv(conn)
         conn.shutdown(socket.SHUT_RD)  # the request is refused

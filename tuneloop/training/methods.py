@@ -10,7 +10,6 @@ and both trainers meter every step for the stop-loss rules.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 from tuneloop.data.shards import VAL_SHARD, shard_name
 from tuneloop.io import read_jsonl
 from tuneloop.params import Params
-from tuneloop.training.plan import TrainPlan
+from tuneloop.training.plan import Rank, TrainPlan
 from tuneloop.training.stoploss import StepMeter
 
 log = logging.getLogger(__name__)
@@ -153,7 +152,7 @@ def _common_args(params: Params, plan: TrainPlan, output_dir: Path) -> dict[str,
         "logging_steps": train.logging_steps,
         # Only rank 0 logs (transformers' MLflow callback does nothing on the others), so the
         # others never import MLflow: about 2 s of CPU at each rank's start.
-        "report_to": ["mlflow"] if os.environ.get("RANK", "0") == "0" else [],
+        "report_to": ["mlflow"] if Rank.from_env().is_main else [],
         "seed": train.seed,
         # One seed on every rank: equal-length shards get the same permutation each epoch, so
         # the ranks' i-th micro-batches stay the near-equal-size bins pack put side by side.

@@ -211,6 +211,20 @@ def _distributed_problems(distributed: str, world_size: int, env: Environment) -
 
 
 @dataclass(frozen=True)
+class Rank:
+    rank: int
+
+    @classmethod
+    def from_env(cls) -> Rank:
+        # torchrun, accelerate and deepspeed all export RANK (global, across nodes).
+        return cls(int(os.environ.get("RANK", "0")))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
 class Rendezvous:
     """torchrun's c10d rendezvous across nodes; values may be shell references ("$SLURM_NODEID")."""
 

@@ -31,26 +31,12 @@ from tuneloop.telemetry.callback import HeartbeatCallback
 from tuneloop.tracking import init_from, lineage, runs
 from tuneloop.training import checkpoints, methods, preemption
 from tuneloop.training.metrics import PhaseMetrics, TrainMetrics
-from tuneloop.training.plan import TrainPlan
+from tuneloop.training.plan import Rank, TrainPlan
 from tuneloop.training.stoploss import StepMeter, StopLossCallback, StopRules, TrainingStopped
 
 STAGE = "train"
 TAG_PHASE = "tuneloop.train.phase"  # on the nested run of a phase after the first
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Rank:
-    rank: int
-
-    @classmethod
-    def from_env(cls) -> Rank:
-        # torchrun, accelerate and deepspeed all export RANK (global, across nodes).
-        return cls(int(os.environ.get("RANK", "0")))
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 @dataclass(frozen=True)
