@@ -46,7 +46,7 @@ from tuneloop.orchestration.flow_results import (
     TrainSummary,
 )
 from tuneloop.params import Params, ParamsError, load_params
-from tuneloop.pipeline import SHARED_STAGES, task_stages
+from tuneloop.pipeline import SHARED_STAGES, always_changed, task_stages
 from tuneloop.telemetry.actions import TAG_REASON as TAG_WATCHDOG_REASON
 from tuneloop.tracking import lineage, recovery, registry, results, runs, server
 from tuneloop.tracking.init_from import InitMetrics
@@ -128,11 +128,14 @@ def run_stage(
         client.set_terminated(run.info.run_id, status="FAILED")
         raise
     run_id = run.info.run_id
-    cached = result.returncode == 0 and not client.get_run(run_id).data.metrics
+    # A stage that ran logs its metrics to this run; one that did not log is up to date, or
+    # (always changed: a registry lookup) found nothing worth a run of its own.
+    unlogged = result.returncode == 0 and not client.get_run(run_id).data.metrics
+    cached = unlogged and stage.partition("@")[0] not in always_changed(repo)
     tags = {runs.TAG_CACHED: str(cached).lower(), runs.TAG_FLOW_RUN: str(flow_run.id)}
-    if cached:
-        # The stage did not run, so nothing recorded its lineage: DVC just found its deps
-        # and outs unchanged, and they are hashed (from DVC's state) as the stage would have.
+    if unlogged:
+        # Nothing recorded the stage's lineage: DVC found its deps and outs unchanged, or the
+        # stage logged none; they are hashed (from DVC's state) as the stage would have.
         tags |= runs.lineage_tags(stage, params)
         runs.record_lineage(stage, params, run_id, root=repo)
     for key, value in tags.items():
@@ -140,14 +143,14 @@ def run_stage(
     # A task's stage (clean@orders) writes clean.json into the task's metrics folder.
     metrics_file = repo / params.paths.metrics / f"{lineage.project_stage(stage)}.json"
     metrics = read_json(metrics_file) if metrics_file.exists() else {}
-    if cached and metrics:
+    if unlogged and metrics:
         runs.log_metrics(metrics, run_id=run_id)
     if result.returncode != 0:
         why = failure_reason(client.get_run(run_id).data.tags)
         client.set_terminated(run_id, status="FAILED")
         said = f"stage {stage!r} failed (dvc repro exit {result.returncode})"
         raise StageFailed(f"{said}: {why}" if why else said)
-    if cached:
+    if unlogged:
         client.set_terminated(run_id, status="FINISHED")
     logger.info("%s: %s", stage, "up to date" if cached else "ran")
     return metrics

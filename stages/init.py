@@ -8,10 +8,12 @@ Writes: ``paths.init``: ``init.json`` (base or champion, version, why, the pool 
         whatever ``train.init_from`` says: the ``fixed_badcases`` stage reads it).
 Params: ``train.init_from``, ``tracking.registered_model``, ``paths.init``.
 
-``always_changed`` in dvc.yaml: the alias can move without any file changing. So the stage
-first reads the alias cheaply (``tuneloop.tracking.aliases``); when ``paths.init`` and the
-metrics already say what it would write, it ends there, with no MLflow run. Otherwise it
-resolves the start through the registry inside its MLflow run.
+The alias can move without any file of the project changing: stage ``champions`` reads it on
+every ``dvc repro`` into ``metrics/champions/<task>.json``, this stage's dep, so DVC reruns
+it when its task's champion moved. It first reads the alias again cheaply
+(``tuneloop.tracking.aliases``; run by hand, nothing read it before): when ``paths.init``
+and the metrics already say what it would write, it ends there, with no MLflow run.
+Otherwise it resolves the start through the registry inside its MLflow run.
 """
 
 from __future__ import annotations

@@ -140,9 +140,10 @@ def test_stages_are_listed_in_an_order_they_can_run() -> None:
     assert order[: len(SHARED_STAGES)] == SHARED_STAGES and order[-1] == "evaluate"
 
 
-# Not a task stage's dep, though the cards read it: ingest's numbers (every task's) change
-# with any task's records.
-SHARED_METRICS: tuple[str, ...] = ()
+# The project's metrics a task stage may read: its own task's file among them (its champion,
+# stage champions). Not ingest's numbers, though the cards read them: they change with any
+# task's records.
+SHARED_METRICS = ("champions/${key}.json",)
 
 
 def paths_of(spec: dict[str, Any], fields: tuple[str, ...]) -> list[str]:

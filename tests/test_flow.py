@@ -28,7 +28,8 @@ pytestmark = pytest.mark.slow
 
 # The one task's pipeline, as DVC names its stages (train@support).
 STAGES = tuple(dvc_name(stage) for stage in stage_order(ROOT))
-INIT = dvc_name("init")
+# The one stage DVC runs on every repro: it reads the tasks' champions from the registry.
+CHAMPIONS = "champions"
 # "Running stage 'init@support':"
 RAN = r"Running stage '([\w@]+)'"
 
@@ -39,11 +40,11 @@ def git(repo: Path, *args: str) -> str:
     ).stdout
 
 
-def only_init_runs_again(status: str) -> bool:
-    """`dvc status` of a workspace where nothing changed: `init` is always changed (it reads
-    the registry, which DVC cannot see), every other stage is up to date."""
+def only_champions_run_again(status: str) -> bool:
+    """`dvc status` of a workspace where nothing changed: `champions` is always changed (it
+    reads the registry, which DVC cannot see), every other stage is up to date."""
     changed = [line for line in status.splitlines() if line and not line[0].isspace()]
-    return changed == [f"{INIT}:"] and "always changed" in status
+    return changed == [f"{CHAMPIONS}:"] and "always changed" in status
 
 
 def dvc(repo: Path, *args: str, stderr: bool = False) -> str:
@@ -127,23 +128,24 @@ def test_retrain_run_holds_the_shared_stages_and_the_tasks_run_of_its_stages(
             if not d["path"].endswith(".py")
         }
         assert {i.dataset.name: i.dataset.digest for i in run.inputs.dataset_inputs} == data
-        assert run.data.metrics, f"{stage} logged no metrics"
+        # champions, a registry lookup, writes no metrics file (its files are each task's).
+        assert run.data.metrics or stage == CHAMPIONS, f"{stage} logged no metrics"
     assert "loss" in children[dvc_name("train")].data.metrics
 
 
 def test_dvc_is_up_to_date_after_the_flow(flow_result: tuple[Path, dict[str, Any]]) -> None:
     repo, _ = flow_result
-    # `init` looks at the registry on every repro (DVC cannot see an alias move); it finds the
-    # same champion, so its out is unchanged and nothing after it runs.
-    assert only_init_runs_again(dvc(repo, "status"))
+    # `champions` looks at the registry on every repro (DVC cannot see an alias move); it finds
+    # the same champion, so its out is unchanged and nothing after it runs, init included.
+    assert only_champions_run_again(dvc(repo, "status"))
     store = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     experiments = [e.experiment_id for e in store.search_experiments()]
     before = len(store.search_runs(experiments, max_results=10_000))
     out = dvc(repo, "repro", stderr=True)
-    assert re.findall(RAN, out) == [INIT]
-    assert "didn't change, skipping" in out
-    # The no-op is a registry lookup: init finds what it recorded and logs no MLflow run.
-    assert "as init records it" in out
+    assert re.findall(RAN, out) == [CHAMPIONS]
+    assert f"Stage '{dvc_name('init')}' didn't change, skipping" in out
+    # The no-op is a registry lookup, which logs no MLflow run.
+    assert f"champions: {TASK}: none" in out
     assert len(store.search_runs(experiments, max_results=10_000)) == before
 
 
@@ -167,7 +169,7 @@ def test_dvc_repro_after_the_flow_logs_to_the_store_without_its_server(
     finally:
         for name, content in saved.items():  # the session's project is shared
             (repo / name).write_bytes(content)
-    assert re.findall(RAN, out) == [INIT, dvc_name("preflight")], out
+    assert re.findall(RAN, out) == [CHAMPIONS, dvc_name("preflight")], out
     store = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     experiment = store.get_experiment_by_name("tuneloop")
     assert experiment is not None
@@ -180,7 +182,7 @@ def test_dvc_repro_after_the_flow_logs_to_the_store_without_its_server(
     assert run.info.artifact_uri.startswith("file:"), run.info.artifact_uri
     logged = {a.path for a in store.list_artifacts(run.info.run_id, "preflight")}
     assert "preflight/preflight.md" in logged, logged
-    assert only_init_runs_again(dvc(repo, "status"))
+    assert only_champions_run_again(dvc(repo, "status"))
 
 
 def test_a_second_run_finds_every_stage_cached(
@@ -216,19 +218,19 @@ def test_a_second_run_finds_every_stage_cached(
         if r.data.tags.get("mlflow.parentRunId") in below and r.info.run_id != second.mlflow_run_id
     ]
     assert len(latest) == len(STAGES)
-    # `init` always runs (DVC cannot see the registry's champion move), finds the start it
-    # recorded and ends at its alias lookup, writing nothing and logging no run: the flow
-    # records it as cached, like every stage after it.
+    # `champions` always runs (DVC cannot see the registry's champion move); it logs no run
+    # of its own and the flow records its lineage. It finds the same champion, so every
+    # stage after it, init included, is cached.
     cached = {r.data.tags["tuneloop.stage"]: r.data.tags["dvc.cached"] for r in latest}
-    assert cached == dict.fromkeys(STAGES, "true")
-    assert all(r.data.metrics for r in latest)
+    assert cached == dict.fromkeys(STAGES, "true") | {CHAMPIONS: "false"}
+    assert all(r.data.metrics for r in latest if r.data.tags["tuneloop.stage"] != CHAMPIONS)
     # A stage DVC found up to date did not run; the flow recorded its lineage instead.
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     for run in latest:
         assert dvc_tags(run) == lock_tags(lock[run.data.tags["tuneloop.stage"]])
-        # base, init and task_names read no data (a model shape, the registry, params).
+        # base, champions and task_names read no data (a model shape, the registry, params).
         stage = run.data.tags["tuneloop.stage"]
-        assert run.inputs.dataset_inputs or stage in {"base", INIT, "task_names"}
+        assert run.inputs.dataset_inputs or stage in {"base", CHAMPIONS, "task_names"}
 
 
 def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
@@ -254,7 +256,7 @@ def test_a_sweep_runs_as_dvc_experiments_side_by_side_in_mlflow(
         assert (done.scores["eval_loss"] or 0) > 0
     # Queued experiments ran in temporary copies: the workspace is as it was.
     assert {name: (repo / name).read_text() for name in before} == before
-    assert only_init_runs_again(dvc(repo, "status"))
+    assert only_champions_run_again(dvc(repo, "status"))
     shown = {
         exp["name"]: exp["revs"][0]["data"]
         for baseline in json.loads(dvc(repo, "exp", "show", "--json"))
@@ -322,8 +324,8 @@ def test_changing_the_learning_rate_reruns_train_and_after_only(
         # `dvc status` names the stages whose own inputs changed (preflight checks the
         # learning rate too, the model card that evaluate writes quotes it); nothing before
         # them.
-        assert set(yaml.safe_load(dvc(repo, "status", "--json"))) == {
-            dvc_name(s) for s in ("init", "preflight", "train", "evaluate")
+        assert set(yaml.safe_load(dvc(repo, "status", "--json"))) == {CHAMPIONS} | {
+            dvc_name(s) for s in ("preflight", "train", "evaluate")
         }
         out = dvc(repo, "repro", "--dry")
     finally:
@@ -331,5 +333,5 @@ def test_changing_the_learning_rate_reruns_train_and_after_only(
     # A dry run lists the stages whose own inputs changed; merge and export follow once train
     # has written a new adapter, as each experiment of the sweep above ran them.
     ran = {line.split("'")[1] for line in out.splitlines() if "Running stage" in line}
-    assert ran == {dvc_name(s) for s in ("init", "preflight", "train", "evaluate")}
-    assert only_init_runs_again(dvc(repo, "status"))
+    assert ran == {CHAMPIONS} | {dvc_name(s) for s in ("preflight", "train", "evaluate")}
+    assert only_champions_run_again(dvc(repo, "status"))

@@ -325,10 +325,11 @@ def test_dvc_repro_stops_at_a_failed_preflight_and_never_trains(
         (repo / folder).mkdir(parents=True)
         (repo / folder / "empty.jsonl").write_text("")
     (repo / "metrics").mkdir()
-    # init runs at every repro (the registry is outside DVC's view), and what it writes feeds
-    # the fixed-badcase suite: both run for real here, so the repro finds their outs as they
-    # leave them (no champion: start from the base, an empty suite).
-    for real in ("init", "fixed_badcases"):
+    # champions runs at every repro (the registry is outside DVC's view), and what it and init
+    # write feeds the fixed-badcase suite: all three run for real here, so the repro finds
+    # their outs as they leave them (no champion: start from the base, an empty suite).
+    real_stages = ("champions", "init", "fixed_badcases")
+    for real in real_stages:
         ran = subprocess.run(
             [sys.executable, "-m", f"stages.{real}"],
             cwd=repo,
@@ -341,7 +342,7 @@ def test_dvc_repro_stops_at_a_failed_preflight_and_never_trains(
     order = stage_order(repo)
     upstream = order[: order.index("preflight")]
     for stage in upstream:
-        if stage not in ("init", "fixed_badcases"):
+        if stage not in real_stages:
             (repo / "metrics" / f"{stage}.json").write_text("{}")
     drop_last_bin(repo / params.paths.packed, rank=1)
     committed = dvc(repo, "commit", "--force", *(dvc_name(stage) for stage in upstream))

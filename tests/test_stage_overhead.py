@@ -1,9 +1,10 @@
 """A stage costs only its work: what replaces MLflow's import in a stage process is checked here.
 
-The data stages log over an MLflow server's REST API (``tuneloop.tracking.rest``), ``init``
-reads the champion without MLflow (``tuneloop.tracking.aliases``) and logs a run only when
-the start changed, and a stage started outside the project's environment says how to fix it.
-How long any of it takes is ``benchmarks/stage_overhead.py``'s business, not a test's.
+The data stages log over an MLflow server's REST API (``tuneloop.tracking.rest``),
+``champions`` and ``init`` read the champion without MLflow (``tuneloop.tracking.aliases``),
+``init`` logs a run only when the start changed, and a stage started outside the project's
+environment says how to fix it. How long any of it takes is ``benchmarks/stage_overhead.py``'s
+business, not a test's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.helpers import ROOT, write_params
 from tuneloop import stage
+from tuneloop.io import read_model
 from tuneloop.params import load_params
 from tuneloop.tracking import aliases, init_from, registry, runs, server
 
@@ -115,6 +117,40 @@ def test_init_logs_a_run_only_when_the_start_changes(project: MlflowClient) -> N
     assert json.loads(written[1].read_text())["champion"] == {"version": version, "batches": []}
     init.main()
     assert mlflow_runs(Path.cwd()) == 2
+
+
+def test_champions_records_each_tasks_champion_and_logs_no_run(project: MlflowClient) -> None:
+    from stages import champions
+
+    tasks = {
+        name: {"folder": f"tasks/{name}", "registered_model": f"tuneloop-{name}"}
+        for name in ("support", "orders")
+    }
+    write_params(Path.cwd(), {"tasks": tasks})
+    folder = Path("metrics") / init_from.CHAMPIONS_DIR
+    champions.main()  # nothing registered yet
+    recorded = {t: (folder / f"{t}.json").read_bytes() for t in tasks}
+    none = init_from.TaskChampion(model="tuneloop-orders", version=None, run_id=None, batches=())
+    assert read_model(folder / "orders.json", init_from.TaskChampion) == none
+
+    # orders' champion moves: its file changes (init@orders reruns), support's does not.
+    experiment = project.create_experiment("tuneloop")
+    run = project.create_run(experiment)
+    project.create_registered_model("tuneloop-orders")
+    version = project.create_model_version(
+        "tuneloop-orders",
+        Path.cwd().as_uri(),
+        run_id=run.info.run_id,
+        tags={init_from.TAG_BATCHES: "b1"},
+    ).version
+    project.set_registered_model_alias("tuneloop-orders", registry.CHAMPION, str(version))
+    champions.main()
+    assert (folder / "support.json").read_bytes() == recorded["support"]
+    moved = read_model(folder / "orders.json", init_from.TaskChampion)
+    assert moved == none.model_copy(
+        update={"version": str(version), "run_id": run.info.run_id, "batches": ("b1",)}
+    )
+    assert mlflow_runs(Path.cwd()) == 1  # the test's own: the lookup logs none
 
 
 def test_a_data_stage_logs_its_run_over_rest(tmp_path: Path) -> None:

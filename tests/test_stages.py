@@ -26,7 +26,7 @@ from tuneloop.orchestration.flow_results import TasksRun
 from tuneloop.pipeline import stage_order
 from tuneloop.preflight.run import PreflightMetrics
 from tuneloop.quantization import ExportMetrics
-from tuneloop.tracking.init_from import InitMetrics
+from tuneloop.tracking.init_from import InitMetrics, TaskChampion
 from tuneloop.training.merge import MergeFile
 from tuneloop.training.metrics import TrainMetrics
 
@@ -150,6 +150,7 @@ METRICS_MODELS: dict[str, type[BaseModel]] = {
     "init": InitMetrics,
     "task_names": TaskNames,
     "ingest": IngestMetrics,
+    "champions/<task>": TaskChampion,
     "fixed_badcases": FixedBadcasesMetrics,
     "clean": CleanMetrics,
     "pack": PackMetrics,
@@ -162,12 +163,18 @@ METRICS_MODELS: dict[str, type[BaseModel]] = {
 GATE_FILES = {"evaluate", "decision"}
 
 
+def key(path: Path) -> str:
+    """A metrics file's key in ``METRICS_MODELS``: its stage, or ``champions/<task>``."""
+    return "champions/<task>" if path.parent.name == "champions" else path.stem
+
+
 def test_every_metrics_file_reads_back_through_its_model(project: Path) -> None:
     files = sorted([*project.glob("metrics/*.json"), *project.glob("tasks/*/metrics/*.json")])
+    files += sorted(project.glob("metrics/champions/*.json"))
     # The manual's page of metrics files lists the same files (docs/reference/metrics.md).
     assert set(metrics_models()) == set(METRICS_MODELS) | {"decision"}
     # Every stage wrote its file, and no file is left without a model.
-    assert {path.stem for path in files} - GATE_FILES == set(METRICS_MODELS)
+    assert {key(path) for path in files} - GATE_FILES == set(METRICS_MODELS)
     for path in files:
         if path.stem == "decision":
             assert Decision.read(path).verdict in {"pass", "fail", "inconclusive"}, path
@@ -175,7 +182,7 @@ def test_every_metrics_file_reads_back_through_its_model(project: Path) -> None:
         if path.stem == "evaluate":
             assert read_scores(path), path
             continue
-        record = read_model(path, METRICS_MODELS[path.stem])
+        record = read_model(path, METRICS_MODELS[key(path)])
         # Nothing lost or added on the way: the model writes back the file it read.
         assert record.model_dump(mode="json") == json.loads(path.read_text()), path
 

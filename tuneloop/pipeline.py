@@ -21,7 +21,7 @@ class StageOrderError(ValueError):
 
 
 # The stages the project runs once, before each task's (``task_stages``).
-SHARED_STAGES = ("base", "task_names", "ingest")
+SHARED_STAGES = ("base", "task_names", "ingest", "champions")
 
 
 def stage_order(root: Path = Path()) -> tuple[str, ...]:
@@ -51,3 +51,10 @@ def task_stages(task: str, root: Path = Path()) -> tuple[str, ...]:
     each ``foreach`` group generates one per task of params.yaml's ``tasks:``."""
     spec = read_yaml(root / "dvc.yaml")
     return tuple(f"{name}@{task}" for name, stage in spec["stages"].items() if "foreach" in stage)
+
+
+def always_changed(root: Path = Path()) -> frozenset[str]:
+    """The stages DVC runs on every ``dvc repro`` (``always_changed``: they read what DVC
+    cannot see, the registry), by their names in dvc.yaml."""
+    spec = read_yaml(root / "dvc.yaml")
+    return frozenset(name for name, stage in spec["stages"].items() if stage.get("always_changed"))

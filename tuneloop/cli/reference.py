@@ -252,10 +252,10 @@ def stages_page(root: Path) -> str:
         "# DVC stages",
         "",
         "Every stage of `dvc.yaml`, in its order, with its stage module's docstring; generated",
-        "when this site is built. `base`, `task_names` and `ingest` run once; every other",
-        "stage once per task of `tasks:` (`foreach`; DVC names it `<stage>@<task>`), with",
-        "`--task <name>`, the task's folder and its records. Code deps are the local modules",
-        "the stage imports: a change to one reruns it.",
+        "when this site is built. `base`, `task_names`, `ingest` and `champions` run once;",
+        "every other stage once per task of `tasks:` (`foreach`; DVC names it",
+        "`<stage>@<task>`), with `--task <name>`, the task's folder and its records. Code deps",
+        "are the local modules the stage imports: a change to one reruns it.",
     ]
     for name, stage in stages.items():
         body = stage.get("do", stage)
@@ -421,15 +421,16 @@ def mlflow_page(root: Path) -> str:
 
 
 def metrics_models() -> dict[str, tuple[type[BaseModel], ...]]:
-    """Each stage's metrics file (``metrics/<stage>.json``) and the models its writer and its
-    readers go through (merge's is one of two); evaluate.json is ``Scores``, not a model."""
+    """Each stage's metrics file (``metrics/<key>.json``: a stage's, or each task's champion
+    under ``champions/``) and the models its writer and its readers go through (merge's is one
+    of two); evaluate.json is ``Scores``, not a model."""
     from tuneloop.data.metrics import CleanMetrics, IngestMetrics, PackMetrics, TaskNames
     from tuneloop.judge.decision import Decision
     from tuneloop.judge.fixed_badcases import FixedBadcasesMetrics
     from tuneloop.models import BaseMetrics
     from tuneloop.preflight.run import PreflightMetrics
     from tuneloop.quantization import ExportMetrics
-    from tuneloop.tracking.init_from import InitMetrics
+    from tuneloop.tracking.init_from import InitMetrics, TaskChampion
     from tuneloop.training.merge import CopiedThrough, MergeMetrics
     from tuneloop.training.metrics import TrainMetrics
 
@@ -438,6 +439,7 @@ def metrics_models() -> dict[str, tuple[type[BaseModel], ...]]:
         "init": (InitMetrics,),
         "task_names": (TaskNames,),
         "ingest": (IngestMetrics,),
+        "champions/<task>": (TaskChampion,),
         "fixed_badcases": (FixedBadcasesMetrics,),
         "clean": (CleanMetrics,),
         "pack": (PackMetrics,),

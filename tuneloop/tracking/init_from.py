@@ -9,12 +9,13 @@ why. ``init_from: base`` always starts from the base (a retrain from scratch).
 
 Fetching the champion is ``tuneloop.tracking.registry.resolve_start``; this module decides
 what the start is from the champion (``start_for``) and records and reads the result, so
-training and merging import no registry code. The ``init`` stage is ``always_changed`` in
-dvc.yaml, since DVC cannot see an alias move: it reads the alias on every ``dvc repro``
-(``tuneloop.tracking.aliases``, without importing MLflow), and only when the start differs
-from what ``paths.init`` holds does it fetch, write and log a run; its out changes (and so
-``train`` reruns) only when the champion changed. ``init.json`` holds no timestamp for that
-reason.
+training and merging import no registry code. DVC cannot see an alias move, so stage
+``champions`` (``always_changed`` in dvc.yaml) reads every task's alias on each ``dvc repro``
+(``tuneloop.tracking.aliases``, without importing MLflow) into ``TaskChampion`` files; a
+task's ``init`` depends on its own file and reruns only when its champion moved. Even then
+it fetches, writes and logs a run only when the start differs from what ``paths.init``
+holds; its out changes (and so ``train`` reruns) only when the champion changed.
+``init.json`` holds no timestamp for that reason.
 
 Month over month, ``init.json`` also names the pool batches the start already trained on
 (the champion's ``tuneloop.data.batches`` tag; none for the base): ``clean`` replays only
@@ -148,6 +149,34 @@ class InitMetrics(BaseModel):
     @property
     def start(self) -> Start:
         return Start(self.source, self.reason, self.model, self.version, self.run_id, self.batches)
+
+
+# Stage ``champions`` writes ``<paths.metrics>/champions/<task>.json`` (``TaskChampion``).
+CHAMPIONS_DIR = "champions"
+
+
+class TaskChampion(BaseModel):
+    """``metrics/champions/<task>.json``: the champion of a task's registered model as the
+    registry had it when stage ``champions`` last ran. The task's ``init`` depends on this
+    file: it reruns when the champion moved, and only then."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(description="the task's registered model (tracking.registered_model)")
+    version: str | None = Field(description="the version holding its champion alias; None: none")
+    run_id: str | None = Field(description="that version's MLflow run; None: none")
+    batches: tuple[str, ...] = Field(description="the pool batches it trained on, oldest first")
+
+    @classmethod
+    def of(cls, model: str, champion: Champion | None) -> TaskChampion:
+        if champion is None:
+            return cls(model=model, version=None, run_id=None, batches=())
+        return cls(
+            model=model,
+            version=champion.version,
+            run_id=champion.run_id,
+            batches=champion.batches,
+        )
 
 
 def stage_metrics(start: Start, serving: Champion | None) -> InitMetrics:
