@@ -14,6 +14,8 @@ torch and transformers are imported by the function that converts, not by this m
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +164,40 @@ _UNREADABLE = (
 )
 
 
+@contextlib.contextmanager
+def _gguf_read_once() -> Iterator[None]:
+    """While a GGUF file is converted, one ``gguf.GGUFReader`` per file and one tensor-name map
+    per architecture and depth.
+
+    transformers parses the file's header anew for the tokenizer, the config, the model's
+    config and its weights (four readers: about half of SmolLM2's 21 s of conversion CPU),
+    and builds gguf's name map once per module of the model (397 times). The file is read,
+    never written, while it is converted, and a map depends on its two arguments alone.
+    transformers imports both names from ``gguf`` when it reads (``from gguf import``), so
+    they are replaced there, for the block only. A gguf without them is used as it is.
+    """
+    import gguf
+
+    if not hasattr(gguf, "GGUFReader") or not hasattr(gguf, "get_tensor_name_map"):
+        yield
+        return
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def read_once(path: os.PathLike[str] | str, mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)  # type: ignore[arg-type]
+        return readers[key]
+
+    gguf.GGUFReader = read_once  # type: ignore[misc,assignment]
+    gguf.get_tensor_name_map = functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map  # type: ignore[misc]
+
+
 def convert_gguf(gguf: Path, out: Path, dtype: str) -> dict[str, Any]:
     """Dequantize a GGUF checkpoint into a plain Hugging Face folder ``out``, in ``dtype``.
 
@@ -178,10 +215,11 @@ def convert_gguf(gguf: Path, out: Path, dtype: str) -> dict[str, Any]:
 
     started, started_cpu = time.perf_counter(), time.process_time()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        quantized = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
+        with _gguf_read_once():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            quantized = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            )
     except _UNREADABLE as exc:
         raise GgufError(
             f"{gguf}: not a readable GGUF checkpoint ({type(exc).__name__}: {exc}); the file is "
