@@ -1,7 +1,8 @@
 """The manual's release by hand, two router replicas: one restarted mid-release, one release killed.
 
 The page's block runs as written (``tests/byhand_helpers.py``: free ports, the session's
-Prefect server) on CPU ``transformers serve`` backends, with a second router replica beside
+Prefect server), the one run of it in the suite (a run of it alone would repeat each step
+of this one), on CPU ``transformers serve`` backends, with a second router replica beside
 the block's, started as the page's second block says: the same command and secrets, a
 config that differs only in its state file, both listed in ``release.routers``. The test
 acts at checkpoints put into the block (the shell waits at each until the test lets it go):
@@ -370,3 +371,19 @@ def test_replicas_outlive_a_router_restart_and_a_killed_release(
     aliases = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").get_registered_model(MODEL).aliases
     assert {k: str(v) for k, v in aliases.items()} == {"champion": "2", "previous-champion": "1"}
     assert not re.search(r"^release (promoted|rolled back)", killed_log.read_text(), re.M)
+
+    # What the block shows a reader: the approvals, `tuneloop status` (a table of figures or
+    # "-", never "n/a ms"), the backends serving the registry's versions from run/serve/, and
+    # the demo customers' flags in the next month's incoming data.
+    assert "TypeError" not in release_log
+    assert "approved" in block_out and "by alice" in block_out and "by bob" in block_out
+    table = r"^arm\s+requests\s+errors\s+badcases\s+p99 latency\s+p99 TTFT$"
+    assert re.search(table, block_out, re.M), block_out
+    assert "n/a" not in block_out and "challenger0" not in block_out
+    assert "registry  champion v2, previous-champion v1" in block_out
+    served = {
+        arm: yaml.safe_load((project / "run/serve" / f"{arm}.json").read_text())
+        for arm in ("champion", "challenger")
+    }
+    assert (served["champion"]["version"], served["challenger"]["version"]) == ("1", "2")
+    assert list((project / "data/badcases/incoming").glob("router-feedback-*.jsonl"))
