@@ -8,7 +8,8 @@ stage's MLflow child run. The stages and their order are dvc.yaml's
 (``tuneloop.pipeline``). A stage that runs records its own lineage; a stage DVC
 finds up to date is not rerun: its metrics are logged from its metrics file,
 its lineage is recorded here by the same function, and its run is tagged
-``dvc.cached``.
+``dvc.cached``. ``champions``, which DVC runs every time and which logs no run of
+its own (a registry lookup), is recorded the same way, tagged ``dvc.cached=false``.
 
 Runs without a Prefect server (a temporary local one starts) and against one
 when ``PREFECT_API_URL`` is set.
