@@ -33,11 +33,10 @@ def serving(model: str) -> Champion | None:
     except aliases.NoStore:
         return None  # nothing is registered yet
     except aliases.CannotTell as why:
-        log.info("champions: reading the registry through MLflow (%s)", why)
+        log.info("%s: reading the registry through MLflow (%s)", STAGE, why)
     from tuneloop.tracking import registry
 
-    found = registry.find_alias(model, registry.CHAMPION)
-    return None if found is None else registry.as_champion(found)
+    return registry.serving_champion(model)
 
 
 def main() -> None:
@@ -48,7 +47,7 @@ def main() -> None:
         model = params.for_task(task).tracking.registered_model
         champion = TaskChampion.of(model, serving(model))
         write_model(folder / f"{task}.json", champion)
-        log.info("champions: %s: %s", task, f"v{champion.version}" if champion.version else "none")
+        log.info("%s: %s: %s", STAGE, task, f"v{champion.version}" if champion.version else "none")
 
 
 if __name__ == "__main__":

@@ -54,8 +54,7 @@ def main() -> None:
 
     with stage_run(STAGE, params) as run:
         start = registry.resolve_start(params, params.paths.init)
-        serving = registry.find_alias(params.tracking.registered_model, registry.CHAMPION)
-        champion = None if serving is None else registry.as_champion(serving)
+        champion = registry.serving_champion(params.tracking.registered_model)
         MlflowClient().set_tag(run.info.run_id, init_from.TAG, start.describe())
         write_metrics(params, STAGE, init_from.stage_metrics(start, champion).model_dump())
 

@@ -64,11 +64,6 @@ def register(client: MlflowClient, tags: dict[str, str], run_id: str | None = No
     return str(version.version)
 
 
-def the_champion(client: MlflowClient) -> init_from.Champion | None:
-    found = registry.find_alias(NAME, registry.CHAMPION, client)
-    return None if found is None else registry.as_champion(found)
-
-
 def test_the_champion_read_without_mlflow_is_the_registrys(project: MlflowClient) -> None:
     experiment = project.create_experiment("tuneloop")  # creates the store
     assert aliases.champion(NAME) is None  # no registered model yet
@@ -79,7 +74,7 @@ def test_the_champion_read_without_mlflow_is_the_registrys(project: MlflowClient
     assert aliases.champion(NAME) is None  # no alias yet
     for version in (base, trained, untagged):
         project.set_registered_model_alias(NAME, registry.CHAMPION, version)
-        assert aliases.champion(NAME) == the_champion(project)
+        assert aliases.champion(NAME) == registry.serving_champion(NAME, project)
     project.set_registered_model_alias(NAME, registry.CHAMPION, trained)
     assert aliases.champion(NAME) == init_from.Champion(trained, run.info.run_id, ("b1", "b2"))
     # What `tuneloop status` shows, read the same way.

@@ -171,12 +171,7 @@ class TaskChampion(BaseModel):
     def of(cls, model: str, champion: Champion | None) -> TaskChampion:
         if champion is None:
             return cls(model=model, version=None, run_id=None, batches=())
-        return cls(
-            model=model,
-            version=champion.version,
-            run_id=champion.run_id,
-            batches=champion.batches,
-        )
+        return cls(model=model, **asdict(champion))
 
 
 def stage_metrics(start: Start, serving: Champion | None) -> InitMetrics:

@@ -187,6 +187,12 @@ def as_champion(version: ModelVersion) -> init_from.Champion:
     return init_from.Champion(str(version.version), version.run_id, champion_batches(version))
 
 
+def serving_champion(name: str, client: MlflowClient | None = None) -> init_from.Champion | None:
+    """Registered model ``name``'s champion, through MLflow; None: no such alias yet."""
+    found = find_alias(name, CHAMPION, client)
+    return None if found is None else as_champion(found)
+
+
 def resolve_start(params: Params, folder: Path) -> init_from.Start:
     """Fill ``folder`` (``paths.init``) with the starting point ``train.init_from`` asks for
     (see ``tuneloop/tracking/init_from.py``).
