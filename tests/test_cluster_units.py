@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,8 @@ from transformers import TrainerControl, TrainerState
 
 from tests.helpers import write_params
 from tuneloop.cluster import slurm
-from tuneloop.cluster.job import shell_words, usage_by_node
-from tuneloop.cluster.submit import StageInterrupted, check_parent, failure
+from tuneloop.cluster.job import JobStatus, shell_words, usage_by_node
+from tuneloop.cluster.submit import Interrupts, StageInterrupted, check_parent, failure, wait_for
 from tuneloop.params import ParamsError, load_params
 from tuneloop.preflight.launch import (
     check_launch,
@@ -204,6 +205,47 @@ def test_a_stage_whose_parent_is_gone_stops_waiting() -> None:
     check_parent(os.getppid())
     with pytest.raises(StageInterrupted, match=r"the process that started the stage .* is gone"):
         check_parent(os.getppid() + 1)
+
+
+RUNNING = JobStatus(job_id="7", state="RUNNING", nodes=("node1",))
+
+
+class LibraryError(Exception):
+    """What MLflow's client does with any exception raised inside its call."""
+
+
+def test_a_signal_inside_a_library_call_is_raised_as_itself_at_the_next_poll() -> None:
+    """Prefect's SIGTERM can land while the stage is inside MLflow (the tag of a new state),
+    which wraps what the handler raises; the stage must still see SIGTERM, and cancel."""
+    calls = []
+
+    def status(job_id: str) -> JobStatus:
+        calls.append(job_id)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered here, inside the "library"
+        except Exception as error:
+            raise LibraryError(str(error)) from error
+        return RUNNING
+
+    with Interrupts().installed() as interrupts, pytest.raises(StageInterrupted) as raised:
+        wait_for("7", status, lambda: None, poll_s=0.01, interrupts=interrupts)
+    assert raised.value.signum == signal.SIGTERM and str(raised.value) == "SIGTERM"
+    assert calls == ["7"]  # raised before the next poll, not after the job ended
+
+
+def test_a_signal_during_the_sleep_between_polls_ends_the_wait_at_once() -> None:
+    polls = []
+
+    def status(job_id: str) -> JobStatus:
+        polls.append(job_id)
+        return RUNNING
+
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    with Interrupts().installed() as interrupts, pytest.raises(StageInterrupted) as raised:
+        timer.start()
+        wait_for("7", status, lambda: None, poll_s=3600, interrupts=interrupts)
+    assert raised.value.signum == signal.SIGINT and polls == ["7"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
 
 
 def test_gpu_hours_are_elapsed_times_gpus_per_node_over_every_run() -> None:

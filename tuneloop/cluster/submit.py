@@ -73,20 +73,48 @@ def check_parent(parent: int) -> None:
         )
 
 
-@contextlib.contextmanager
-def interrupts_raise() -> Iterator[None]:
-    """SIGINT, SIGTERM, SIGHUP raise ``StageInterrupted`` in the waiting loop."""
+class Interrupts:
+    """SIGINT, SIGTERM and SIGHUP while the stage waits for its job, raised where it is safe.
 
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise StageInterrupted(signum)
+    A handler that raised wherever the signal landed raised inside MLflow's or a subprocess's
+    code, which may wrap it: a SIGTERM during ``mlflow.set_tags`` ended the stage with
+    ``MlflowException: SIGTERM``, naming neither the signal nor the job. So the handler raises
+    ``StageInterrupted`` only while the stage sleeps between polls; elsewhere it notes the
+    signal, and the next ``check`` (before every poll, and at once after the submit) raises it.
+    """
 
-    caught = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, handler) for s in caught}
-    try:
-        yield
-    finally:
-        for signum, old in previous.items():
-            signal.signal(signum, old)
+    CAUGHT = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.pending: int | None = None
+        self.sleeping = False
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        self.pending = signum
+        if self.sleeping:
+            self.sleeping = False
+            raise StageInterrupted(signum)
+
+    def check(self) -> None:
+        if self.pending is not None:
+            raise StageInterrupted(self.pending)
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeping = True  # before the check: a signal between the two raises either way
+        try:
+            self.check()
+            time.sleep(seconds)
+        finally:
+            self.sleeping = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Interrupts]:
+        previous = {s: signal.signal(s, self.handler) for s in self.CAUGHT}
+        try:
+            yield self
+        finally:
+            for signum, old in previous.items():
+                signal.signal(signum, old)
 
 
 class LogTail:
@@ -113,11 +141,15 @@ def wait_for(
     status: Callable[[str], JobStatus | None],
     pump: Callable[[], None],
     poll_s: float,
+    interrupts: Interrupts | None = None,
 ) -> JobStatus:
-    """Poll until the job has ended, streaming its log; the last status the scheduler gave."""
+    """Poll until the job has ended, streaming its log; the last status the scheduler gave.
+    Raises ``StageInterrupted`` for a signal ``interrupts`` caught, or a parent gone."""
+    interrupts = interrupts or Interrupts()
     last: JobStatus | None = None
     parent = os.getppid()
     while True:
+        interrupts.check()
         check_parent(parent)
         pump()
         now = status(job_id)
@@ -133,7 +165,7 @@ def wait_for(
             time.sleep(min(poll_s, 1.0))  # the last lines reach the shared file
             pump()
             return now
-        time.sleep(poll_s)
+        interrupts.sleep(poll_s)
 
 
 def cancel(
@@ -260,7 +292,9 @@ def run_on_slurm(params: Params) -> None:
 
 def _submit_and_wait(params: Params, script: Path, folder: Path, env: dict[str, str]) -> JobStatus:
     poll_s = params.cluster.poll_s
-    with interrupts_raise():
+    with Interrupts().installed() as interrupts:
+        # A signal from here on is raised at the next check: after the submit, never in it, so
+        # the job it submitted is known and cancelled.
         job_id = slurm.submit(script, env)
         submitted = Submitted(
             launcher="slurm", job_id=job_id, submitted_at=dt.datetime.now(dt.UTC).isoformat()
@@ -271,7 +305,7 @@ def _submit_and_wait(params: Params, script: Path, folder: Path, env: dict[str, 
         ended: JobStatus | None = None
         try:
             tail = LogTail(folder / f"slurm-{job_id}.out")
-            ended = wait_for(job_id, slurm.status, tail.pump, poll_s)
+            ended = wait_for(job_id, slurm.status, tail.pump, poll_s, interrupts)
             return ended
         except StageInterrupted as interrupted:
             log.error("train: %s while waiting; cancelling Slurm job %s", interrupted, job_id)
@@ -337,7 +371,7 @@ def run_on_kubernetes(params: Params, jobs: TrainJobs | None = None) -> None:
             {"name": "MLFLOW_RUN_ID", "value": run.info.run_id}
         )
         write_json(folder / "trainjob.json", manifest)
-        with interrupts_raise():
+        with Interrupts().installed() as interrupts:
             jobs.create(manifest)
             write_json(
                 folder / JOB_FILE,
@@ -350,7 +384,8 @@ def run_on_kubernetes(params: Params, jobs: TrainJobs | None = None) -> None:
             _set_tags({TAG_LAUNCHER: "kubernetes", TAG_JOB_ID: name, TAG_LOGS: str(folder)})
             ended: JobStatus | None = None
             try:
-                ended = wait_for(name, jobs.status, PodLogs(jobs, name).pump, poll_s)
+                pods = PodLogs(jobs, name)
+                ended = wait_for(name, jobs.status, pods.pump, poll_s, interrupts)
             except StageInterrupted as interrupted:
                 log.error("train: %s while waiting; deleting TrainJob %s", interrupted, name)
             finally:
