@@ -47,7 +47,7 @@ from tuneloop.cluster.kubernetes import TrainJobs, trainjob
 from tuneloop.io import read_model, write_json, write_model
 from tuneloop.params import Params
 from tuneloop.preflight.launch import launch_problems, world_size_problems
-from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE, new_out_dir
+from tuneloop.telemetry.watch import WATCHDOG_EXIT_CODE, handling_stop_signals, new_out_dir
 from tuneloop.training.metrics import JobReport, TrainMetrics
 
 STAGE = "train"
@@ -83,8 +83,6 @@ class Interrupts:
     signal, and the next ``check`` (before every poll, and at once after the submit) raises it.
     """
 
-    CAUGHT = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
     def __init__(self) -> None:
         self.pending: int | None = None
         self.sleeping = False
@@ -92,7 +90,7 @@ class Interrupts:
     def handler(self, signum: int, frame: FrameType | None) -> None:
         self.pending = signum
         if self.sleeping:
-            self.sleeping = False
+            self.sleeping = False  # a second signal while this one unwinds the sleep: noted
             raise StageInterrupted(signum)
 
     def check(self) -> None:
@@ -109,12 +107,8 @@ class Interrupts:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Interrupts]:
-        previous = {s: signal.signal(s, self.handler) for s in self.CAUGHT}
-        try:
+        with handling_stop_signals(self.handler):
             yield self
-        finally:
-            for signum, old in previous.items():
-                signal.signal(signum, old)
 
 
 class LogTail:
@@ -324,16 +318,9 @@ def _submit_and_wait(params: Params, script: Path, folder: Path, env: dict[str, 
     raise SystemExit(code)
 
 
-@contextlib.contextmanager
-def signal_ignored() -> Iterator[None]:
+def signal_ignored() -> contextlib.AbstractContextManager[None]:
     # A second Ctrl-C must not interrupt the cancel that the first one asked for.
-    caught = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in caught}
-    try:
-        yield
-    finally:
-        for signum, old in previous.items():
-            signal.signal(signum, old)
+    return handling_stop_signals(signal.SIG_IGN)
 
 
 class PodLogs:

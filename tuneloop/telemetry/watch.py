@@ -138,6 +138,23 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+# What stops a run: Ctrl-C, a cancelled flow run (Prefect's SIGTERM), a closed terminal.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def handling_stop_signals(
+    handler: Callable[[int, FrameType | None], None] | int,
+) -> Iterator[None]:
+    """``handler`` for ``STOP_SIGNALS`` inside the block; the previous handlers after it."""
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
 @contextlib.contextmanager
 def _forward_signals(job: JobProcesses) -> Iterator[None]:
     """Pass SIGINT/SIGTERM/SIGHUP on to the whole job while the watcher runs."""
@@ -151,13 +168,8 @@ def _forward_signals(job: JobProcesses) -> Iterator[None]:
             with contextlib.suppress(Exception):  # it may have exited meanwhile
                 process.send_signal(signum)
 
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, forward) for s in signals}
-    try:
+    with handling_stop_signals(forward):
         yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def _die_with_watcher() -> Callable[[], None] | None:
