@@ -80,7 +80,7 @@ class Interrupts:
     code, which may wrap it: a SIGTERM during ``mlflow.set_tags`` ended the stage with
     ``MlflowException: SIGTERM``, naming neither the signal nor the job. So the handler raises
     ``StageInterrupted`` only while the stage sleeps between polls; elsewhere it notes the
-    signal, and the next ``check`` (before every poll, and at once after the submit) raises it.
+    signal, and the next ``check`` (``wait_for`` makes one before every poll) raises it.
     """
 
     def __init__(self) -> None:
