@@ -344,11 +344,16 @@ def start_router(
 
 
 def keep_customers_coming(
-    stack: Stack, month: int, stop: threading.Event, task: str | None = None
+    stack: Stack,
+    month: int,
+    stop: threading.Event,
+    task: str | None = None,
+    rate: float | None = None,
 ) -> customers.TrafficReport:
     """Demo traffic in bursts until ``stop``; the sum of what every burst saw. ``task``: on a
     router of tasks, that task's customers (``customers.ASKS``), flagging wrong answers if its
-    demo task has a feedback producer (``DEMO_TASKS``)."""
+    demo task has a feedback producer (``DEMO_TASKS``). ``rate``: requests a second
+    (``demo.requests_per_s``)."""
     total = customers.TrafficReport()
     demo_task = DEMO_TASKS[task or "support"]  # a project of one task: the support desk
     burst = 0
@@ -367,6 +372,7 @@ def keep_customers_coming(
             task=task or "support",
             model=task or "tuneloop",  # a router of tasks: the task's public name
             feedback_path="/v1/feedback" if task is None else f"/tasks/{task}/v1/feedback",
+            rate=rate,
         )
         for arm, tally in seen.arms.items():
             mine = total.tally(arm)
@@ -449,7 +455,9 @@ def release_month(
     seen: dict[str | None, customers.TrafficReport] = {}
     askers = [
         threading.Thread(
-            target=lambda t=task: seen.__setitem__(t, keep_customers_coming(stack, month, stop, t)),
+            target=lambda t=task: seen.__setitem__(
+                t, keep_customers_coming(stack, month, stop, t, params.demo.requests_per_s)
+            ),
             daemon=True,
         )
         for task in (tasks or (None,))

@@ -12,6 +12,10 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +178,56 @@ def test_the_default_demo_runs_in_its_checkout_and_the_checkout_runs_it_there(
         "demo", "--repo", ".", "--here", "--months", "2", "--approval-wait", "5.0",
         "--release-overrides", "configs/demo-tasks.yaml",
     ]  # fmt: skip
+
+
+@pytest.fixture
+def answering_router() -> Iterator[tuple[str, list[float]]]:
+    """A router stand-in that answers every chat request at once; when each arrived."""
+    arrived: list[float] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            arrived.append(time.monotonic())
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"choices": [{"message": {"content": "[shipping] soon"}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", arrived
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_customers_at_a_rate_arrive_evenly_and_none_after_stop(
+    answering_router: tuple[str, list[float]],
+) -> None:
+    url, arrived = answering_router
+    started = time.monotonic()
+    report = customers.run(url, requests=6, concurrency=4, rate=10.0)
+    assert report.tally("unknown").requests == 6  # the stand-in names no arm
+    # Six requests at 10 a second: the sixth no sooner than 0.5 s after the start, where an
+    # answer that comes at once would have let all six go within milliseconds.
+    assert arrived[-1] - started >= 0.5
+    stop = threading.Event()
+    stop.set()
+    before = len(arrived)
+    customers.run(url, requests=6, concurrency=4, rate=10.0, stop=stop)
+    assert len(arrived) == before
+
+
+def test_a_rate_that_is_not_above_zero_is_refused() -> None:
+    from tuneloop.cli import main
+
+    with pytest.raises(ValueError, match="positive number of requests a second"):
+        customers.run("http://127.0.0.1:9", requests=1, rate=0.0)
+    assert main(["traffic", "--router", "http://127.0.0.1:9", "--rate", "-1"]) == 2

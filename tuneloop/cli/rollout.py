@@ -190,6 +190,12 @@ def _traffic(args: argparse.Namespace) -> int:
         if not token:
             print(f"tuneloop traffic: ${args.feedback_token_env} is not set", file=sys.stderr)
             return 1
+    if args.rate is not None and not args.rate > 0:
+        print(
+            f"tuneloop traffic: --rate is requests a second, above 0 (got {args.rate})",
+            file=sys.stderr,
+        )
+        return 2
     router = args.router.rstrip("/")
     wait_healthy(router, timeout=60)
     report = customers.run(
@@ -201,6 +207,7 @@ def _traffic(args: argparse.Namespace) -> int:
         feedback_token=token,
         concurrency=args.concurrency,
         max_tokens=args.max_tokens,
+        rate=args.rate,
     )
     print(json.dumps(report.as_dict(), indent=2))
     return 0
@@ -416,23 +423,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     wait.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600)")
     wait.set_defaults(run=_wait)
 
-    traffic = commands.add_parser(
-        "traffic", help="demo customers through the router: sticky users, wrong answers flagged"
-    )
-    traffic.add_argument("--router", required=True, help="the router's root URL")
-    traffic.add_argument("--requests", type=int, default=1000, help="requests (default 1000)")
-    traffic.add_argument("--users", type=int, default=300, help="distinct user ids (default 300)")
-    traffic.add_argument("--concurrency", type=int, default=4, help="in flight (default 4)")
-    traffic.add_argument("--max-tokens", type=int, default=24, help="per answer (default 24)")
-    traffic.add_argument(
-        "--seed", type=int, default=0, help="of the customers' questions and user ids"
-    )
-    traffic.add_argument("--month", type=int, default=1, help="which month's questions (default 1)")
-    traffic.add_argument(
-        "--feedback-token-env",
-        help="env var with a feedback producer's token: wrong answers are flagged with it",
-    )
-    traffic.set_defaults(run=_traffic)
+    _add_traffic(commands)
 
     rollback = commands.add_parser(
         "rollback",
@@ -454,3 +445,30 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     status.add_argument("--json", action="store_true", help="print it as JSON")
     status.set_defaults(run=_status)
+
+
+def _add_traffic(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``tuneloop traffic``: the demo's customers, by hand."""
+    traffic = commands.add_parser(
+        "traffic", help="demo customers through the router: sticky users, wrong answers flagged"
+    )
+    traffic.add_argument("--router", required=True, help="the router's root URL")
+    traffic.add_argument("--requests", type=int, default=1000, help="requests (default 1000)")
+    traffic.add_argument("--users", type=int, default=300, help="distinct user ids (default 300)")
+    traffic.add_argument("--concurrency", type=int, default=4, help="in flight (default 4)")
+    traffic.add_argument("--max-tokens", type=int, default=24, help="per answer (default 24)")
+    traffic.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="requests a second, started evenly (default: the next as soon as an answer comes)",
+    )
+    traffic.add_argument(
+        "--seed", type=int, default=0, help="of the customers' questions and user ids"
+    )
+    traffic.add_argument("--month", type=int, default=1, help="which month's questions (default 1)")
+    traffic.add_argument(
+        "--feedback-token-env",
+        help="env var with a feedback producer's token: wrong answers are flagged with it",
+    )
+    traffic.set_defaults(run=_traffic)

@@ -88,6 +88,38 @@ def streamed_text(payload: str) -> str:
     return "".join(parts)
 
 
+def _spacing(rate: float | None) -> float:
+    """Seconds between the starts of two requests at ``rate`` a second (None: no wait)."""
+    if rate is None:
+        return 0.0
+    if not rate > 0:
+        raise ValueError(f"rate must be a positive number of requests a second, not {rate}")
+    return 1 / rate
+
+
+def _turn_comes(at: float, stop: threading.Event | None) -> bool:
+    """Whether a request is sent: it waits until ``at`` (``time.monotonic``), and is not sent
+    once ``stop`` is set."""
+    wait = max(0.0, at - time.monotonic())
+    if stop is None:
+        time.sleep(wait)
+        return True
+    return not stop.wait(wait)
+
+
+def _flag(
+    messages: list[dict[str, str]], said: str, item: domain.Item, request_id: str | None
+) -> dict[str, Any]:
+    """A wrong answer flagged with its correction, as a support tool sends it."""
+    return {
+        "messages": messages,
+        "bad_response": said.strip() or "(empty answer)",
+        "corrected_response": item.answer,
+        "request_id": request_id,
+        "tags": ["demo-support-tool"],
+    }
+
+
 def run(
     router_url: str,
     *,
@@ -104,6 +136,7 @@ def run(
     stream: bool = False,
     task: str = "support",
     feedback_path: str = "/v1/feedback",
+    rate: float | None = None,
 ) -> TrafficReport:
     """Send ``requests`` chat requests from ``users`` sticky demo users; flag wrong answers.
 
@@ -112,7 +145,11 @@ def run(
     each arm's first token (TTFT) for the release analysis. ``task``: what they ask
     (``ASKS``), as ``model`` (a router of tasks: the task's public name); ``feedback_path``:
     where flags go on the router (a router of tasks: ``/tasks/<task>/v1/feedback``).
+    ``rate``: requests a second, all users together, started evenly as users arrive (still at
+    most ``concurrency`` waiting at once); None: each as soon as an answer comes back, which
+    keeps every served model busy for as long as the traffic lasts.
     """
+    spacing = _spacing(rate)
     rng = random.Random(f"traffic/{seed}/{month}")
     ask = ASKS[task](seed + 11, month)
     plan = [(f"demo-user-{rng.randrange(users):04d}", ask()) for _ in range(requests)]
@@ -121,8 +158,8 @@ def run(
     started = time.monotonic()
     headers = {"Authorization": f"Bearer {feedback_token}"} if feedback_token else {}
 
-    def one(client: httpx.Client, user: str, item: domain.Item) -> None:
-        if stop is not None and stop.is_set():
+    def one(client: httpx.Client, index: int, user: str, item: domain.Item) -> None:
+        if not _turn_comes(started + index * spacing, stop):
             return
         messages = [{"role": "user", "content": item.question}]
         body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
@@ -151,13 +188,7 @@ def run(
         wrong = normalise_answer(said) != normalise_answer(item.answer)
         flagged = False
         if wrong and feedback_token:
-            flag = {
-                "messages": messages,
-                "bad_response": said.strip() or "(empty answer)",
-                "corrected_response": item.answer,
-                "request_id": response.headers.get(REQUEST_ID_HEADER),
-                "tags": ["demo-support-tool"],
-            }
+            flag = _flag(messages, said, item, response.headers.get(REQUEST_ID_HEADER))
             answer = client.post(f"{router_url}{feedback_path}", json=flag, headers=headers)
             flagged = answer.status_code in (200, 201, 202)
             if not flagged:
@@ -173,7 +204,7 @@ def run(
         httpx.Client(timeout=timeout_s) as client,
         ThreadPoolExecutor(max_workers=concurrency) as pool,
     ):
-        for done in pool.map(lambda job: one(client, *job), plan):
+        for done in pool.map(lambda job: one(client, job[0], *job[1]), enumerate(plan)):
             del done
     report.seconds = time.monotonic() - started
     return report

@@ -265,6 +265,12 @@ class DemoParams(_Group):
     # The second task of the two-task demo (tuneloop/demo/orders.py): order fields as JSON.
     n_orders: int = Field(1500, ge=0, description="order-intake messages seeded a month")
     n_order_badcases: int = Field(150, ge=0, description="orders corrected by hand a month")
+    requests_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="the demo customers' chat requests a second during a release, all users "
+        "together; null: the next as soon as an answer comes, four waiting at once",
+    )
 
 
 class IngestParams(_Group):
