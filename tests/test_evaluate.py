@@ -356,7 +356,7 @@ def test_a_planted_fp8_drop_fails_the_gate_on_the_real_path(project: Path) -> No
 
 @pytest.mark.usefixtures("accepted")
 def test_a_candidate_worse_than_the_champion_is_not_registered(project: Path) -> None:
-    # Last in this module: it retrains the project far too short. v1 is the champion.
+    # Late in this module: it retrains the project far too short. v1 is the champion.
     params = load_params()
     name = params.tracking.registered_model
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
@@ -384,3 +384,25 @@ def test_a_candidate_worse_than_the_champion_is_not_registered(project: Path) ->
     versions = client.search_model_versions(f"name = '{name}'")
     assert [str(v.version) for v in versions] == ["1"]
     assert str(client.get_model_version_by_alias(name, "challenger").version) == "1"
+
+
+def test_a_team_that_exports_nothing_is_judged_on_the_candidate_alone(project: Path) -> None:
+    """``export.formats: []``, as for a team serving the adapter on its base: no export is
+    scored, reported, carded or registered, and no FP8 rule is left that could not be met."""
+    gate_before = load_params().gate.fp8_max_drop
+    set_params(export={"formats": []}, gate={"fp8_max_drop": None})
+    try:
+        evaluate.main()
+        params = load_params()
+        scores = read(project, "evaluate.json")
+        decision = Decision.read(project / "metrics" / "decision.json")
+        report = (project / "reports/eval.md").read_text()
+        card = (project / "reports/model-card.md").read_text()
+        formats = registry.registered_formats(params, decision)
+    finally:
+        set_params(export={"formats": ["fp8"]}, gate={"fp8_max_drop": gate_before})
+    assert FP8 not in scores and FP8 not in decision.engines
+    assert decision.exports == {}
+    assert FP8 not in report
+    assert "Not exported (export.formats is empty)" in card
+    assert formats == []

@@ -60,6 +60,15 @@ def test_missing_key_is_named() -> None:
         parse_params(data)
 
 
+def test_no_export_is_a_choice_but_an_fp8_rule_then_needs_its_export() -> None:
+    data = shipped()
+    data["export"]["formats"] = []
+    with pytest.raises(ParamsError, match=r"gate\.fp8_max_drop is 0\.05, a rule on the FP8 export"):
+        parse_params(data)
+    data["gate"]["fp8_max_drop"] = None
+    assert parse_params(data).export.formats == ()
+
+
 def test_batch_must_divide() -> None:
     data = shipped()
     data["batch"].update(world_size=2, micro_batch_size=2, effective_batch=6)

@@ -239,7 +239,10 @@ def _eval_lines(decision: Decision) -> list[str]:
 
 
 def _exports(params: Params, decision: Decision) -> str:
-    """Each format of ``export.formats`` with its scheme, and whether the gate refused it."""
+    """The sentence on the exports: each format of ``export.formats`` with its scheme, and
+    whether the gate refused it."""
+    if not params.export.formats:
+        return "Not exported (export.formats is empty): served as the adapter or merged model."
     shown = []
     for fmt in params.export.formats:
         scheme = params.export.scheme if fmt == "fp8" else FORMATS[fmt].scheme
@@ -247,7 +250,10 @@ def _exports(params: Params, decision: Decision) -> str:
         shown.append(
             f"{fmt} ({scheme}{'; refused by the gate, not registered' if refused else ''})"
         )
-    return ", ".join(shown)
+    return (
+        f"Exported with llm-compressor to {', '.join(shown)} (layers "
+        f"{', '.join(params.export.ignore) or 'none'} kept in {params.export.dtype})."
+    )
 
 
 def _train_results(train: TrainMetrics | None) -> dict[str, Any]:
@@ -313,9 +319,8 @@ def model_card(params: Params, facts: Facts, decision: Decision) -> str:
         "",
         "## Method",
         "",
-        f"{method.upper()} ({lora}); objectives: {', '.join(train.phases)}. Exported with "
-        f"llm-compressor to {_exports(params, decision)} (layers "
-        f"{', '.join(params.export.ignore) or 'none'} kept in {params.export.dtype}).",
+        f"{method.upper()} ({lora}); objectives: {', '.join(train.phases)}. "
+        + _exports(params, decision),
         "",
         "## Data",
         "",

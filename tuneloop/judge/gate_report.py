@@ -57,7 +57,7 @@ def report(scores: Scores, decision: Decision, directions: Directions) -> str:
         "",
     ]
     lines += [f"- {reason}" for reason in decision.reasons]
-    if decision.thresholds.fp8_max_drop is None:
+    if decision.thresholds.fp8_max_drop is None and FP8 in scores:
         lines.append(
             f"- {FP8}: compared below, not a rule (gate.fp8_max_drop is null: the FP8 export "
             "is not what is served)"

@@ -179,6 +179,16 @@ class Params(_Group):
             )
         return self
 
+    @model_validator(mode="after")
+    def _fp8_rule_has_its_export(self) -> Params:
+        if self.gate.fp8_max_drop is not None and "fp8" not in self.export.formats:
+            raise ValueError(
+                f"gate.fp8_max_drop is {self.gate.fp8_max_drop}, a rule on the FP8 export, but "
+                f"export.formats {list(self.export.formats)} makes none: add fp8 to "
+                "export.formats, or set gate.fp8_max_drop: null"
+            )
+        return self
+
     @property
     def task(self) -> str | None:
         """The task this view is of (``for_task``), None for the project's own params."""

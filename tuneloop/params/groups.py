@@ -441,10 +441,10 @@ class ExportParams(_Group):
     """The merged model's exports, with llm-compressor (stage ``export``)."""
 
     formats: tuple[ExportFormat, ...] = Field(
-        min_length=1,
         description="exports of the merged model, each in paths.<format>: fp8 (FP8_DYNAMIC, "
         "what vLLM serves on Hopper and Ada), nvfp4 (NVFP4: FP4 weights and activations, "
-        "native on Blackwell), nvfp4a16 (FP4 weights only)",
+        "native on Blackwell), nvfp4a16 (FP4 weights only); []: none, for a team that serves "
+        "the adapter on a base its servers hold, or the merged model as it is",
     )
     scheme: Literal["FP8_DYNAMIC"] = Field(description="llm-compressor's scheme for fp8")
     ignore: tuple[str, ...] = Field(description="layers left unquantized, e.g. lm_head")
