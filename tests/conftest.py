@@ -52,20 +52,30 @@ TINY_PROJECT_MODULES = {"test_flow", "test_stages"}
 # Modules that share the session's one vLLM server (tests/vllm_helpers.py): 2-5 minutes to start.
 VLLM_MODULES = {"test_release_vllm", "test_vllm_serving"}
 # The longest groups start first, longest first, so no worker is left with one of them while
-# the others have gone idle; by their time in `make test` on 2 cores, 2026-12-05 (the first
-# four and the tutorial 4-5 minutes each; the shared vLLM server starts in 2-5).
+# the others have gone idle; by their time in `make test` on 2 cores, 2026-12-06 (a fresh
+# clone at c39ebb3: test_tasks_pipeline 380 s down to test_watchdog_hang 32 s). The other
+# slow modules follow, then the fast tier, whose modules take seconds each and fill the end:
+# in alphabetical order, test_release_flow (90 s) and test_watchdog_hang had started last and
+# run alone, 1-1.5 minutes of one busy core out of two.
 LONG_FIRST = (
     "test_tasks_pipeline",
-    "tiny-project",
-    "test_cluster_slurm",
     "test_loop",
-    "vllm",
-    "test_tutorial",
-    "test_team_stack",
-    "test_real_lora",
+    "test_cluster_slurm",
+    "tiny-project",
     "test_train_stage",
-    "test_evaluate",
+    "test_tutorial",
+    "test_real_lora",
+    "test_team_stack",
     "test_release_replicas",
+    "vllm",
+    "test_evaluate",
+    "test_release_flow",
+    "test_preflight_stage",
+    "test_lineage",
+    "test_release_lease",
+    "test_eval_vllm",
+    "test_watchdog_hang",
+    "test_mlflow_ui",
 )
 
 
@@ -106,7 +116,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test in one tier; the fast tier alone for a bare `pytest`; the longest groups
-    first (xdist hands out groups in collection order)."""
+    first, then the other slow ones, then the fast tier (xdist hands out groups in collection
+    order)."""
     if wrong := untiered(items):
         raise pytest.UsageError(
             "each test module needs `pytestmark = pytest.mark.fast` or `pytest.mark.slow` "
@@ -116,7 +127,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     def rank(item: pytest.Item) -> int:
         group = group_of(item.nodeid)
-        return LONG_FIRST.index(group) if group in LONG_FIRST else len(LONG_FIRST)
+        if group in LONG_FIRST:
+            return LONG_FIRST.index(group)
+        return len(LONG_FIRST) + (item.get_closest_marker("slow") is None)  # slow, then fast
 
     items.sort(key=rank)  # stable: a module's tests keep their order
 
