@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from tests.helpers import ROOT, write_params
+from tests.helpers import ROOT, loopback_server, write_params
 from tuneloop.cli.rollout import training_job_line
 from tuneloop.cluster import kubernetes
 from tuneloop.cluster.job import JOB_FILE, Submitted
@@ -72,17 +71,10 @@ def api(request: pytest.FixtureRequest) -> Iterator[tuple[Replay, Any]]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     from kubernetes import client
 
-    config = client.Configuration(host=f"http://127.0.0.1:{server.server_port}")
-    try:
-        yield replay, client.ApiClient(config)
-    finally:
-        server.shutdown()
-        server.server_close()
+    with loopback_server(Handler) as url:
+        yield replay, client.ApiClient(client.Configuration(host=url))
 
 
 def kube_params(tmp_path: Path) -> Any:

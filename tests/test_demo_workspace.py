@@ -15,14 +15,14 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.helpers import ROOT, copy_project
+from tests.helpers import ROOT, copy_project, loopback_server
 from tuneloop.demo import customers, workspace
 from tuneloop.params import Params, parse_params
 
@@ -199,13 +199,8 @@ def answering_router() -> Iterator[tuple[str, list[float]]]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}", arrived
-    finally:
-        server.shutdown()
-        server.server_close()
+    with loopback_server(Handler) as url:
+        yield url, arrived
 
 
 def test_customers_at_a_rate_arrive_evenly_and_none_after_stop(

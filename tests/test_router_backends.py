@@ -6,14 +6,14 @@ import json
 import logging
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import loopback_server
 from tuneloop.net import free_port
 from tuneloop.release.backends import (
     LoraModule,
@@ -95,14 +95,8 @@ def http_stub(routes: dict[str, list[int]]) -> Iterator[str]:
         def log_message(self, format: str, *args: object) -> None:
             pass  # keep test output clean
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with loopback_server(Handler) as url:
+        yield url
 
 
 def test_wait_healthy_polls_until_ready() -> None:
