@@ -69,6 +69,15 @@ def test_no_export_is_a_choice_but_an_fp8_rule_then_needs_its_export() -> None:
     assert parse_params(data).export.formats == ()
 
 
+def test_a_tasks_own_fp8_rule_needs_the_export_too() -> None:
+    data = shipped()
+    data["export"]["formats"] = []
+    data["gate"]["fp8_max_drop"] = None
+    data["tasks"]["support"]["gate"] = {"fp8_max_drop": 0.02}
+    with pytest.raises(ParamsError, match=r"tasks\.support\.gate\.fp8_max_drop is 0\.02"):
+        parse_params(data)
+
+
 def test_batch_must_divide() -> None:
     data = shipped()
     data["batch"].update(world_size=2, micro_batch_size=2, effective_batch=6)

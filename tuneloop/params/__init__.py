@@ -180,13 +180,22 @@ class Params(_Group):
         return self
 
     @model_validator(mode="after")
-    def _fp8_rule_has_its_export(self) -> Params:
-        if self.gate.fp8_max_drop is not None and "fp8" not in self.export.formats:
-            raise ValueError(
-                f"gate.fp8_max_drop is {self.gate.fp8_max_drop}, a rule on the FP8 export, but "
-                f"export.formats {list(self.export.formats)} makes none: add fp8 to "
-                "export.formats, or set gate.fp8_max_drop: null"
-            )
+    def _fp8_rules_have_their_export(self) -> Params:
+        """A rule on the FP8 export, the project's or a task's own, needs that export."""
+        if "fp8" in self.export.formats:
+            return self
+        rules = {"gate.fp8_max_drop": self.gate.fp8_max_drop} | {
+            f"tasks.{name}.gate.fp8_max_drop": task.gate["fp8_max_drop"]
+            for name, task in self.tasks.items()
+            if "fp8_max_drop" in task.gate
+        }
+        for key, drop in rules.items():
+            if drop is not None:
+                raise ValueError(
+                    f"{key} is {drop}, a rule on the FP8 export, but export.formats "
+                    f"{list(self.export.formats)} makes none: add fp8 to export.formats, or "
+                    f"set {key}: null"
+                )
         return self
 
     @property
