@@ -389,7 +389,7 @@ def test_a_candidate_worse_than_the_champion_is_not_registered(project: Path) ->
 def test_a_team_that_exports_nothing_is_judged_on_the_candidate_alone(project: Path) -> None:
     """``export.formats: []``, as for a team serving the adapter on its base: no export is
     scored, reported, carded or registered, and no FP8 rule is left that could not be met."""
-    gate_before = load_params().gate.fp8_max_drop
+    shipped = Path("params.yaml").read_text()
     set_params(export={"formats": []}, gate={"fp8_max_drop": None})
     try:
         evaluate.main()
@@ -400,7 +400,7 @@ def test_a_team_that_exports_nothing_is_judged_on_the_candidate_alone(project: P
         card = (project / "reports/model-card.md").read_text()
         formats = registry.registered_formats(params, decision)
     finally:
-        set_params(export={"formats": ["fp8"]}, gate={"fp8_max_drop": gate_before})
+        Path("params.yaml").write_text(shipped)
     assert FP8 not in scores and FP8 not in decision.engines
     assert decision.exports == {}
     assert FP8 not in report
